@@ -1,0 +1,99 @@
+#include "cli/args.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+
+#include "errors.hpp"
+#include "support/suggest.hpp"
+
+namespace meshrun::cli {
+namespace {
+
+bool is_override(const std::string& arg) {
+  const auto equals = arg.find('=');
+  if (equals == std::string::npos || equals == 0 || arg[0] == '-') return false;
+  return std::all_of(arg.begin(), arg.begin() + static_cast<std::ptrdiff_t>(equals), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+  });
+}
+
+const OptionSpec& find_option(const std::vector<OptionSpec>& spec, const std::string& name,
+                              std::string_view command) {
+  for (const auto& option : spec) {
+    if (option.name == name) return option;
+  }
+  std::vector<std::string> names;
+  for (const auto& option : spec) names.push_back(option.name);
+  std::vector<std::string> dashed;
+  for (const auto& option : spec) dashed.push_back("--" + option.name);
+  throw invalid_argument(fmt::format("meshrun {}: unknown option '--{}'{}; valid options: {}",
+                                     command, name, did_you_mean(name, names), join_names(dashed)));
+}
+
+}  // namespace
+
+bool ParsedArgs::has_flag(std::string_view name) const {
+  return std::find(flags.begin(), flags.end(), name) != flags.end();
+}
+
+std::optional<std::string> ParsedArgs::value(std::string_view name) const {
+  const auto found = values.find(std::string(name));
+  if (found == values.end()) return std::nullopt;
+  return found->second;
+}
+
+ParsedArgs parse_args(const Args& args, const std::vector<OptionSpec>& spec,
+                      std::string_view command) {
+  ParsedArgs parsed;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.rfind("--", 0) != 0 || arg == "--") {
+      (is_override(arg) ? parsed.overrides : parsed.positionals).push_back(arg);
+      continue;
+    }
+    std::string name = arg.substr(2);
+    std::optional<std::string> inline_value;
+    if (const auto equals = name.find('='); equals != std::string::npos) {
+      inline_value = name.substr(equals + 1);
+      name.resize(equals);
+    }
+    const OptionSpec& option = find_option(spec, name, command);
+    if (!option.takes_value) {
+      if (inline_value) {
+        throw invalid_argument(
+            fmt::format("meshrun {}: option '--{}' takes no value", command, name));
+      }
+      parsed.flags.push_back(name);
+    } else if (inline_value) {
+      parsed.values[name] = *inline_value;
+    } else if (i + 1 < args.size()) {
+      parsed.values[name] = args[++i];
+    } else {
+      throw invalid_argument(fmt::format("meshrun {}: option '--{}' needs a value", command, name));
+    }
+  }
+  return parsed;
+}
+
+int64_t parse_int_option(std::string_view option, const std::string& value, int64_t minimum,
+                         int64_t maximum) {
+  int64_t parsed = 0;
+  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), parsed);
+  if (error != std::errc() || end != value.data() + value.size() || parsed < minimum ||
+      parsed > maximum) {
+    throw invalid_argument(fmt::format("option '--{}': expected an integer in [{}, {}], got '{}'",
+                                       option, minimum, maximum, value));
+  }
+  return parsed;
+}
+
+int report_error(const std::exception& error) {
+  std::fprintf(stderr, "meshrun: error: %s\n", error.what());
+  const auto* meshrun_error = dynamic_cast<const Error*>(&error);
+  return meshrun_error != nullptr && meshrun_error->is_input_error() ? 2 : 1;
+}
+
+}  // namespace meshrun::cli

@@ -1,0 +1,43 @@
+// Command-line parsing shared by the subcommands: options (--name VALUE,
+// --name=VALUE, --flag), positional arguments, and config overrides
+// (key.path=value). Bad arguments throw meshrun::Error (INVALID_ARGUMENT).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cli/commands.hpp"
+
+namespace meshrun::cli {
+
+struct OptionSpec {
+  std::string name;  // without the leading "--"
+  bool takes_value = false;
+};
+
+struct ParsedArgs {
+  std::vector<std::string> positionals;
+  std::vector<std::string> overrides;         // "key.path=value", in order
+  std::map<std::string, std::string> values;  // options that take a value
+  std::vector<std::string> flags;             // options that do not
+
+  bool has_flag(std::string_view name) const;
+  std::optional<std::string> value(std::string_view name) const;
+};
+
+ParsedArgs parse_args(const Args& args, const std::vector<OptionSpec>& spec,
+                      std::string_view command);
+
+// An integer option value in [minimum, maximum]; the error names the option.
+int64_t parse_int_option(std::string_view option, const std::string& value, int64_t minimum,
+                         int64_t maximum);
+
+// Prints "meshrun: error: <message>" on stderr and returns the exit status
+// for it: 2 for input errors, 1 otherwise.
+int report_error(const std::exception& error);
+
+}  // namespace meshrun::cli

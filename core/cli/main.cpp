@@ -1,0 +1,63 @@
+// meshrun: the command-line front end. Dispatches to the subcommands of
+// cli/commands.hpp.
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "cli/args.hpp"
+#include "cli/commands.hpp"
+#include "errors.hpp"
+#include "meshrun/error.h"
+#include "support/suggest.hpp"
+
+namespace {
+
+using Command = std::function<int(const meshrun::cli::Args&)>;
+
+const std::map<std::string, Command>& commands() {
+  static const std::map<std::string, Command> table = {
+      {"plan", meshrun::cli::run_plan},
+      {"plugins", meshrun::cli::run_plugins},
+  };
+  return table;
+}
+
+std::vector<std::string> command_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, command] : commands()) names.push_back(name);
+  return names;
+}
+
+void print_usage() {
+  std::puts(
+      "usage: meshrun COMMAND [ARGS]\n"
+      "  plan CONFIG.toml [--world-size N] [--json] [--all-ranks] [key.path=value ...]\n"
+      "                   the mesh, plugins and rank layout a run would use\n"
+      "  plugins [--kind strategy|schedule|sidecar|comm] [--json]\n"
+      "                   the plugins on the search path (MESHRUN_PLUGIN_PATH adds folders)\n"
+      "  --version        library and ABI version");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    print_usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string name = argv[1];
+  if (name == "--version") {
+    std::printf("meshrun %s (ABI %d.%d)\n", MESHRUN_LIBRARY_VERSION, MESHRUN_ABI_VERSION_MAJOR,
+                MESHRUN_ABI_VERSION_MINOR);
+    return 0;
+  }
+  const auto command = commands().find(name);
+  if (command == commands().end()) {
+    return meshrun::cli::report_error(meshrun::invalid_argument(
+        "unknown command '" + name + "'" + meshrun::did_you_mean(name, command_names()) +
+        "; commands: " + meshrun::join_names(command_names())));
+  }
+  return command->second(meshrun::cli::Args(argv + 2, argv + argc));
+}

@@ -1,0 +1,203 @@
+// The C host API (abi/include/meshrun/host.h) over the C++ core. Every entry
+// point catches everything and returns an error object: nothing throws
+// across the boundary.
+#include "meshrun/host.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "errors.hpp"
+#include "meshrun/plugin.hpp"
+#include "runtime/runtime.hpp"
+
+struct meshrun_runtime {
+  meshrun::Runtime runtime;
+};
+
+namespace {
+
+using meshrun::Axis;
+using meshrun::Error;
+
+// Runs `body`, turning a meshrun::Error into an error object with its code;
+// anything else becomes INTERNAL (the plugin helper's guard does that).
+template <class Body>
+meshrun_error* guarded(Body&& body) noexcept {
+  return meshrun::plugin::guard([&] {
+    try {
+      body();
+    } catch (const Error& error) {
+      throw meshrun::plugin::Error(error.code(), error.what());
+    }
+  });
+}
+
+void require(const void* pointer, const char* name) {
+  if (pointer == nullptr) {
+    throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("argument '{}' is NULL", name));
+  }
+}
+
+Axis axis_named(const char* name) {
+  require(name, "axis");
+  return meshrun::require_axis(name);
+}
+
+// The mesh of a built runtime, checking that MoE axes exist when asked for.
+const meshrun::MeshContext& mesh_for(const meshrun_runtime* runtime, Axis axis) {
+  require(runtime, "runtime");
+  const auto& mesh = runtime->runtime.mesh();
+  if ((axis == Axis::ep || axis == Axis::ep_shard) && !mesh.has_moe()) {
+    throw Error(MESHRUN_NOT_FOUND,
+                fmt::format("axis '{}' needs an MoE mesh, but distributed.ep_size is 1",
+                            meshrun::axis_name(axis)));
+  }
+  return mesh;
+}
+
+void require_rank(const meshrun::MeshContext& mesh, int64_t rank) {
+  if (rank < 0 || rank >= mesh.world_size()) {
+    throw Error(MESHRUN_OUT_OF_RANGE,
+                fmt::format("rank {} is outside [0, {})", rank, mesh.world_size()));
+  }
+}
+
+void copy_ranks(const std::vector<int64_t>& ranks, int64_t* out_ranks, int64_t capacity,
+                int64_t* out_count) {
+  require(out_count, "out_count");
+  *out_count = static_cast<int64_t>(ranks.size());
+  if (capacity < *out_count) {
+    throw Error(MESHRUN_OUT_OF_RANGE,
+                fmt::format("capacity {} is smaller than the group size {}", capacity, *out_count));
+  }
+  require(out_ranks, "out_ranks");
+  std::copy(ranks.begin(), ranks.end(), out_ranks);
+}
+
+std::string read_file(const char* path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) {
+    throw Error(MESHRUN_NOT_FOUND,
+                fmt::format("cannot read config file '{}': {}", path, std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t meshrun_abi_version_major(void) { return MESHRUN_ABI_VERSION_MAJOR; }
+int32_t meshrun_abi_version_minor(void) { return MESHRUN_ABI_VERSION_MINOR; }
+const char* meshrun_library_version(void) { return MESHRUN_LIBRARY_VERSION; }
+
+meshrun_error* meshrun_runtime_create_from_text(const char* toml_text, const char* source_name,
+                                                meshrun_runtime** out) {
+  return guarded([&] {
+    require(toml_text, "toml_text");
+    require(out, "out");
+    *out = new meshrun_runtime{meshrun::Runtime(toml_text, source_name ? source_name : "<string>")};
+  });
+}
+
+meshrun_error* meshrun_runtime_create_from_file(const char* path, meshrun_runtime** out) {
+  return guarded([&] {
+    require(path, "path");
+    require(out, "out");
+    *out = new meshrun_runtime{meshrun::Runtime(read_file(path), path)};
+  });
+}
+
+void meshrun_runtime_destroy(meshrun_runtime* runtime) { delete runtime; }
+
+meshrun_error* meshrun_runtime_override(meshrun_runtime* runtime, const char* assignment) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    require(assignment, "assignment");
+    runtime->runtime.apply_override(assignment);
+  });
+}
+
+meshrun_error* meshrun_runtime_build_mesh(meshrun_runtime* runtime, int64_t world_size,
+                                          int64_t rank) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    runtime->runtime.build_mesh(world_size, rank);
+  });
+}
+
+meshrun_error* meshrun_mesh_axis_size(const meshrun_runtime* runtime, const char* axis,
+                                      int64_t* out_size) {
+  return guarded([&] {
+    const Axis which = axis_named(axis);
+    const auto& mesh = mesh_for(runtime, which);
+    require(out_size, "out_size");
+    *out_size = mesh.axis_size(which);
+  });
+}
+
+meshrun_error* meshrun_mesh_coordinate(const meshrun_runtime* runtime, int64_t rank,
+                                       const char* axis, int64_t* out_index) {
+  return guarded([&] {
+    const Axis which = axis_named(axis);
+    const auto& mesh = mesh_for(runtime, which);
+    require_rank(mesh, rank);
+    require(out_index, "out_index");
+    *out_index = mesh.coordinate(rank, which);
+  });
+}
+
+meshrun_error* meshrun_mesh_group_count(const meshrun_runtime* runtime, const char* axis,
+                                        int64_t* out_count) {
+  return guarded([&] {
+    const Axis which = axis_named(axis);
+    const auto& mesh = mesh_for(runtime, which);
+    require(out_count, "out_count");
+    *out_count = mesh.group_count(which);
+  });
+}
+
+meshrun_error* meshrun_mesh_group_ranks(const meshrun_runtime* runtime, const char* axis,
+                                        int64_t rank, int64_t* out_ranks, int64_t capacity,
+                                        int64_t* out_count) {
+  return guarded([&] {
+    const Axis which = axis_named(axis);
+    const auto& mesh = mesh_for(runtime, which);
+    require_rank(mesh, rank);
+    copy_ranks(mesh.group_ranks(which, rank), out_ranks, capacity, out_count);
+  });
+}
+
+meshrun_error* meshrun_mesh_group_ranks_by_index(const meshrun_runtime* runtime, const char* axis,
+                                                 int64_t group, int64_t* out_ranks,
+                                                 int64_t capacity, int64_t* out_count) {
+  return guarded([&] {
+    const Axis which = axis_named(axis);
+    const auto& mesh = mesh_for(runtime, which);
+    if (group < 0 || group >= mesh.group_count(which)) {
+      throw Error(MESHRUN_OUT_OF_RANGE, fmt::format("group {} of axis '{}' is outside [0, {})",
+                                                    group, axis, mesh.group_count(which)));
+    }
+    copy_ranks(mesh.group_ranks_by_index(which, group), out_ranks, capacity, out_count);
+  });
+}
+
+meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime* runtime, char** out_json) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    require(out_json, "out_json");
+    const std::string json = meshrun::plan_to_json(runtime->runtime.plan(), false).dump();
+    *out_json = static_cast<char*>(std::malloc(json.size() + 1));
+    if (*out_json == nullptr) throw std::bad_alloc();
+    std::memcpy(*out_json, json.c_str(), json.size() + 1);
+  });
+}
+
+void meshrun_string_destroy(char* string) { std::free(string); }
+
+}  // extern "C"

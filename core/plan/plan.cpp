@@ -1,0 +1,237 @@
+#include "plan/plan.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "errors.hpp"
+
+namespace meshrun {
+namespace {
+
+// Re-throws `error` with the file position of the key it concerns in front.
+[[noreturn]] void rethrow_at_key(const Config& config, const Error& error,
+                                 const std::string& fallback_key) {
+  const std::string key = error.key().empty() ? fallback_key : error.key();
+  throw Error(error.code(), config.where(key) + ": " + error.what(), key);
+}
+
+std::shared_ptr<PluginLibrary> load_named(const Config& config, const PluginLoader& loader,
+                                          PluginKind kind, const std::string& name,
+                                          const std::string& key) {
+  try {
+    return loader.load(kind, name);
+  } catch (const Error& error) {
+    throw Error(error.code(), config.where(key) + ": " + key + ": " + error.what(), key);
+  }
+}
+
+MeshFamily mesh_family_of(const PluginLibrary& strategy) {
+  const int32_t family = strategy.api().strategy->mesh_family;
+  if (family < static_cast<int32_t>(MeshFamily::fsdp2) ||
+      family > static_cast<int32_t>(MeshFamily::ddp)) {
+    throw Error(
+        MESHRUN_INVALID_ARGUMENT,
+        fmt::format("strategy plugin {} declares unknown mesh family {}", strategy.path(), family));
+  }
+  return static_cast<MeshFamily>(family);
+}
+
+ParallelismSizes sizes_of(const DistributedConfig& d) {
+  return {d.dp_size, d.dp_replicate_size, d.tp_size, d.pp_size, d.cp_size, d.ep_size};
+}
+
+// The product of the named sizes; an overflow is an input error naming the
+// largest of them, the one to fix.
+int64_t checked_product(const Config& config,
+                        std::initializer_list<std::pair<const char*, int64_t>> factors) {
+  int64_t product = 1;
+  const auto* largest = factors.begin();
+  for (const auto* factor = factors.begin(); factor != factors.end(); ++factor) {
+    if (factor->second > largest->second) largest = factor;
+    if (__builtin_mul_overflow(product, factor->second, &product)) {
+      const std::string key = std::string("distributed.") + largest->first;
+      throw Error(MESHRUN_INVALID_ARGUMENT,
+                  fmt::format("{}: {}: {} makes the number of ranks overflow", config.where(key),
+                              key, largest->second),
+                  key);
+    }
+  }
+  return product;
+}
+
+}  // namespace
+
+std::shared_ptr<PluginLibrary> load_strategy(const Config& config, const PluginLoader& loader) {
+  return load_named(config, loader, PluginKind::strategy, config.distributed.strategy,
+                    "distributed.strategy");
+}
+
+MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
+                                const PluginLibrary& strategy) {
+  try {
+    return resolve_mesh(sizes_of(config.distributed), world_size, mesh_family_of(strategy));
+  } catch (const Error& error) {
+    rethrow_at_key(config, error, "distributed");
+  }
+}
+
+Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader) {
+  Plan plan;
+  plan.config = &config;
+  plan.strategy = load_strategy(config, loader);
+  plan.mesh = resolve_config_mesh(config, world_size, *plan.strategy);
+  plan.sidecar =
+      load_named(config, loader, PluginKind::sidecar, config.model.model_type, "model.model_type");
+  const auto& pipeline = config.distributed.pipeline;
+  if (config.distributed.pp_size > 1 && pipeline.pp_schedule_csv.empty()) {
+    plan.schedule = load_named(config, loader, PluginKind::schedule, pipeline.pp_schedule,
+                               "distributed.pipeline.pp_schedule");
+  }
+  return plan;
+}
+
+int64_t default_world_size(const Config& config) {
+  const auto sizes = sizes_of(config.distributed);
+  // The world returned below is at most this product (the 2 is dp's room
+  // above dp_replicate), so checking it once keeps the arithmetic exact.
+  checked_product(config, {{"tp_size", sizes.tp_size},
+                           {"cp_size", sizes.cp_size},
+                           {"pp_size", sizes.pp_size},
+                           {"dp_size", std::max<int64_t>(1, sizes.dp_size)},
+                           {"dp_replicate_size", sizes.dp_replicate_size},
+                           {"dp_replicate_size", 2},
+                           {"ep_size", sizes.ep_size}});
+  const int64_t model_parallel = sizes.tp_size * sizes.cp_size * sizes.pp_size;
+  if (sizes.dp_size > 0) return sizes.dp_size * model_parallel;
+  // The smallest dp that is a multiple of dp_replicate (and larger than it
+  // unless it is 1) and makes dp * cp * tp a multiple of ep.
+  const int64_t replicate = sizes.dp_replicate_size;
+  const int64_t for_ep = sizes.ep_size / std::gcd(sizes.ep_size, sizes.cp_size * sizes.tp_size);
+  int64_t dp = std::lcm(replicate, for_ep);
+  if (replicate != 1 && dp == replicate) dp *= 2;
+  return dp * model_parallel;
+}
+
+namespace {
+
+nlohmann::ordered_json plugin_json(const std::shared_ptr<PluginLibrary>& library) {
+  if (!library) return nullptr;
+  const auto& api = library->api();
+  return {{"name", api.name},
+          {"file", library->path()},
+          {"abi", fmt::format("{}.{}", api.abi_major, api.abi_minor)},
+          {"version", api.version}};
+}
+
+std::vector<Axis> listed_axes(const MeshContext& mesh) {
+  std::vector<Axis> axes(kMeshAxes.begin(), kMeshAxes.end());
+  axes.insert(axes.end(), kFlattenedAxes.begin(), kFlattenedAxes.end());
+  if (mesh.has_moe()) axes.insert(axes.end(), kMoeAxes.begin(), kMoeAxes.end());
+  return axes;
+}
+
+template <class Range>
+nlohmann::ordered_json sizes_json(const MeshContext& mesh, const Range& axes) {
+  nlohmann::ordered_json object = nlohmann::ordered_json::object();
+  for (Axis axis : axes) object[std::string(axis_name(axis))] = mesh.axis_size(axis);
+  return object;
+}
+
+constexpr int64_t kJsonRankLimit = 4096;
+constexpr int64_t kTextRankEdge = 8;
+
+}  // namespace
+
+nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
+  const MeshContext& mesh = plan.mesh;
+  const Config& config = *plan.config;
+  nlohmann::ordered_json json = {
+      {"world_size", mesh.world_size()},
+      {"strategy", config.distributed.strategy},
+      {"mesh_family", std::string(mesh_family_name(mesh.family()))},
+      {"axes", sizes_json(mesh, kMeshAxes)},
+      {"flattened", sizes_json(mesh, kFlattenedAxes)},
+      {"moe", mesh.has_moe() ? sizes_json(mesh, kMoeAxes) : nlohmann::ordered_json(nullptr)},
+      {"plugins",
+       {{"strategy", plugin_json(plan.strategy)},
+        {"sidecar", plugin_json(plan.sidecar)},
+        {"schedule", plugin_json(plan.schedule)}}},
+      {"warnings", config.warnings},
+  };
+  if (!all_ranks && mesh.world_size() > kJsonRankLimit) return json;
+  const auto axes = listed_axes(mesh);
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (int64_t rank = 0; rank < mesh.world_size(); ++rank) {
+    nlohmann::ordered_json coords = nlohmann::ordered_json::object();
+    for (Axis axis : axes) coords[std::string(axis_name(axis))] = mesh.coordinate(rank, axis);
+    ranks.push_back({{"rank", rank}, {"coords", std::move(coords)}});
+  }
+  json["ranks"] = std::move(ranks);
+  return json;
+}
+
+namespace {
+
+std::string plugin_line(std::string_view role, const std::shared_ptr<PluginLibrary>& library) {
+  const auto& api = library->api();
+  return fmt::format("{:<10}{:<24}ABI {}.{}  {}\n", role, api.name, api.abi_major, api.abi_minor,
+                     library->path());
+}
+
+std::string schedule_line(const Plan& plan) {
+  const auto& d = plan.config->distributed;
+  if (plan.schedule) return plugin_line("schedule", plan.schedule);
+  if (d.pp_size > 1) return fmt::format("{:<10}CSV {}\n", "schedule", d.pipeline.pp_schedule_csv);
+  return fmt::format("{:<10}none (pp_size 1: no pipeline)\n", "schedule");
+}
+
+std::string axes_line(const MeshContext& mesh, std::string_view title, const auto& axes) {
+  std::string names, sizes;
+  for (Axis axis : axes) {
+    names += fmt::format("{}{}", names.empty() ? "" : ", ", axis_name(axis));
+    sizes += fmt::format("{}{}", sizes.empty() ? "" : ", ", mesh.axis_size(axis));
+  }
+  return fmt::format("{:<10}({}) = ({})\n", title, names, sizes);
+}
+
+std::string rank_table(const MeshContext& mesh, bool all_ranks) {
+  const auto axes = listed_axes(mesh);
+  std::string table = fmt::format("{:>8}", "rank");
+  for (Axis axis : axes) table += fmt::format(" {:>12}", axis_name(axis));
+  table += "\n";
+  const int64_t world = mesh.world_size();
+  const bool collapse = !all_ranks && world > 2 * kTextRankEdge;
+  for (int64_t rank = 0; rank < world; ++rank) {
+    if (collapse && rank == kTextRankEdge) {
+      table += fmt::format("{:>8} ({} ranks not shown; --all-ranks lists them)\n", "...",
+                           world - 2 * kTextRankEdge);
+      rank = world - kTextRankEdge;
+    }
+    table += fmt::format("{:>8}", rank);
+    for (Axis axis : axes) table += fmt::format(" {:>12}", mesh.coordinate(rank, axis));
+    table += "\n";
+  }
+  return table;
+}
+
+}  // namespace
+
+std::string plan_to_text(const Plan& plan, bool all_ranks) {
+  const MeshContext& mesh = plan.mesh;
+  std::string text = fmt::format(
+      "meshrun plan: {}, world size {}, strategy {} ({} mesh)\n", plan.config->source,
+      mesh.world_size(), plan.config->distributed.strategy, mesh_family_name(mesh.family()));
+  for (const auto& warning : plan.config->warnings) text += "warning: " + warning + "\n";
+  text += plugin_line("strategy", plan.strategy);
+  text += plugin_line("sidecar", plan.sidecar);
+  text += schedule_line(plan);
+  text += axes_line(mesh, "mesh", kMeshAxes);
+  text += axes_line(mesh, "flattened", kFlattenedAxes);
+  text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)
+                         : fmt::format("{:<10}none (ep_size 1)\n", "moe");
+  return text + rank_table(mesh, all_ranks);
+}
+
+}  // namespace meshrun

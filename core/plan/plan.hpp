@@ -1,0 +1,51 @@
+// The plan: what a run would do on a given world size, as data — the mesh,
+// the plugins that would be loaded (and from which file), and the rank layout.
+// `meshrun plan` prints it; the host API returns it as JSON.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "config/config.hpp"
+#include "mesh/mesh.hpp"
+#include "plugin/loader.hpp"
+
+namespace meshrun {
+
+struct Plan {
+  const Config* config = nullptr;
+  MeshContext mesh;
+  std::shared_ptr<PluginLibrary> strategy;
+  std::shared_ptr<PluginLibrary> sidecar;
+  std::shared_ptr<PluginLibrary> schedule;  // null without a pipeline (pp_size 1)
+};
+
+// Loads the strategy, sidecar and (with pp_size > 1) schedule plugins the
+// config names, and resolves the mesh with the strategy's mesh family.
+// Errors are prefixed with the position of the key they concern.
+Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader);
+
+// Loads the strategy plugin the config names; its table says the mesh family.
+std::shared_ptr<PluginLibrary> load_strategy(const Config& config, const PluginLoader& loader);
+
+// Resolves the mesh for `world_size` with the given strategy plugin's family.
+MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
+                                const PluginLibrary& strategy);
+
+// The world size used when none is given: tp * cp * pp times the explicit
+// dp_size, or else the smallest dp the dp_replicate and ep rules allow.
+int64_t default_world_size(const Config& config);
+
+// DESIGN.md's plan JSON. Rank coordinates are listed up to 4096 ranks, or
+// always with `all_ranks`.
+nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks);
+
+// The human-readable plan; large worlds show the first and last ranks only,
+// unless `all_ranks`.
+std::string plan_to_text(const Plan& plan, bool all_ranks);
+
+}  // namespace meshrun

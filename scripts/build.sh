@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs what is missing, then configures and builds meshrun into
+# ${MESHRUN_BUILD_DIR:-build} with CMake and Ninja.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+build_dir="${MESHRUN_BUILD_DIR:-build}"
+cmake -S . -B "$build_dir" -G Ninja
+cmake --build "$build_dir" -j "$(nproc)"

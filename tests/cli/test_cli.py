@@ -1,0 +1,192 @@
+"""`meshrun plan` and `meshrun plugins` as a user runs them.
+
+Bad input of every kind must exit with status 2 and print exactly one line
+on stderr that names the key (and its file position where there is one);
+nothing may crash. Every example config must plan, in text and JSON.
+Run by ctest: test_cli.py MESHRUN_EXE SOURCE_DIR
+"""
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import unittest
+
+MESHRUN = sys.argv[1] if len(sys.argv) > 1 else "meshrun"
+SOURCE_DIR = sys.argv[2] if len(sys.argv) > 2 else "."
+EXAMPLES = sorted(glob.glob(os.path.join(SOURCE_DIR, "examples", "*.toml")))
+
+
+def run(*args, timeout=30):
+    env = dict(os.environ, MESHRUN_PLUGIN_PATH="")
+    return subprocess.run([MESHRUN, *args], capture_output=True, text=True, errors="replace",
+                          timeout=timeout, env=env)
+
+
+class ConfigFile:
+    """A temporary TOML file holding `text` (str or bytes)."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __enter__(self):
+        mode = "wb" if isinstance(self.text, bytes) else "w"
+        self.file = tempfile.NamedTemporaryFile(mode, suffix=".toml", delete=False)
+        self.file.write(self.text)
+        self.file.close()
+        return self.file.name
+
+    def __exit__(self, *exc):
+        os.unlink(self.file.name)
+
+
+class BadInputTest(unittest.TestCase):
+    def assert_input_error(self, result, *needles):
+        self.assertEqual(result.returncode, 2, result.stderr + result.stdout)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        self.assertTrue(lines[0].startswith("meshrun: error: "), lines[0])
+        for needle in needles:
+            self.assertIn(needle, lines[0])
+        self.assertEqual(result.stdout, "")
+
+    def plan_text(self, text, *args, needles=()):
+        with ConfigFile(text) as path:
+            result = run("plan", path, *args)
+            needles = [n.replace("{path}", path) for n in needles]
+            self.assert_input_error(result, *needles)
+        return result
+
+    def test_missing_file(self):
+        self.assert_input_error(run("plan", "/nonexistent/x.toml"), "/nonexistent/x.toml")
+
+    def test_malformed_toml(self):
+        self.plan_text("[distributed\ntp_size = 2\n", needles=["{path}:1:"])
+        self.plan_text("[model]\nhidden_size = = 3\n", needles=["{path}:2:"])
+
+    def test_wrong_type(self):
+        self.plan_text('[distributed]\ntp_size = "two"\n',
+                       needles=["{path}:2:", "distributed.tp_size"])
+        self.plan_text("[model]\ntie_word_embeddings = 1\n",
+                       needles=["{path}:2:", "model.tie_word_embeddings"])
+
+    def test_negative_and_overflowing_numbers(self):
+        self.plan_text("[distributed]\ntp_size = -2\n", needles=["{path}:2:", "distributed.tp_size"])
+        self.plan_text("[distributed]\npp_size = 99999999999999999999\n", needles=["{path}:2:"])
+        self.plan_text("[distributed]\ntp_size = 9223372036854775807\n",
+                       needles=["distributed.tp_size"])
+        self.plan_text("[train]\nlr = -0.1\n", needles=["{path}:2:", "train.lr"])
+
+    def test_unknown_keys_suggest(self):
+        self.plan_text("[distributed]\ntp_sise = 2\n", needles=["{path}:2:", "tp_size"])
+        self.plan_text("[modle]\nvocab_size = 2\n", needles=["{path}:1:", "model"])
+
+    def test_unknown_plugin_names_list_what_exists(self):
+        self.plan_text('[distributed]\nstrategy = "fsdp3"\n',
+                       needles=["{path}:2:", "distributed.strategy", "fsdp2", "ddp"])
+        self.plan_text('[model]\nmodel_type = "lama"\n',
+                       needles=["{path}:2:", "model.model_type", "llama"])
+        self.plan_text('[distributed]\npp_size = 2\n[distributed.pipeline]\npp_schedule = "1f2b"\n'
+                       '[model]\nnum_hidden_layers = 4\n',
+                       needles=["{path}:4:", "pp_schedule", "1f1b"])
+
+    def test_sizes_that_do_not_fit_the_world(self):
+        self.plan_text("[distributed]\ntp_size = 3\n", "--world-size", "8",
+                       needles=["{path}:2:", "divisible"])
+        self.plan_text("[distributed]\ndp_size = 3\n", "--world-size", "8",
+                       needles=["{path}:2:", "distributed.dp_size"])
+        self.plan_text('[distributed]\nstrategy = "ddp"\ntp_size = 2\n', "--world-size", "8",
+                       needles=["{path}:3:", "tp_size"])
+
+    def test_random_bytes(self):
+        rng = random.Random(1234)
+        for _ in range(20):
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 400)))
+            with ConfigFile(data) as path:
+                result = run("plan", path)
+                self.assert_input_error(result, path)
+
+    def test_mutated_example_configs_never_crash(self):
+        rng = random.Random(42)
+        sources = [open(p, encoding="utf-8").read() for p in EXAMPLES]
+        for _ in range(60):
+            text = list(rng.choice(sources))
+            for _ in range(rng.randrange(1, 4)):
+                position = rng.randrange(len(text))
+                text[position] = rng.choice('=[]"#.0123456789-_abcxyz\n ')
+            with ConfigFile("".join(text)) as path:
+                result = run("plan", path, "--world-size", str(rng.choice([1, 2, 4, 8, 16])))
+                self.assertIn(result.returncode, (0, 2), result.stderr)
+                if result.returncode == 2:
+                    self.assert_input_error(result)
+
+    def test_command_line_errors(self):
+        example = EXAMPLES[0]
+        self.assert_input_error(run("plan", example, "--world-size", "abc"), "--world-size")
+        self.assert_input_error(run("plan", example, "--world-size", "0"), "--world-size")
+        self.assert_input_error(run("plan", example, "--wrold-size", "4"), "--world-size")
+        self.assert_input_error(run("plan", example, "distributed.tp_sise=2"), "tp_size")
+        self.assert_input_error(run("plan", example, "distributed.tp_size=x"),
+                                "distributed.tp_size")
+        self.assert_input_error(run("plan"), "CONFIG")
+        self.assert_input_error(run("plna"), "plan")
+        self.assert_input_error(run("plugins", "--kind", "strategie"), "strategy")
+
+
+class PlanTest(unittest.TestCase):
+    def test_every_example_plans_in_text_and_json(self):
+        self.assertGreaterEqual(len(EXAMPLES), 3)
+        for example in EXAMPLES:
+            text = run("plan", example)
+            self.assertEqual(text.returncode, 0, example + text.stderr)
+            self.assertIn("rank", text.stdout)
+            result = run("plan", example, "--json")
+            self.assertEqual(result.returncode, 0, example + result.stderr)
+            plan = json.loads(result.stdout)
+            for field in ("world_size", "strategy", "axes", "flattened", "moe", "ranks"):
+                self.assertIn(field, plan, example)
+            axes = plan["axes"]
+            self.assertEqual(list(axes), ["pp", "dp_replicate", "dp_shard", "cp", "tp"])
+            product = 1
+            for size in axes.values():
+                product *= size
+            self.assertEqual(product, plan["world_size"], example)
+            self.assertEqual(plan["flattened"]["dp"], axes["dp_replicate"] * axes["dp_shard"])
+            self.assertEqual(len(plan["ranks"]), plan["world_size"])
+
+    def test_override_changes_the_plan(self):
+        result = run("plan", EXAMPLES[0], "--json", "--world-size", "8",
+                     "distributed.strategy=fsdp2", "distributed.tp_size=2")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        plan = json.loads(result.stdout)
+        self.assertEqual((plan["strategy"], plan["axes"]["tp"]), ("fsdp2", 2))
+        self.assertEqual(plan["ranks"][3]["coords"], {**plan["ranks"][3]["coords"], "tp": 1})
+
+    def test_large_world_omits_ranks_and_collapses_text(self):
+        result = run("plan", EXAMPLES[0], "--json", "--world-size", "100000",
+                     "distributed.strategy=fsdp2", "distributed.tp_size=8")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        plan = json.loads(result.stdout)
+        self.assertNotIn("ranks", plan)
+        self.assertEqual(plan["flattened"]["dp"], 12500)
+        text = run("plan", EXAMPLES[0], "--world-size", "100000", "distributed.strategy=fsdp2")
+        self.assertIn("ranks not shown", text.stdout)
+        self.assertLess(len(text.stdout.splitlines()), 40)
+        full = run("plan", EXAMPLES[0], "--json", "--all-ranks", "--world-size", "5000",
+                   "distributed.strategy=fsdp2")
+        self.assertEqual(len(json.loads(full.stdout)["ranks"]), 5000)
+
+    def test_plugins_lists_shipped_plugins(self):
+        result = run("plugins")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for name in ("ddp", "fsdp2", "megatron_fsdp", "llama", "1f1b", "gpipe"):
+            self.assertIn(name, result.stdout)
+        strategies = run("plugins", "--kind", "strategy")
+        self.assertNotIn("llama", strategies.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v"])

@@ -1,0 +1,363 @@
+// meshrun-conformance: checks one plugin file against the ABI rules of
+// DESIGN.md (entry point, exports, version, identity, NULL handles, too-small
+// and larger-than-known structs, errors round-tripped, extensions). Runs on
+// every shipped plugin through ctest, and on a third-party one:
+//
+//   meshrun-conformance --plugin path/to/meshrun_strategy_mine.so
+//
+// (or MESHRUN_CONFORMANCE_PLUGIN=path). Any other argument is Catch2's.
+#define CATCH_CONFIG_RUNNER
+#include <dlfcn.h>
+#include <elf.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "errors.hpp"
+#include "plugin/loader.hpp"
+
+namespace {
+
+std::string plugin_path;
+
+// A type no extension will ever be assigned: lookups of it must miss.
+constexpr int32_t kUnknownExtension = 0x7fffffff;
+
+// Extension lists are walked this far at most: a longer one is taken to be a
+// cycle.
+constexpr int kMaxExtensions = 1000;
+
+// The plugin under test, opened once for the whole run and never closed, as
+// a host keeps its plugins.
+struct OpenedPlugin {
+  meshrun_plugin_get_api_fn get_api = nullptr;
+  std::string failure;  // why the plugin could not be opened
+};
+
+const OpenedPlugin& opened() {
+  static const OpenedPlugin plugin = [] {
+    OpenedPlugin result;
+    const std::string open_path =
+        plugin_path.find('/') == std::string::npos ? "./" + plugin_path : plugin_path;
+    void* handle = dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      result.failure = std::string("dlopen failed: ") + dlerror();
+      return result;
+    }
+    dlerror();
+    void* entry = dlsym(handle, MESHRUN_PLUGIN_ENTRY_SYMBOL);
+    if (entry == nullptr) {
+      result.failure = "no " MESHRUN_PLUGIN_ENTRY_SYMBOL " symbol";
+      return result;
+    }
+    result.get_api = reinterpret_cast<meshrun_plugin_get_api_fn>(entry);
+    return result;
+  }();
+  return plugin;
+}
+
+// The plugin's table, once it is known to be one that can be called through:
+// this major, at least the 1.0 size, with create and destroy. Tests of
+// behaviour start here; a plugin that fails these fails them all.
+const meshrun_plugin_api& callable_api() {
+  const OpenedPlugin& plugin = opened();
+  INFO("plugin " << plugin_path << ": " << plugin.failure);
+  REQUIRE(plugin.get_api != nullptr);
+  const meshrun_plugin_api* api = plugin.get_api();
+  REQUIRE(api != nullptr);
+  REQUIRE(api->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_plugin_api, abi_minor));
+  INFO("plugin ABI version " << api->abi_major << "." << api->abi_minor << ", supported "
+                             << MESHRUN_ABI_VERSION_MAJOR << "." << MESHRUN_ABI_VERSION_MINOR_OLDEST
+                             << " .. " << MESHRUN_ABI_VERSION_MAJOR << ".x");
+  REQUIRE(api->abi_major == MESHRUN_ABI_VERSION_MAJOR);
+  REQUIRE(api->struct_size >= MESHRUN_PLUGIN_API_SIZE_1_0);
+  REQUIRE(api->create != nullptr);
+  REQUIRE(api->destroy != nullptr);
+  return *api;
+}
+
+// Checks an error the plugin returned (code, message, its own destroy) and
+// releases it through that destroy.
+void check_and_release_error(meshrun_error* error, int32_t expected_code) {
+  REQUIRE(error != nullptr);
+  REQUIRE(error->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_error, destroy));
+  REQUIRE(error->destroy != nullptr);
+  REQUIRE(error->message != nullptr);
+  const std::string message = error->message;
+  INFO("error code " << error->code << ": " << message);
+  const int32_t code = error->code;
+  error->destroy(error);
+  CHECK(code == expected_code);
+  CHECK(!message.empty());
+}
+
+// Bytes at the very end of a readable page, followed by an unreadable one: a
+// plugin that reads past the struct_size it was given crashes here instead
+// of passing by luck.
+class GuardedBytes {
+ public:
+  explicit GuardedBytes(size_t bytes) : page_(static_cast<size_t>(sysconf(_SC_PAGESIZE))) {
+    void* base =
+        mmap(nullptr, 2 * page_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(base != MAP_FAILED);
+    base_ = static_cast<unsigned char*>(base);
+    REQUIRE(mprotect(base_ + page_, page_, PROT_NONE) == 0);
+    data_ = base_ + page_ - bytes;
+  }
+  ~GuardedBytes() { munmap(base_, 2 * page_); }
+  GuardedBytes(const GuardedBytes&) = delete;
+  GuardedBytes& operator=(const GuardedBytes&) = delete;
+
+  unsigned char* data() const { return data_; }
+
+ private:
+  size_t page_;
+  unsigned char* base_ = nullptr;
+  unsigned char* data_ = nullptr;
+};
+
+// The names of the symbols a shared library exports: defined, global or
+// weak, default or protected visibility, in its dynamic symbol table.
+std::vector<std::string> exported_symbols(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in);
+  const std::vector<char> file{std::istreambuf_iterator<char>(in),
+                               std::istreambuf_iterator<char>()};
+  const auto read = [&]<class T>(T& out, uint64_t offset) {
+    REQUIRE(offset <= file.size());
+    REQUIRE(sizeof(T) <= file.size() - offset);
+    std::memcpy(&out, file.data() + offset, sizeof(T));
+  };
+  Elf64_Ehdr header;
+  read(header, 0);
+  REQUIRE(std::memcmp(header.e_ident, ELFMAG, SELFMAG) == 0);
+  INFO("only 64-bit ELF plugins are checked");
+  REQUIRE(header.e_ident[EI_CLASS] == ELFCLASS64);
+
+  std::vector<std::string> names;
+  for (uint16_t i = 0; i < header.e_shnum; ++i) {
+    Elf64_Shdr section;
+    read(section, header.e_shoff + uint64_t{i} * header.e_shentsize);
+    if (section.sh_type != SHT_DYNSYM || section.sh_entsize == 0) continue;
+    Elf64_Shdr strings;
+    read(strings, header.e_shoff + uint64_t{section.sh_link} * header.e_shentsize);
+    // Entry 0 is the reserved null symbol.
+    for (uint64_t j = 1; j < section.sh_size / section.sh_entsize; ++j) {
+      Elf64_Sym symbol;
+      read(symbol, section.sh_offset + j * section.sh_entsize);
+      const unsigned binding = ELF64_ST_BIND(symbol.st_info);
+      const unsigned visibility = ELF64_ST_VISIBILITY(symbol.st_other);
+      // SHN_ABS entries are version nodes of a version script, not code.
+      if (symbol.st_shndx == SHN_UNDEF || symbol.st_shndx == SHN_ABS) continue;
+      if (binding == STB_LOCAL) continue;
+      if (visibility == STV_HIDDEN || visibility == STV_INTERNAL) continue;
+      REQUIRE(symbol.st_name < strings.sh_size);
+      const uint64_t offset = strings.sh_offset + symbol.st_name;
+      REQUIRE(offset < file.size());
+      names.emplace_back(file.data() + offset, strnlen(file.data() + offset, file.size() - offset));
+    }
+  }
+  return names;
+}
+
+bool valid_plugin_name(const char* name) {
+  if (name == nullptr || *name == '\0') return false;
+  for (const char* c = name; *c != '\0'; ++c) {
+    if (!((*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') || *c == '_')) return false;
+  }
+  return true;
+}
+
+// Walks an extension list, checking each node is well formed, and that a
+// type nobody assigned is not found in it.
+void check_extension_list(const meshrun_extension* list, const char* owner) {
+  INFO("extension list of the " << owner);
+  int count = 0;
+  for (const meshrun_extension* node = list; node != nullptr; node = node->next) {
+    REQUIRE(++count <= kMaxExtensions);
+    CHECK(node->struct_size >= sizeof(meshrun_extension));
+  }
+  CHECK(meshrun_extension_find(list, kUnknownExtension) == nullptr);
+}
+
+TEST_CASE("exports its entry point", "[conformance]") {
+  const OpenedPlugin& plugin = opened();
+  INFO("plugin " << plugin_path << ": " << plugin.failure);
+  CHECK(plugin.get_api != nullptr);
+}
+
+TEST_CASE("exports nothing but its entry point", "[conformance]") {
+  const std::vector<std::string> names = exported_symbols(plugin_path);
+  std::string list;
+  for (const auto& name : names) list += " " + name;
+  INFO("exported:" << list);
+  CHECK(names == std::vector<std::string>{MESHRUN_PLUGIN_ENTRY_SYMBOL});
+}
+
+TEST_CASE("version query", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  INFO("plugin ABI version " << api.abi_major << "." << api.abi_minor);
+  CHECK(opened().get_api() == &api);
+  CHECK(api.abi_minor >= MESHRUN_ABI_VERSION_MINOR_OLDEST);
+}
+
+TEST_CASE("identity and kind table agree with the file name", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  const auto kind = static_cast<meshrun::PluginKind>(api.kind);
+  const std::string kind_name(meshrun::plugin_kind_name(kind));
+  INFO("kind " << api.kind);
+  REQUIRE(meshrun::plugin_kind_from_name(kind_name).has_value());
+  REQUIRE(valid_plugin_name(api.name));
+  CHECK(std::filesystem::path(plugin_path).filename() ==
+        "meshrun_" + kind_name + "_" + api.name + ".so");
+  REQUIRE(api.version != nullptr);
+  CHECK(*api.version != '\0');
+  REQUIRE(api.description != nullptr);
+  CHECK(*api.description != '\0');
+
+  CHECK((api.strategy != nullptr) == (kind == meshrun::PluginKind::strategy));
+  CHECK((api.schedule != nullptr) == (kind == meshrun::PluginKind::schedule));
+  CHECK((api.sidecar != nullptr) == (kind == meshrun::PluginKind::sidecar));
+  CHECK((api.comm != nullptr) == (kind == meshrun::PluginKind::comm));
+  switch (kind) {
+    case meshrun::PluginKind::strategy:
+      REQUIRE(api.strategy != nullptr);
+      CHECK(api.strategy->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions));
+      CHECK(api.strategy->mesh_family >= MESHRUN_MESH_FAMILY_FSDP2);
+      CHECK(api.strategy->mesh_family <= MESHRUN_MESH_FAMILY_DDP);
+      break;
+    case meshrun::PluginKind::schedule:
+      REQUIRE(api.schedule != nullptr);
+      CHECK(api.schedule->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_schedule_api, extensions));
+      CHECK(api.schedule->stages_per_rank >= 1);
+      CHECK((api.schedule->placement == MESHRUN_PLACEMENT_LOOP ||
+             api.schedule->placement == MESHRUN_PLACEMENT_V));
+      CHECK((api.schedule->splits_backward == 0 || api.schedule->splits_backward == 1));
+      break;
+    case meshrun::PluginKind::sidecar:
+      REQUIRE(api.sidecar != nullptr);
+      CHECK(api.sidecar->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_sidecar_api, extensions));
+      REQUIRE(api.sidecar->model_type != nullptr);
+      CHECK(*api.sidecar->model_type != '\0');
+      break;
+    case meshrun::PluginKind::comm:
+      REQUIRE(api.comm != nullptr);
+      CHECK(api.comm->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_comm_api, extensions));
+      CHECK(api.comm->device_type >= 1);
+      break;
+  }
+}
+
+TEST_CASE("the loader accepts it", "[conformance]") {
+  try {
+    meshrun::PluginLoader({}).load_file(plugin_path);
+  } catch (const meshrun::Error& e) {
+    FAIL(e.what());
+  }
+}
+
+TEST_CASE("create with a NULL host returns INVALID_ARGUMENT", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  auto* const sentinel = reinterpret_cast<meshrun_plugin_instance*>(&plugin_path);
+  meshrun_plugin_instance* out = sentinel;
+  check_and_release_error(api.create(nullptr, &out), MESHRUN_INVALID_ARGUMENT);
+  CHECK(out == sentinel);
+}
+
+TEST_CASE("create with a NULL out returns INVALID_ARGUMENT", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  check_and_release_error(api.create(&meshrun::host_services(), nullptr), MESHRUN_INVALID_ARGUMENT);
+}
+
+TEST_CASE("a host services table too small is refused without reading past it", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  const size_t struct_size = sizeof(size_t);
+  GuardedBytes host(struct_size);
+  std::memcpy(host.data(), &struct_size, sizeof struct_size);
+  meshrun_plugin_instance* out = nullptr;
+  check_and_release_error(
+      api.create(reinterpret_cast<const meshrun_host_services*>(host.data()), &out),
+      MESHRUN_INVALID_ARGUMENT);
+  CHECK(out == nullptr);
+}
+
+TEST_CASE("a host services table larger than known is accepted", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  struct LargerHost {
+    meshrun_host_services known;
+    unsigned char added_later[64];
+  } host{};
+  host.known = meshrun::host_services();
+  host.known.struct_size = sizeof(LargerHost);
+  meshrun_plugin_instance* out = nullptr;
+  meshrun_error* error = api.create(&host.known, &out);
+  INFO((error != nullptr && error->message != nullptr ? error->message : ""));
+  CHECK(error == nullptr);
+  meshrun_error_release(error);
+  api.destroy(out);
+}
+
+TEST_CASE("destroy accepts NULL", "[conformance]") { callable_api().destroy(nullptr); }
+
+TEST_CASE("instances can be created and destroyed repeatedly", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  for (int round = 0; round < 2; ++round) {
+    meshrun_plugin_instance* first = nullptr;
+    meshrun_plugin_instance* second = nullptr;
+    REQUIRE(api.create(&meshrun::host_services(), &first) == nullptr);
+    REQUIRE(api.create(&meshrun::host_services(), &second) == nullptr);
+    CHECK((first == nullptr || first != second));
+    api.destroy(second);
+    api.destroy(first);
+  }
+}
+
+TEST_CASE("an unknown extension is absent, and the host reports UNIMPLEMENTED", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  check_extension_list(api.extensions, "plugin table");
+  if (api.strategy != nullptr) check_extension_list(api.strategy->extensions, "strategy table");
+  if (api.schedule != nullptr) check_extension_list(api.schedule->extensions, "schedule table");
+  if (api.sidecar != nullptr) check_extension_list(api.sidecar->extensions, "sidecar table");
+  if (api.comm != nullptr) check_extension_list(api.comm->extensions, "comm table");
+
+  const auto library = meshrun::PluginLoader({}).load_file(plugin_path);
+  try {
+    meshrun::require_extension(*library, library->api().extensions, kUnknownExtension,
+                               "a feature nobody defined");
+    FAIL("require_extension found an extension of a type nobody assigned");
+  } catch (const meshrun::Error& e) {
+    CHECK(e.code() == MESHRUN_UNIMPLEMENTED);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char* argv[]) {
+  Catch::Session session;
+  using Catch::clara::Opt;
+  session.cli(session.cli() |
+              Opt(plugin_path, "file")["--plugin"](
+                  "the plugin file to check (default: $MESHRUN_CONFORMANCE_PLUGIN)"));
+  if (const int status = session.applyCommandLine(argc, argv); status != 0) return status;
+  if (plugin_path.empty()) {
+    if (const char* env = std::getenv("MESHRUN_CONFORMANCE_PLUGIN")) plugin_path = env;
+  }
+  const Catch::ConfigData& config = session.configData();
+  if (plugin_path.empty() && !config.showHelp && !config.listTests && !config.listTestNamesOnly &&
+      !config.listTags && !config.listReporters) {
+    std::fprintf(stderr,
+                 "meshrun-conformance: name the plugin to check with --plugin FILE "
+                 "(or MESHRUN_CONFORMANCE_PLUGIN=FILE)\n");
+    return 2;
+  }
+  return session.run();
+}

@@ -1,0 +1,159 @@
+"""The host C API through Python ctypes (examples/python/meshrun.py).
+
+Coordinates and groups are checked against an independent enumeration of the
+row-major (pp, dp_replicate, dp_shard, cp, tp) rank grid.
+Run by ctest with /usr/bin/python3; MESHRUN_LIBRARY names libmeshrun.so.
+"""
+
+import itertools
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+import meshrun  # noqa: E402
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+HSDP_CONFIG = """
+[distributed]
+strategy = "fsdp2"
+pp_size = 2
+dp_replicate_size = 2
+tp_size = 2
+ep_size = 4
+
+[distributed.pipeline]
+
+[distributed.moe]
+"""
+
+
+def enumerate_grid(shape):
+    """rank -> {axis: index} by nested loops, tp fastest."""
+    coords = {}
+    for rank, index in enumerate(itertools.product(*(range(shape[a]) for a in AXES))):
+        coord = dict(zip(AXES, index))
+        for name, parts in FLATTENED.items():
+            flat = 0
+            for part in parts:
+                flat = flat * shape[part] + coord[part]
+            coord[name] = flat
+        coords[rank] = coord
+    return coords
+
+
+def oracle_group(coords, axis, rank):
+    """Ranks that differ from `rank` only along `axis`, in axis order."""
+    parts = FLATTENED.get(axis, (axis,))
+    fixed = [a for a in AXES if a not in parts]
+    members = [r for r, c in coords.items() if all(c[a] == coords[rank][a] for a in fixed)]
+    return sorted(members, key=lambda r: coords[r][axis])
+
+
+class HostApiTest(unittest.TestCase):
+    def test_versions(self):
+        self.assertEqual(meshrun.abi_version(), (1, 0))
+        self.assertRegex(meshrun.library_version(), r"^\d+\.\d+\.\d+$")
+
+    def test_hsdp_pipeline_moe_mesh_matches_enumeration(self):
+        with meshrun.Runtime.from_text(HSDP_CONFIG, "hsdp.toml") as rt:
+            rt.build_mesh(world_size=32, rank=3)
+            shape = {axis: rt.axis_size(axis) for axis in AXES}
+            self.assertEqual(shape, {"pp": 2, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 2})
+            self.assertEqual(rt.axis_size("dp"), 8)
+            self.assertEqual(rt.axis_size("dp_cp"), 8)
+            self.assertEqual((rt.axis_size("ep_shard"), rt.axis_size("ep")), (4, 4))
+            coords = enumerate_grid(shape)
+            for rank in range(32):
+                for axis in AXES + tuple(FLATTENED):
+                    self.assertEqual(rt.coordinate(rank, axis), coords[rank][axis], (rank, axis))
+                    self.assertEqual(rt.group_ranks(axis, rank), oracle_group(coords, axis, rank))
+                local = rank % 16
+                self.assertEqual(rt.coordinate(rank, "ep"), local % 4)
+                self.assertEqual(rt.coordinate(rank, "ep_shard"), local // 4)
+
+    def test_every_group_of_every_axis_partitions_the_world(self):
+        with meshrun.Runtime.from_text(HSDP_CONFIG) as rt:
+            rt.build_mesh(32, 0)
+            for axis in AXES + tuple(FLATTENED) + ("ep_shard", "ep"):
+                groups = rt.groups(axis)
+                self.assertEqual(len(groups), 32 // rt.axis_size(axis))
+                self.assertEqual(sorted(r for g in groups for r in g), list(range(32)), axis)
+                self.assertEqual([g[0] for g in groups], sorted(min(g) for g in groups))
+
+    def test_plan_json(self):
+        with meshrun.Runtime.from_text(HSDP_CONFIG) as rt:
+            rt.build_mesh(32, 0)
+            plan = rt.plan()
+        self.assertEqual(plan["world_size"], 32)
+        self.assertEqual(plan["axes"]["dp_shard"], 4)
+        self.assertEqual(plan["moe"], {"ep_shard": 4, "ep": 4})
+        self.assertEqual(len(plan["ranks"]), 32)
+        self.assertEqual(plan["ranks"][5]["coords"]["tp"], 1)
+
+    def test_query_before_mesh_is_failed_precondition(self):
+        with meshrun.Runtime.from_text("") as rt:
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.axis_size("dp")
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+            rt.build_mesh(4, 0)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.build_mesh(4, 0)
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.override("distributed.tp_size=2")
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+
+    def test_bad_config_names_key_and_position(self):
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            meshrun.Runtime.from_text("[distributed]\ntp_sise = 2\n", "bad.toml")
+        self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+        self.assertIn("bad.toml:2:", caught.exception.message)
+        self.assertIn("tp_size", caught.exception.message)
+
+    def test_world_not_divisible_is_invalid_argument(self):
+        with meshrun.Runtime.from_text("[distributed]\ntp_size = 3\n", "tp3.toml") as rt:
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.build_mesh(8, 0)
+            self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+            self.assertIn("must be divisible by", caught.exception.message)
+            self.assertIn("tp3.toml:2:", caught.exception.message)
+
+    def test_override_then_mesh(self):
+        with meshrun.Runtime.from_text("") as rt:
+            rt.override("distributed.tp_size=2")
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.override("distributed.tp_size=-1")
+            self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+            rt.build_mesh(8, 7)
+            self.assertEqual(rt.axis_size("tp"), 2)
+            self.assertEqual(rt.group_ranks("tp", 7), [6, 7])
+
+    def test_unknown_axis_and_out_of_range(self):
+        with meshrun.Runtime.from_text("") as rt:
+            rt.build_mesh(4, 0)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.axis_size("dq")
+            self.assertEqual(caught.exception.code, meshrun.NOT_FOUND)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.axis_size("ep")
+            self.assertEqual(caught.exception.code, meshrun.NOT_FOUND)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.coordinate(4, "dp")
+            self.assertEqual(caught.exception.code, meshrun.OUT_OF_RANGE)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.group_ranks_by_index("dp", 1)
+            self.assertEqual(caught.exception.code, meshrun.OUT_OF_RANGE)
+
+    def test_missing_file_is_not_found(self):
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            meshrun.Runtime.from_file("/nonexistent/meshrun.toml")
+        self.assertEqual(caught.exception.code, meshrun.NOT_FOUND)
+        self.assertIn("/nonexistent/meshrun.toml", caught.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
