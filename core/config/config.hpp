@@ -71,8 +71,8 @@ struct TrainConfig {
 
 // [checkpoint]
 struct CheckpointConfig {
-  int64_t save_every = 0;   // 0: no sharded checkpoints
-  std::string resume_from;  // DIR/checkpoints/step_N
+  int64_t save_every = 0;           // 0: no sharded checkpoints
+  std::string resume_from;          // DIR/checkpoints/step_N
   bool export_consolidated = true;  // TOML key: export
 };
 
@@ -88,7 +88,7 @@ struct PipelineConfig {
   std::string pp_schedule = "1f1b";
   std::string pp_schedule_csv;  // path; when set it replaces pp_schedule
   int64_t pp_microbatch_size = 1;
-  int64_t pp_batch_size = 1;  // divisible by pp_microbatch_size
+  int64_t pp_batch_size = 1;     // divisible by pp_microbatch_size
   int64_t layers_per_stage = 0;  // 0: unset (one stage per rank, two for multi-stage schedules)
   std::string round_virtual_stages_to_pp_multiple;  // "", "up" or "down"
   std::vector<std::vector<std::string>> module_fqns_per_model_part;
@@ -163,7 +163,7 @@ struct Config {
   CommConfig comm;
   DistributedConfig distributed;
 
-  std::string source;  // file name or "<string>"
+  std::string source;                               // file name or "<string>"
   std::map<std::string, SourcePosition> positions;  // every key that was set, by dotted path
   std::vector<std::string> warnings;                // non-fatal findings, one line each
 
