@@ -12,5 +12,7 @@ using Args = std::vector<std::string>;
 
 int run_plan(const Args& args);
 int run_plugins(const Args& args);
+int run_bench(const Args& args);
+int run_launch(const Args& args);
 
 }  // namespace meshrun::cli

@@ -20,6 +20,8 @@ const std::map<std::string, Command>& commands() {
   static const std::map<std::string, Command> table = {
       {"plan", meshrun::cli::run_plan},
       {"plugins", meshrun::cli::run_plugins},
+      {"bench", meshrun::cli::run_bench},
+      {"launch", meshrun::cli::run_launch},
   };
   return table;
 }
@@ -37,6 +39,12 @@ void print_usage() {
       "                   the mesh, plugins and rank layout a run would use\n"
       "  plugins [--kind strategy|schedule|sidecar|comm] [--json]\n"
       "                   the plugins on the search path (MESHRUN_PLUGIN_PATH adds folders)\n"
+      "  launch --nproc-per-node N [--hostfile FILE] [--timeout SECONDS] -- COMMAND [ARGS...]\n"
+      "                   run COMMAND as N ranks per node through mpirun\n"
+      "  bench comm [--nproc N] [--ops ...] [--sizes ...] [--dtype D] [--json]\n"
+      "                   collective bandwidth, checked against a local reference\n"
+      "  bench memcpy [--sizes ...] [--json]\n"
+      "                   single-core memcpy bandwidth, the ceiling for shared memory\n"
       "  --version        library and ABI version");
 }
 

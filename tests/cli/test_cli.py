@@ -134,6 +134,11 @@ class BadInputTest(unittest.TestCase):
         self.assert_input_error(run("plan"), "CONFIG")
         self.assert_input_error(run("plna"), "plan")
         self.assert_input_error(run("plugins", "--kind", "strategie"), "strategy")
+        self.assert_input_error(run("bench", "comm", "--sizes", "12Q"), "--sizes")
+        self.assert_input_error(run("bench", "comm", "--ops", "allreduce"), "all_reduce")
+        self.assert_input_error(run("bench", "comm", "--dtype", "int8"), "--dtype")
+        self.assert_input_error(run("bench", "comm", "--nproc", "0"), "--nproc")
+        self.assert_input_error(run("bench", "comms"), "comm")
 
 
 class PlanTest(unittest.TestCase):

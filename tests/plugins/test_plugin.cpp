@@ -92,7 +92,11 @@ constexpr meshrun_plugin_api make_api() {
       nullptr,
       nullptr,
   };
-  if (kName == "wrong_major") api.abi_major = MESHRUN_ABI_VERSION_MAJOR + 1;
+  if (kName == "wrong_major") {
+    // A first release of the next major: 2.0.
+    api.abi_major = MESHRUN_ABI_VERSION_MAJOR + 1;
+    api.abi_minor = 0;
+  }
   if (kName == "too_small") api.struct_size = MESHRUN_STRUCT_SIZE(meshrun_plugin_api, description);
   if (kName == "unknown_kind") api.kind = 42;
   if (kName == "name_mismatch") api.name = "another_name";

@@ -114,14 +114,8 @@ typedef struct meshrun_sidecar_api {
   const meshrun_extension* extensions;
 } meshrun_sidecar_api;
 
-/* Communication backend table; collectives are appended by a later minor.
- * `device_type` is the DLPack DLDeviceType of the tensors it moves
- * (1 = kDLCPU, 2 = kDLCUDA). */
-typedef struct meshrun_comm_api {
-  size_t struct_size;
-  int32_t device_type;
-  const meshrun_extension* extensions;
-} meshrun_comm_api;
+/* Communication backend table: see meshrun/comm.h. */
+typedef struct meshrun_comm_api meshrun_comm_api;
 
 /* A plugin's live state, defined by the plugin. Opaque to the host. */
 typedef struct meshrun_plugin_instance meshrun_plugin_instance;
@@ -165,5 +159,9 @@ MESHRUN_PLUGIN_EXPORT const meshrun_plugin_api* meshrun_plugin_get_api(void);
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
+
+/* The comm kind's table; after the plugin table so that either header can be
+ * included first. */
+#include "meshrun/comm.h"
 
 #endif /* MESHRUN_PLUGIN_H_ */

@@ -1,0 +1,146 @@
+#include "launch/launch.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "errors.hpp"
+#include "launch/mpirun.hpp"
+
+namespace meshrun::launch {
+namespace {
+
+// Where one kind of launcher keeps rank, size and local rank. Lists are
+// tried in order; `markers`, when given, must have one variable set.
+struct LauncherVariables {
+  const char* launcher;
+  const char* rank;
+  std::vector<const char*> size;
+  std::vector<const char*> local_rank;
+  std::vector<const char*> markers;
+};
+
+const std::vector<LauncherVariables>& known_launchers() {
+  static const std::vector<LauncherVariables> launchers = {
+      {"openmpi",
+       "OMPI_COMM_WORLD_RANK",
+       {"OMPI_COMM_WORLD_SIZE"},
+       {"OMPI_COMM_WORLD_LOCAL_RANK"},
+       {}},
+      // An sbatch script sees SLURM_PROCID and SLURM_NTASKS of the whole
+      // allocation without being a rank; only srun's job steps set a step id.
+      {"slurm",
+       "SLURM_PROCID",
+       {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"},
+       {"SLURM_LOCALID"},
+       {"SLURM_STEP_ID", "SLURM_STEPID"}},
+      {"pmi", "PMI_RANK", {"PMI_SIZE"}, {"MPI_LOCALRANKID"}, {}},
+      {"pmix", "PMIX_RANK", {}, {}, {}},
+  };
+  return launchers;
+}
+
+std::optional<int64_t> read_count(const GetEnv& getenv, const char* name) {
+  const char* value = getenv(name);
+  if (value == nullptr) return std::nullopt;
+  int64_t parsed = -1;
+  const char* end = value + std::strlen(value);
+  const auto [stop, error] = std::from_chars(value, end, parsed);
+  if (error != std::errc() || stop != end || parsed < 0) return std::nullopt;
+  return parsed;
+}
+
+std::optional<int64_t> read_first(const GetEnv& getenv, const std::vector<const char*>& names) {
+  for (const char* name : names) {
+    if (auto value = read_count(getenv, name)) return value;
+  }
+  return std::nullopt;
+}
+
+bool any_set(const GetEnv& getenv, const std::vector<const char*>& names) {
+  for (const char* name : names) {
+    if (getenv(name) != nullptr) return true;
+  }
+  return names.empty();
+}
+
+void check_command(const std::vector<std::string>& command, const LaunchOptions& options) {
+  if (command.empty()) throw invalid_argument("no command to launch");
+  // With a hostfile the command need only exist on the other nodes.
+  if (options.hostfile.empty() && !find_on_path(command[0])) {
+    throw Error(MESHRUN_NOT_FOUND,
+                fmt::format("cannot run '{}': {}", command[0],
+                            command[0].find('/') == std::string::npos ? "no such command on PATH"
+                                                                      : "no such executable file"));
+  }
+}
+
+void check_options(int nproc_per_node, const LaunchOptions& options) {
+  if (nproc_per_node < 1) {
+    throw invalid_argument(
+        fmt::format("the number of ranks per node must be at least 1, got {}", nproc_per_node));
+  }
+  if (options.timeout_seconds < 0) {
+    throw invalid_argument(fmt::format("the job timeout must be 0 (none) or more seconds, got {}",
+                                       options.timeout_seconds));
+  }
+  if (!options.hostfile.empty() && access(options.hostfile.c_str(), R_OK) != 0) {
+    throw Error(MESHRUN_NOT_FOUND, fmt::format("cannot read hostfile '{}': {}", options.hostfile,
+                                               std::strerror(errno)));
+  }
+}
+
+}  // namespace
+
+std::optional<LaunchEnvironment> detect_launcher(const GetEnv& getenv) {
+  for (const LauncherVariables& variables : known_launchers()) {
+    const auto rank = read_count(getenv, variables.rank);
+    if (!rank || !any_set(getenv, variables.markers)) continue;
+    return LaunchEnvironment{variables.launcher, *rank, read_first(getenv, variables.size),
+                             read_first(getenv, variables.local_rank)};
+  }
+  return std::nullopt;
+}
+
+std::optional<LaunchEnvironment> detect_launcher() {
+  return detect_launcher([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+int launch_local(int nproc_per_node, const std::vector<std::string>& command,
+                 const LaunchOptions& options) {
+  check_options(nproc_per_node, options);
+  check_command(command, options);
+  return run_mpirun(mpirun_command(nproc_per_node, command, options, host_facts()), options);
+}
+
+std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** argv,
+                                           const LaunchOptions& options) {
+  if (detect_launcher()) return std::nullopt;
+  if (nproc_per_node == 1 && options.hostfile.empty()) return std::nullopt;
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("cannot find this executable (/proc/self/exe): {}", error.message()));
+  }
+  std::vector<std::string> command = {self.string()};
+  command.insert(command.end(), argv + std::min(argc, 1), argv + argc);
+  return launch_local(nproc_per_node, command, options);
+}
+
+void abort_rank(int64_t rank, const std::string& message) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "meshrun: error: rank %lld: %s\n", static_cast<long long>(rank),
+               message.c_str());
+  std::fflush(stderr);
+  std::_Exit(3);
+}
+
+}  // namespace meshrun::launch

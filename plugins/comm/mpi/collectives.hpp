@@ -1,0 +1,64 @@
+// The collectives, run on the engine thread. Each picks one of two paths,
+// the same on every rank since the choice depends only on the communicator
+// and the sizes every rank shares:
+//   - shared memory: every rank on this node and cross-memory attach
+//     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
+//     16 KiB) in the operation: ranks read and write each other's buffers
+//     directly;
+//   - MPI: everything else, in pieces of at most MESHRUN_MPI_PIECE_BYTES
+//     (default 4 MiB) so that no message is large enough to hit Open MPI's
+//     slow large-message algorithms, and 16-bit reductions need only a
+//     piece-sized float32 buffer.
+// Both variables must be the same on every rank.
+#pragma once
+
+#include <cstddef>
+
+#include "communicator.hpp"
+#include "dtype.hpp"
+#include "engine.hpp"
+
+namespace meshrun::mpi {
+
+// The memory of one collective. `count` is the number of elements of: send
+// and recv (all_reduce), send (all_gather: recv holds size * count), recv
+// (reduce_scatter: send holds size * count), the tensor (broadcast, whose
+// send and recv are both the tensor).
+struct Buffers {
+  const std::byte* send;
+  std::byte* recv;
+  size_t count;
+  Dtype dtype;
+};
+
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void all_gather(const Comm& comm, const Buffers& buffers);
+void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void broadcast(const Comm& comm, const Buffers& buffers, int root);
+void barrier(const Comm& comm);
+
+// The environment variable `name` as a decimal number of bytes; `fallback`
+// when it is unset or not a number.
+size_t bytes_from_environment(const char* name, size_t fallback);
+
+// True when [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+bool overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
+
+// The paths. Called with count > 0.
+namespace shared_memory {
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void all_gather(const Comm& comm, const Buffers& buffers);
+void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void broadcast(const Comm& comm, const Buffers& buffers, int root);
+}  // namespace shared_memory
+
+namespace via_mpi {
+// Largest message the MPI path sends at once.
+size_t piece_bytes();
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void all_gather(const Comm& comm, const Buffers& buffers);
+void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void broadcast(const Comm& comm, const Buffers& buffers, int root);
+}  // namespace via_mpi
+
+}  // namespace meshrun::mpi

@@ -1,0 +1,183 @@
+#include "dtype.hpp"
+
+#include <type_traits>
+
+#include "tensor/elements.hpp"
+
+namespace meshrun::mpi {
+namespace {
+
+// How a stored element widens to its accumulator and narrows back.
+template <class Stored>
+struct Native {
+  using Storage = Stored;
+  using Acc = Stored;
+  static Acc widen(Storage value) { return value; }
+  static Storage narrow(Acc value) { return value; }
+};
+
+// Round to nearest even, the core's conversion (header-only, shared with the
+// tests' and benchmarks' references).
+struct BFloat16 {
+  using Storage = uint16_t;
+  using Acc = float;
+  static Acc widen(Storage value) { return meshrun::bfloat16_to_float(value); }
+  static Storage narrow(Acc value) { return meshrun::float_to_bfloat16(value); }
+};
+
+// g++ 12 has _Float16 on x86-64: its conversions are IEEE (round to nearest
+// even), done in software where the CPU lacks F16C.
+struct Float16 {
+  using Storage = _Float16;
+  using Acc = float;
+  static Acc widen(Storage value) { return static_cast<float>(value); }
+  static Storage narrow(Acc value) { return static_cast<_Float16>(value); }
+};
+
+// Calls `body` with the element description of `dtype`.
+template <class Body>
+decltype(auto) with_element(Dtype dtype, Body&& body) {
+  switch (dtype) {
+    case Dtype::bfloat16:
+      return body(BFloat16{});
+    case Dtype::float16:
+      return body(Float16{});
+    case Dtype::int32:
+      return body(Native<int32_t>{});
+    case Dtype::int64:
+      return body(Native<int64_t>{});
+    case Dtype::float32:
+      break;
+  }
+  return body(Native<float>{});
+}
+
+// Integer sums wrap instead of overflowing into undefined behaviour.
+template <class T>
+T add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+  } else {
+    return a + b;
+  }
+}
+
+template <class T>
+T larger(T a, T b) {
+  return a < b ? b : a;
+}
+
+struct Add {
+  template <class T>
+  T operator()(T a, T b) const {
+    return add(a, b);
+  }
+};
+
+struct Larger {
+  template <class T>
+  T operator()(T a, T b) const {
+    return larger(a, b);
+  }
+};
+
+// Calls `body` with the binary function of `op` (AVG sums).
+template <class Body>
+void with_combiner(ReduceOp op, Body&& body) {
+  if (op == ReduceOp::max) {
+    body(Larger{});
+  } else {
+    body(Add{});
+  }
+}
+
+}  // namespace
+
+size_t element_bytes(Dtype dtype) {
+  return with_element(dtype, []<class E>(E) { return sizeof(typename E::Storage); });
+}
+
+size_t accumulator_bytes(Dtype dtype) {
+  return with_element(dtype, []<class E>(E) { return sizeof(typename E::Acc); });
+}
+
+const char* dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::bfloat16:
+      return "bfloat16";
+    case Dtype::float16:
+      return "float16";
+    case Dtype::int32:
+      return "int32";
+    case Dtype::int64:
+      return "int64";
+    case Dtype::float32:
+      break;
+  }
+  return "float32";
+}
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::sum:
+      break;
+  }
+  return "sum";
+}
+
+void combine(Dtype dtype, ReduceOp op, const void* a, const void* b, void* acc, size_t count) {
+  with_element(dtype, [&]<class E>(E) {
+    const auto* first = static_cast<const typename E::Storage*>(a);
+    const auto* second = static_cast<const typename E::Storage*>(b);
+    auto* out = static_cast<typename E::Acc*>(acc);
+    if (second == nullptr) {
+      for (size_t i = 0; i < count; ++i) out[i] = E::widen(first[i]);
+      return;
+    }
+    with_combiner(op, [&](auto combiner) {
+      for (size_t i = 0; i < count; ++i) out[i] = combiner(E::widen(first[i]), E::widen(second[i]));
+    });
+  });
+}
+
+void accumulate(Dtype dtype, ReduceOp op, void* acc, const void* src, size_t count) {
+  with_element(dtype, [&]<class E>(E) {
+    const auto* in = static_cast<const typename E::Storage*>(src);
+    auto* inout = static_cast<typename E::Acc*>(acc);
+    with_combiner(op, [&](auto combiner) {
+      for (size_t i = 0; i < count; ++i) inout[i] = combiner(inout[i], E::widen(in[i]));
+    });
+  });
+}
+
+void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last, void* dst,
+            size_t count) {
+  with_element(dtype, [&]<class E>(E) {
+    using Acc = typename E::Acc;
+    const auto* in = static_cast<const Acc*>(acc);
+    const auto* tail = static_cast<const typename E::Storage*>(last);
+    auto* out = static_cast<typename E::Storage*>(dst);
+    const auto divisor = static_cast<Acc>(ranks);
+    const bool average = op == ReduceOp::avg;
+    with_combiner(op, [&](auto combiner) {
+      if (tail != nullptr && average) {
+        for (size_t i = 0; i < count; ++i) {
+          out[i] = E::narrow(combiner(in[i], E::widen(tail[i])) / divisor);
+        }
+      } else if (tail != nullptr) {
+        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(combiner(in[i], E::widen(tail[i])));
+      } else if (average) {
+        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(in[i] / divisor);
+      } else if (acc != dst) {
+        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(in[i]);
+      }
+    });
+  });
+}
+
+}  // namespace meshrun::mpi

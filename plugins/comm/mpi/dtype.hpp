@@ -1,0 +1,42 @@
+// The element types the mpi backend moves, and the arithmetic of its
+// reductions. Reductions accumulate in float for the three float types, so
+// 16-bit values are summed in float32 and rounded once at the end, and in
+// the type itself for the integers (wrapping on overflow, as MPI_SUM does).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "meshrun/comm.h"
+
+namespace meshrun::mpi {
+
+enum class Dtype { float32, bfloat16, float16, int32, int64 };
+
+enum class ReduceOp : int32_t {
+  sum = MESHRUN_REDUCE_SUM,
+  avg = MESHRUN_REDUCE_AVG,
+  max = MESHRUN_REDUCE_MAX,
+};
+
+size_t element_bytes(Dtype dtype);
+const char* dtype_name(Dtype dtype);
+const char* reduce_op_name(ReduceOp op);
+
+// Bytes of one accumulator element: 4 for the float types and int32, 8 for
+// int64.
+size_t accumulator_bytes(Dtype dtype);
+
+// acc[i] = a[i] op b[i], widened to the accumulator type; acc[i] = a[i]
+// when b is NULL. AVG combines as SUM.
+void combine(Dtype dtype, ReduceOp op, const void* a, const void* b, void* acc, size_t count);
+// acc[i] = acc[i] op src[i].
+void accumulate(Dtype dtype, ReduceOp op, void* acc, const void* src, size_t count);
+// dst[i] = acc[i] op last[i] (acc[i] when last is NULL), divided by `ranks`
+// for AVG (integer division for the integer types), narrowed to `dtype`
+// with round-to-nearest-even. Folding the last input in here saves a pass
+// over the data. `dst` may be the memory of `acc` or `last`.
+void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last, void* dst,
+            size_t count);
+
+}  // namespace meshrun::mpi

@@ -1,0 +1,176 @@
+// The shared-memory path: every rank of the communicator is on this node, so
+// ranks read and write each other's buffers directly with process_vm_readv
+// and process_vm_writev (one copy, no staging through MPI), and MPI only
+// exchanges the buffers' addresses and ends each collective with a barrier.
+//
+// The rule that makes this safe: a rank touches a peer's buffer only while
+// the peer is inside the same collective (the address exchange is the
+// entry), each region of a buffer has one writer and is not read while it
+// is written, and no rank returns (and may reuse or free its buffers) before
+// every peer is done with them, which the closing barrier guarantees.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "collectives.hpp"
+#include "remote_memory.hpp"
+
+namespace meshrun::mpi::shared_memory {
+namespace {
+
+// Reductions go through the caches in pieces this large: the accumulator and
+// the piece read from a peer stay in L2 while they are combined.
+constexpr size_t kPieceBytes = size_t{256} << 10;
+
+// Where one rank's buffers of this collective live in its address space.
+struct Endpoint {
+  uint64_t send;
+  uint64_t recv;
+};
+
+std::vector<Endpoint> exchange(const Comm& comm, const void* send, const void* recv) {
+  const Endpoint mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
+  std::vector<Endpoint> all(static_cast<size_t>(comm.size));
+  check_mpi(MPI_Allgather(&mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, comm.comm),
+            "MPI_Allgather");
+  return all;
+}
+
+// The peer `step` places after this rank: peers are visited in rotation so
+// that they are not all read from or written to at once.
+int peer_at(const Comm& comm, int step) { return (comm.rank + step) % comm.size; }
+pid_t pid_of(const Comm& comm, int rank) { return comm.pids[static_cast<size_t>(rank)]; }
+
+// The elements [first, first + count) of `total` that `rank` reduces: an
+// even split, the last rank taking the remainder.
+struct Range {
+  size_t first;
+  size_t count;
+};
+
+Range owned(size_t total, int ranks, int rank) {
+  const size_t share = total / static_cast<size_t>(ranks);
+  const size_t first = share * static_cast<size_t>(rank);
+  return {first, rank == ranks - 1 ? total - first : share};
+}
+
+// dst = op over the ranks of `count` elements at element `first` of every
+// rank's send buffer: this rank's elements, then each peer's as it is read.
+// Float32 and the integers accumulate in their own type, so this rank's
+// elements serve as the accumulator until a peer's are added, and with two
+// ranks the whole reduction is one pass (finish folds in the last input).
+// `dst` may be this rank's own elements (in place).
+void reduce_piece(const Comm& comm, Scratch& scratch, const std::vector<Endpoint>& peers,
+                  const Buffers& buffers, size_t first, size_t count, ReduceOp op, std::byte* dst) {
+  const Dtype dtype = buffers.dtype;
+  const size_t offset = first * element_bytes(dtype);
+  const size_t bytes = count * element_bytes(dtype);
+  const std::byte* own = buffers.send + offset;
+  std::byte* incoming = sized(scratch.incoming, bytes);
+  std::byte* acc = sized(scratch.accumulator, count * accumulator_bytes(dtype));
+  const bool native = accumulator_bytes(dtype) == element_bytes(dtype);
+  const void* so_far = own;
+  for (int step = 1; step < comm.size; ++step) {
+    const int q = peer_at(comm, step);
+    read_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].send + offset, incoming, bytes);
+    if (step == comm.size - 1 && (native || so_far == acc)) {
+      finish(dtype, op, comm.size, so_far, incoming, dst, count);
+      return;
+    }
+    if (so_far == own) {
+      combine(dtype, op, own, incoming, acc, count);
+    } else {
+      accumulate(dtype, op, acc, incoming, count);
+    }
+    so_far = acc;
+  }
+  if (so_far == own) combine(dtype, op, own, nullptr, acc, count);
+  finish(dtype, op, comm.size, acc, nullptr, dst, count);
+}
+
+}  // namespace
+
+// Rank r owns chunk r of the elements: piece by piece, it reads chunk r of
+// every peer's send, reduces it into its own recv, and writes the result
+// into every peer's recv. Each rank reads every input once and writes every
+// output once; a barrier ends the collective.
+//
+// In place (send == recv on every rank) this is safe because chunk r of any
+// rank's buffer is touched by rank r alone: it reads a piece of it from
+// every rank before it writes that piece's result to any of them.
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
+  const size_t bytes = element_bytes(buffers.dtype);
+  const std::vector<Endpoint> peers = exchange(comm, buffers.send, buffers.recv);
+  const Range mine = owned(buffers.count, comm.size, comm.rank);
+  const size_t piece = kPieceBytes / accumulator_bytes(buffers.dtype);
+  for (size_t done = 0; done < mine.count; done += piece) {
+    const size_t count = std::min(piece, mine.count - done);
+    const size_t offset = (mine.first + done) * bytes;
+    std::byte* result = buffers.recv + offset;
+    reduce_piece(comm, scratch, peers, buffers, mine.first + done, count, op, result);
+    for (int step = 1; step < comm.size; ++step) {
+      const int q = peer_at(comm, step);
+      write_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].recv + offset, result,
+                   count * bytes);
+    }
+  }
+  barrier(comm);
+}
+
+// Every rank copies every peer's send into its recv slot. A send that
+// overlaps the recv (in place) is first copied aside, so that what peers read
+// is never overwritten by what this rank receives.
+void all_gather(const Comm& comm, const Buffers& buffers) {
+  const size_t bytes = buffers.count * element_bytes(buffers.dtype);
+  const size_t ranks = static_cast<size_t>(comm.size);
+  std::vector<std::byte> staged;
+  const std::byte* send = buffers.send;
+  if (overlaps(send, bytes, buffers.recv, bytes * ranks)) {
+    staged.assign(send, send + bytes);
+    send = staged.data();
+  }
+  const std::vector<Endpoint> peers = exchange(comm, send, buffers.recv);
+  std::memcpy(buffers.recv + static_cast<size_t>(comm.rank) * bytes, send, bytes);
+  for (int step = 1; step < comm.size; ++step) {
+    const int q = peer_at(comm, step);
+    read_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].send,
+                buffers.recv + static_cast<size_t>(q) * bytes, bytes);
+  }
+  barrier(comm);
+}
+
+// Rank r reduces chunk r of everyone's send. A recv that overlaps the send
+// (in place) is written only after the barrier, once no peer reads the send
+// any more; otherwise the barrier only keeps the send alive for the peers.
+void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
+  const size_t bytes = element_bytes(buffers.dtype);
+  const size_t chunk_bytes = buffers.count * bytes;
+  const bool in_place = overlaps(buffers.send, chunk_bytes * static_cast<size_t>(comm.size),
+                                 buffers.recv, chunk_bytes);
+  std::vector<std::byte> staged(in_place ? chunk_bytes : 0);
+  std::byte* dst = in_place ? staged.data() : buffers.recv;
+  const std::vector<Endpoint> peers = exchange(comm, buffers.send, buffers.recv);
+  const size_t first = static_cast<size_t>(comm.rank) * buffers.count;
+  const size_t piece = kPieceBytes / accumulator_bytes(buffers.dtype);
+  for (size_t done = 0; done < buffers.count; done += piece) {
+    const size_t count = std::min(piece, buffers.count - done);
+    reduce_piece(comm, scratch, peers, buffers, first + done, count, op, dst + done * bytes);
+  }
+  barrier(comm);
+  if (in_place) std::memcpy(buffers.recv, dst, chunk_bytes);
+}
+
+// Every rank but the root copies the root's tensor.
+void broadcast(const Comm& comm, const Buffers& buffers, int root) {
+  const std::vector<Endpoint> peers = exchange(comm, buffers.recv, buffers.recv);
+  if (comm.rank != root) {
+    read_remote(pid_of(comm, root), peers[static_cast<size_t>(root)].recv, buffers.recv,
+                buffers.count * element_bytes(buffers.dtype));
+  }
+  barrier(comm);
+}
+
+}  // namespace meshrun::mpi::shared_memory
