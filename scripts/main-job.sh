@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: builds meshrun, then runs it on the reference example. Until
-# the trainer lands this shows the plan a 4-rank run would use; extra
-# arguments are passed on (e.g. --json, distributed.tp_size=2).
+# The main job: builds meshrun, then trains the reference example (a tiny
+# Llama on the bytes of the GPL) with DDP on 4 ranks into runs/main-job.
+# Extra arguments are passed on (e.g. train.steps=200 train.lr=1e-3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh >/dev/null
-exec "${MESHRUN_BUILD_DIR:-build}/bin/meshrun" plan examples/llama-tiny.toml --world-size 4 "$@"
+exec "${MESHRUN_BUILD_DIR:-build}/bin/meshrun" train examples/llama-tiny.toml \
+  --nproc-per-node 4 --output runs/main-job "$@"

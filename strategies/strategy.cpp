@@ -1,7 +1,8 @@
-// The strategy plugins ddp, fsdp2 and megatron_fsdp. In ABI 1.0 a strategy
-// table carries its identity and mesh family only (later minors append the
-// hooks), so the three differ by data alone: this file is built once per
-// strategy, and MESHRUN_STRATEGY_NAME picks its row of kStrategies.
+// The strategy plugins fsdp2 and megatron_fsdp, whose tables still carry
+// their identity and mesh family only (ABI 1.0 size: no training entry
+// points yet), so the two differ by data alone: this file is built once per
+// strategy, and MESHRUN_STRATEGY_NAME picks its row of kStrategies. ddp has
+// its own folder, strategies/ddp/.
 #include <cstddef>
 #include <iterator>
 #include <string_view>
@@ -17,10 +18,6 @@ struct StrategyFacts {
 };
 
 constexpr StrategyFacts kStrategies[] = {
-    {"ddp", MESHRUN_MESH_FAMILY_DDP,
-     "DDP: replicates parameters on every dp rank and all-reduces gradients in buckets as "
-     "they become ready; no tp, pp, cp or ep. ABI 1.0 table: mesh rules only, hooks not yet "
-     "implemented"},
     {"fsdp2", MESHRUN_MESH_FAMILY_FSDP2,
      "FSDP2: shards parameters, gradients and optimizer state over dp_shard_cp, all-gathering "
      "each unit before it runs and reduce-scattering its gradients; HSDP over dp_replicate; "
@@ -41,11 +38,14 @@ constexpr size_t row_of(std::string_view name) {
 constexpr size_t kRow = row_of(MESHRUN_STRATEGY_NAME);
 static_assert(kRow < std::size(kStrategies), "MESHRUN_STRATEGY_NAME names no row of kStrategies");
 
-const meshrun_strategy_api kStrategyApi = {
-    sizeof(meshrun_strategy_api),
-    kStrategies[kRow].mesh_family,
-    nullptr,
-};
+// An ABI 1.0-sized table: the mesh rules only. The training entry points of
+// ABI 1.2 lie beyond its struct_size, so a host knows they are absent.
+const meshrun_strategy_api kStrategyApi = [] {
+  meshrun_strategy_api api{};
+  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_0;
+  api.mesh_family = kStrategies[kRow].mesh_family;
+  return api;
+}();
 
 const meshrun_plugin_api kApi = {
     sizeof(meshrun_plugin_api),

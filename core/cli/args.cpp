@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "errors.hpp"
+#include "launch/launch.hpp"
 #include "support/suggest.hpp"
 
 namespace meshrun::cli {
@@ -88,6 +89,15 @@ int64_t parse_int_option(std::string_view option, const std::string& value, int6
                                        option, minimum, maximum, value));
   }
   return parsed;
+}
+
+std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args) {
+  std::vector<std::string> full = {"meshrun", command};
+  full.insert(full.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& arg : full) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  return launch::relaunch_self_if_needed(nproc, static_cast<int>(full.size()), argv.data());
 }
 
 int report_error(const std::exception& error) {

@@ -103,15 +103,7 @@ int run_comm(const Args& args, const ParsedArgs& parsed) {
       static_cast<int>(parse_int_option("nproc", parsed.value("nproc").value_or("2"), 1, 4096));
   const CommBenchOptions options = comm_options(parsed);
   const double timeout = parse_seconds(parsed, "timeout-minutes", 10.0) * 60.0;
-  std::vector<std::string> full = {"meshrun", "bench"};
-  full.insert(full.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& arg : full) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  if (auto status =
-          launch::relaunch_self_if_needed(nproc, static_cast<int>(full.size()), argv.data())) {
-    return *status;
-  }
+  if (auto status = relaunch_if_needed(nproc, "bench", args)) return *status;
   CommBackend backend(PluginLoader::from_environment(), parsed.value("backend").value_or("mpi"));
   Communicator world = backend.world(timeout);
   std::vector<CommBenchResult> results;

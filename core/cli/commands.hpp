@@ -14,5 +14,6 @@ int run_plan(const Args& args);
 int run_plugins(const Args& args);
 int run_bench(const Args& args);
 int run_launch(const Args& args);
+int run_train(const Args& args);
 
 }  // namespace meshrun::cli

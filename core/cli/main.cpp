@@ -18,10 +18,9 @@ using Command = std::function<int(const meshrun::cli::Args&)>;
 
 const std::map<std::string, Command>& commands() {
   static const std::map<std::string, Command> table = {
-      {"plan", meshrun::cli::run_plan},
-      {"plugins", meshrun::cli::run_plugins},
-      {"bench", meshrun::cli::run_bench},
-      {"launch", meshrun::cli::run_launch},
+      {"plan", meshrun::cli::run_plan},   {"plugins", meshrun::cli::run_plugins},
+      {"bench", meshrun::cli::run_bench}, {"launch", meshrun::cli::run_launch},
+      {"train", meshrun::cli::run_train},
   };
   return table;
 }
@@ -35,6 +34,8 @@ std::vector<std::string> command_names() {
 void print_usage() {
   std::puts(
       "usage: meshrun COMMAND [ARGS]\n"
+      "  train CONFIG.toml [--nproc-per-node N] [--output DIR] [key.path=value ...]\n"
+      "                   train the model as N ranks; metrics and checkpoints in DIR\n"
       "  plan CONFIG.toml [--world-size N] [--json] [--all-ranks] [key.path=value ...]\n"
       "                   the mesh, plugins and rank layout a run would use\n"
       "  plugins [--kind strategy|schedule|sidecar|comm] [--json]\n"

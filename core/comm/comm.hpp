@@ -82,6 +82,10 @@ class Communicator {
   const std::string& name() const { return name_; }
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
+  // The raw handle and the backend's table, for handing the communicator to
+  // a plugin (a strategy's setup). The handle stays owned by this object.
+  meshrun_communicator* handle() const { return handle_; }
+  const meshrun_comm_api& comm_api() const { return api(); }
 
   // Collective over this communicator: ranks passing the same color form
   // one communicator, ordered by key.

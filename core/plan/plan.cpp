@@ -89,6 +89,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
     plan.schedule = load_named(config, loader, PluginKind::schedule, pipeline.pp_schedule,
                                "distributed.pipeline.pp_schedule");
   }
+  plan.model = plan_model(config, plan.mesh, plan.sidecar, plan.schedule.get());
   return plan;
 }
 
@@ -159,6 +160,7 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
         {"sidecar", plugin_json(plan.sidecar)},
         {"schedule", plugin_json(plan.schedule)}}},
       {"warnings", config.warnings},
+      {"model", plan.model},
   };
   if (!all_ranks && mesh.world_size() > kJsonRankLimit) return json;
   const auto axes = listed_axes(mesh);
@@ -216,6 +218,37 @@ std::string rank_table(const MeshContext& mesh, bool all_ranks) {
   return table;
 }
 
+std::string model_lines(const nlohmann::ordered_json& model) {
+  if (model.is_null()) return fmt::format("{:<10}(the sidecar gives no plan)\n", "model");
+  int64_t elements = 0;
+  for (const auto& parameter : model["parameters"]) {
+    int64_t numel = 1;
+    for (const auto& extent : parameter["shape"]) numel *= extent.get<int64_t>();
+    elements += numel;
+  }
+  std::string text =
+      fmt::format("{:<10}{} parameters in {} tensors, {} sharding units (root + layers)\n", "model",
+                  elements, model["parameters"].size(), model["units"].size());
+  for (const auto& rule : model["tensor_parallel"]) {
+    text += fmt::format("{:<10}{:<40}{:<18}{}\n", "tp", rule["module"].get<std::string>(),
+                        rule["style"].get<std::string>(), rule["activations"].get<std::string>());
+  }
+  for (const auto& stage : model["pipeline"]) {
+    std::string modules;
+    for (const auto& module : stage["modules"]) {
+      modules += (modules.empty() ? "" : ", ") + module.get<std::string>();
+    }
+    text += fmt::format("{:<10}{} on rank {}: {}\n", "stage", stage["stage"].get<int64_t>(),
+                        stage["rank"].get<int64_t>(), modules);
+  }
+  if (!model["activation_checkpointing"].empty()) {
+    text += fmt::format("{:<10}{} of {} decoder layers\n", "ac",
+                        model["activation_checkpointing"][0]["mode"].get<std::string>(),
+                        model["activation_checkpointing"].size());
+  }
+  return text;
+}
+
 }  // namespace
 
 std::string plan_to_text(const Plan& plan, bool all_ranks) {
@@ -227,6 +260,7 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
   text += plugin_line("strategy", plan.strategy);
   text += plugin_line("sidecar", plan.sidecar);
   text += schedule_line(plan);
+  text += model_lines(plan.model);
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);
   text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)

@@ -22,12 +22,21 @@ struct Plan {
   std::shared_ptr<PluginLibrary> strategy;
   std::shared_ptr<PluginLibrary> sidecar;
   std::shared_ptr<PluginLibrary> schedule;  // null without a pipeline (pp_size 1)
+  // The sidecar's plan of the model (meshrun/sidecar.h): units, parameter
+  // placement, pipeline split, checkpointing; null for a 1.0 sidecar.
+  nlohmann::ordered_json model;
 };
 
 // Loads the strategy, sidecar and (with pp_size > 1) schedule plugins the
 // config names, and resolves the mesh with the strategy's mesh family.
 // Errors are prefixed with the position of the key they concern.
 Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader);
+
+// Asks `sidecar` for the model's plan on `mesh`; null when the sidecar's
+// table predates ABI 1.2. Errors point at the config key they concern.
+nlohmann::ordered_json plan_model(const Config& config, const MeshContext& mesh,
+                                  const std::shared_ptr<PluginLibrary>& sidecar,
+                                  const PluginLibrary* schedule);
 
 // Loads the strategy plugin the config names; its table says the mesh family.
 std::shared_ptr<PluginLibrary> load_strategy(const Config& config, const PluginLoader& loader);

@@ -172,17 +172,67 @@ class PlanTest(unittest.TestCase):
 
     def test_large_world_omits_ranks_and_collapses_text(self):
         result = run("plan", EXAMPLES[0], "--json", "--world-size", "100000",
-                     "distributed.strategy=fsdp2", "distributed.tp_size=8")
+                     "distributed.strategy=fsdp2", "distributed.tp_size=4")
         self.assertEqual(result.returncode, 0, result.stderr)
         plan = json.loads(result.stdout)
         self.assertNotIn("ranks", plan)
-        self.assertEqual(plan["flattened"]["dp"], 12500)
+        self.assertEqual(plan["flattened"]["dp"], 25000)
         text = run("plan", EXAMPLES[0], "--world-size", "100000", "distributed.strategy=fsdp2")
         self.assertIn("ranks not shown", text.stdout)
         self.assertLess(len(text.stdout.splitlines()), 40)
         full = run("plan", EXAMPLES[0], "--json", "--all-ranks", "--world-size", "5000",
                    "distributed.strategy=fsdp2")
         self.assertEqual(len(json.loads(full.stdout)["ranks"]), 5000)
+
+    def plan_json(self, *args):
+        result = run("plan", os.path.join(SOURCE_DIR, "examples", "pipeline-1f1b.toml"), "--json",
+                     *args)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return json.loads(result.stdout)["model"]
+
+    def test_sidecar_units_and_tensor_parallel_placement(self):
+        model = self.plan_json("--world-size", "4", "distributed.tp_size=2",
+                               "distributed.pp_size=1")
+        self.assertEqual([u["name"] for u in model["units"]],
+                         ["root"] + [f"model.layers.{i}" for i in range(4)])
+        self.assertEqual(model["units"][0]["parameters"],
+                         ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
+        placement = {p["name"]: (p["tp"], p["local_shape"]) for p in model["parameters"]}
+        self.assertEqual(placement["model.layers.0.self_attn.q_proj.weight"], ("shard(0)", [128, 256]))
+        self.assertEqual(placement["model.layers.0.self_attn.k_proj.weight"], ("shard(0)", [64, 256]))
+        self.assertEqual(placement["model.layers.0.mlp.down_proj.weight"], ("shard(1)", [256, 384]))
+        self.assertEqual(placement["model.layers.0.input_layernorm.weight"], ("replicate", [256]))
+        self.assertEqual(placement["model.embed_tokens.weight"], ("shard(0)", [128, 256]))
+        self.assertEqual(placement["lm_head.weight"], ("shard(0)", [128, 256]))
+        styles = {r["module"]: r["style"] for r in model["tensor_parallel"]}
+        self.assertEqual(styles["model.layers.*.self_attn.o_proj"], "rowwise")
+        self.assertEqual(styles["model.layers.*.mlp.gate_proj"], "colwise")
+
+    def test_sidecar_pipeline_split_puts_the_remainder_first(self):
+        stages = self.plan_json("--world-size", "2", "model.num_hidden_layers=5")["pipeline"]
+        self.assertEqual([s["modules"] for s in stages],
+                         [["model.embed_tokens", "model.layers.0", "model.layers.1",
+                           "model.layers.2"],
+                          ["model.layers.3", "model.layers.4", "model.norm", "lm_head"]])
+        v_stages = self.plan_json("--world-size", "2",
+                                  "distributed.pipeline.pp_schedule=zbv_zero_bubble")["pipeline"]
+        self.assertEqual([s["rank"] for s in v_stages], [0, 1, 1, 0])
+        looped = self.plan_json("--world-size", "2",
+                                "distributed.pipeline.pp_schedule=interleaved_1f1b")["pipeline"]
+        self.assertEqual([s["rank"] for s in looped], [0, 1, 0, 1])
+
+    def test_sidecar_rejects_what_does_not_fit(self):
+        example = os.path.join(SOURCE_DIR, "examples", "pipeline-1f1b.toml")
+        BadInputTest.assert_input_error(self, run("plan", example, "--world-size", "6",
+                                                  "distributed.tp_size=3"),
+                                        "model.num_attention_heads", "distributed.tp_size")
+        BadInputTest.assert_input_error(self, run("plan", example, "--world-size", "8",
+                                                  "distributed.pp_size=8"),
+                                        "model.num_hidden_layers")
+        BadInputTest.assert_input_error(self, run("plan", example, "--world-size", "2",
+                                                  "distributed.pipeline.layers_per_stage=3",
+                                                  "model.num_hidden_layers=9"),
+                                        "layers_per_stage", "round_virtual_stages_to_pp_multiple")
 
     def test_plugins_lists_shipped_plugins(self):
         result = run("plugins")

@@ -61,8 +61,12 @@ const std::vector<DtypeCase>& dtypes() {
 }
 
 // Below the mpi backend's 16 KiB shared-memory threshold for every dtype,
-// and above it for every dtype; both divisible by every group size used.
-constexpr int64_t kSizes[] = {1000, 300000};
+// and above it for every dtype; both divisible by every group size used (2,
+// 3, 4).
+const std::vector<int64_t> kSizes = {1200, 300000};
+// All_reduce takes any count: also a prime one, which no piece size of the
+// backend divides.
+const std::vector<int64_t> kAllReduceSizes = {1200, 300000, 100003};
 
 // A communicator and the world ranks of its members, in its rank order.
 struct Group {
@@ -239,6 +243,7 @@ struct OpCase {
   const char* name;
   std::function<void(Checks&, const Case&)> run;
   bool has_in_place;
+  bool any_count;  // checked at kAllReduceSizes, not only kSizes
 };
 
 std::vector<OpCase> op_cases() {
@@ -246,14 +251,14 @@ std::vector<OpCase> op_cases() {
     return [check, op, name](Checks& checks, const Case& c) { check(checks, c, op, name); };
   };
   return {
-      {"all_reduce(sum)", reduce(all_reduce, ReduceOp::sum, "sum"), true},
-      {"all_reduce(avg)", reduce(all_reduce, ReduceOp::avg, "avg"), true},
-      {"all_reduce(max)", reduce(all_reduce, ReduceOp::max, "max"), true},
-      {"all_gather", all_gather, true},
-      {"reduce_scatter(sum)", reduce(reduce_scatter, ReduceOp::sum, "sum"), true},
-      {"reduce_scatter(avg)", reduce(reduce_scatter, ReduceOp::avg, "avg"), true},
-      {"reduce_scatter(max)", reduce(reduce_scatter, ReduceOp::max, "max"), true},
-      {"broadcast", broadcast, false},
+      {"all_reduce(sum)", reduce(all_reduce, ReduceOp::sum, "sum"), true, true},
+      {"all_reduce(avg)", reduce(all_reduce, ReduceOp::avg, "avg"), true, true},
+      {"all_reduce(max)", reduce(all_reduce, ReduceOp::max, "max"), true, true},
+      {"all_gather", all_gather, true, false},
+      {"reduce_scatter(sum)", reduce(reduce_scatter, ReduceOp::sum, "sum"), true, false},
+      {"reduce_scatter(avg)", reduce(reduce_scatter, ReduceOp::avg, "avg"), true, false},
+      {"reduce_scatter(max)", reduce(reduce_scatter, ReduceOp::max, "max"), true, false},
+      {"broadcast", broadcast, false, false},
   };
 }
 
@@ -281,7 +286,7 @@ void check_collectives(Checks& checks, Communicator& world, const std::vector<Gr
       const int before = checks.failures();
       for (const DtypeCase& dtype : dtypes()) {
         ++salt;
-        for (const int64_t numel : kSizes) {
+        for (const int64_t numel : op.any_count ? kAllReduceSizes : kSizes) {
           for (const bool in_place : {false, true}) {
             if (in_place && !op.has_in_place) continue;
             op.run(checks, Case{group, dtype, numel, in_place, salt});
@@ -290,8 +295,8 @@ void check_collectives(Checks& checks, Communicator& world, const std::vector<Gr
       }
       report(world, checks, before,
              std::string(op.name) + " on " + group.name + " (size " +
-                 std::to_string(group.comm->size()) + "): 5 dtypes x n=1000, 300000" +
-                 (op.has_in_place ? " x in/out of place" : ""));
+                 std::to_string(group.comm->size()) + "): 5 dtypes x n=1200, 300000" +
+                 (op.any_count ? ", 100003" : "") + (op.has_in_place ? " x in/out of place" : ""));
     }
   }
 }

@@ -58,8 +58,14 @@ meshrun_error* failing_create(const meshrun_host_services* /*host*/,
   return &error->header;
 }
 
-const meshrun_strategy_api kStrategyApi = {sizeof(meshrun_strategy_api), MESHRUN_MESH_FAMILY_FSDP2,
-                                           nullptr};
+// Built field by field from a zeroed table, so fields appended by later ABI
+// minors need no initializer here.
+const meshrun_strategy_api kStrategyApi = [] {
+  meshrun_strategy_api api{};
+  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_0;
+  api.mesh_family = MESHRUN_MESH_FAMILY_FSDP2;
+  return api;
+}();
 
 // newer_minor: a table from a later 1.x, with fields appended to both tables.
 struct NewerStrategyApi {
@@ -72,8 +78,12 @@ struct NewerPluginApi {
   int64_t appended_later;
 };
 
-const NewerStrategyApi kNewerStrategyApi = {
-    {sizeof(NewerStrategyApi), MESHRUN_MESH_FAMILY_FSDP2, nullptr}, 0};
+const NewerStrategyApi kNewerStrategyApi = [] {
+  NewerStrategyApi api{};
+  api.v1_0.struct_size = sizeof(NewerStrategyApi);
+  api.v1_0.mesh_family = MESHRUN_MESH_FAMILY_FSDP2;
+  return api;
+}();
 
 constexpr meshrun_plugin_api make_api() {
   meshrun_plugin_api api = {

@@ -82,14 +82,8 @@ typedef struct meshrun_host_services {
 #define MESHRUN_MESH_FAMILY_MEGATRON_FSDP 2 /* (dp, cp, tp); no pp, ep or HSDP */
 #define MESHRUN_MESH_FAMILY_DDP 3           /* (dp); no tp, pp, cp or ep */
 
-/* Strategy-specific table: how parameters, gradients and optimizer state are
- * distributed. Reserved in 1.0 beyond the mesh family; later minors append
- * the hooks. */
-typedef struct meshrun_strategy_api {
-  size_t struct_size;
-  int32_t mesh_family; /* MESHRUN_MESH_FAMILY_* */
-  const meshrun_extension* extensions;
-} meshrun_strategy_api;
+/* Strategy-specific table: see meshrun/strategy.h. */
+typedef struct meshrun_strategy_api meshrun_strategy_api;
 
 /* Pipeline stage placement (meshrun_schedule_api.placement). */
 #define MESHRUN_PLACEMENT_LOOP 1 /* stage s on rank s mod pp */
@@ -105,14 +99,8 @@ typedef struct meshrun_schedule_api {
   const meshrun_extension* extensions;
 } meshrun_schedule_api;
 
-/* Model sidecar ("ModelParallelizer") table; the plan entry points are
- * appended by a later minor. `model_type` is the Hugging Face model_type the
- * sidecar plans for (e.g. "llama"). */
-typedef struct meshrun_sidecar_api {
-  size_t struct_size;
-  const char* model_type;
-  const meshrun_extension* extensions;
-} meshrun_sidecar_api;
+/* Model sidecar ("ModelParallelizer") table: see meshrun/sidecar.h. */
+typedef struct meshrun_sidecar_api meshrun_sidecar_api;
 
 /* Communication backend table: see meshrun/comm.h. */
 typedef struct meshrun_comm_api meshrun_comm_api;
@@ -160,8 +148,10 @@ MESHRUN_PLUGIN_EXPORT const meshrun_plugin_api* meshrun_plugin_get_api(void);
 } /* extern "C" */
 #endif
 
-/* The comm kind's table; after the plugin table so that either header can be
- * included first. */
+/* The kind tables that need more than this header; after the plugin table so
+ * that any of the headers can be included first. */
 #include "meshrun/comm.h"
+#include "meshrun/sidecar.h"
+#include "meshrun/strategy.h"
 
 #endif /* MESHRUN_PLUGIN_H_ */

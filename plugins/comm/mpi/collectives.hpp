@@ -1,6 +1,10 @@
-// The collectives, run on the engine thread. Each picks one of two paths,
+// The collectives, run on the engine thread. Each picks one of these paths,
 // the same on every rank since the choice depends only on the communicator
 // and the sizes every rank shares:
+//   - pipeline (all_reduce only): every rank on this node, and at least
+//     MESHRUN_MPI_SHM_MIN_BYTES and MESHRUN_MPI_PIPELINE_MIN_BYTES (default
+//     4 MiB) in the operation: ranks stream their buffers through a POSIX
+//     shared-memory segment in cache-sized pieces (pipeline.cpp);
 //   - shared memory: every rank on this node and cross-memory attach
 //     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
 //     16 KiB) in the operation: ranks read and write each other's buffers
@@ -44,6 +48,10 @@ size_t bytes_from_environment(const char* name, size_t fallback);
 // True when [a, a + a_bytes) and [b, b + b_bytes) share a byte.
 bool overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes);
 
+// The peer `step` places after this rank: the shared-memory paths visit
+// peers in rotation so that they are not all read from at once.
+int peer_at(const Comm& comm, int step);
+
 // The paths. Called with count > 0.
 namespace shared_memory {
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
@@ -51,6 +59,10 @@ void all_gather(const Comm& comm, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void broadcast(const Comm& comm, const Buffers& buffers, int root);
 }  // namespace shared_memory
+
+namespace pipeline {
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+}  // namespace pipeline
 
 namespace via_mpi {
 // Largest message the MPI path sends at once.

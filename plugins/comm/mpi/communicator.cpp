@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "engine.hpp"
+#include "pipeline.hpp"
 #include "remote_memory.hpp"
 
 namespace meshrun::mpi {
@@ -68,6 +69,7 @@ void find_shared_memory(Comm& comm) {
   check_mpi(MPI_Allgather(&pid, 1, MPI_INT, comm.pids.data(), 1, MPI_INT, comm.comm),
             "MPI_Allgather");
   comm.shared_memory = peers_reachable(comm);
+  if (comm.size > 1) comm.segment = pipeline::make_segment(comm);
 }
 
 // Takes ownership of `handle` and learns what the collectives need.
@@ -103,6 +105,7 @@ std::shared_ptr<Comm> split_comm(const Comm& parent, int color, int key, const s
 }
 
 void free_comm(Comm& comm) {
+  comm.segment.reset();
   if (comm.comm != MPI_COMM_NULL) check_mpi(MPI_Comm_free(&comm.comm), "MPI_Comm_free");
 }
 

@@ -12,6 +12,10 @@
 
 namespace meshrun::mpi {
 
+namespace pipeline {
+class Segment;
+}  // namespace pipeline
+
 struct Comm {
   MPI_Comm comm = MPI_COMM_NULL;
   std::string name;
@@ -23,7 +27,11 @@ struct Comm {
   // Every rank is on this node and may read and write the others' memory
   // (process_vm_readv / _writev): the collectives' shared-memory path.
   bool shared_memory = false;
-  std::vector<pid_t> pids;  // by rank, when shared_memory
+  std::vector<pid_t> pids;  // by rank, when every rank is on this node
+  // The POSIX shared memory of the pipelined all_reduce (pipeline.hpp), when
+  // every rank is on this node; null otherwise. Only the engine thread uses
+  // it.
+  std::shared_ptr<pipeline::Segment> segment;
 };
 
 // These run on the engine thread and are collective over the parent.

@@ -180,4 +180,25 @@ void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void
   });
 }
 
+void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
+            const std::function<const void*(int)>& next, void* acc, void* dst, size_t count) {
+  const bool native = accumulator_bytes(dtype) == element_bytes(dtype);
+  const void* so_far = own;
+  for (int step = 1; step < ranks; ++step) {
+    const void* incoming = next(step);
+    if (step == ranks - 1 && (native || so_far == acc)) {
+      finish(dtype, op, ranks, so_far, incoming, dst, count);
+      return;
+    }
+    if (so_far == own) {
+      combine(dtype, op, own, incoming, acc, count);
+    } else {
+      accumulate(dtype, op, acc, incoming, count);
+    }
+    so_far = acc;
+  }
+  if (so_far == own) combine(dtype, op, own, nullptr, acc, count);
+  finish(dtype, op, ranks, acc, nullptr, dst, count);
+}
+
 }  // namespace meshrun::mpi

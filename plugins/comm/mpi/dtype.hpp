@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 #include "meshrun/comm.h"
 
@@ -38,5 +39,15 @@ void accumulate(Dtype dtype, ReduceOp op, void* acc, const void* src, size_t cou
 // over the data. `dst` may be the memory of `acc` or `last`.
 void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last, void* dst,
             size_t count);
+
+// dst = op over the `count` elements of `ranks` inputs: `own`, then
+// next(1), ..., next(ranks - 1) in that order, so that whoever reduces the
+// same inputs gets the same bits. A pointer from `next` need stay valid only
+// until the following call. Float32 and the integers accumulate in their
+// own type, so `own` serves as the accumulator until an input is added, and
+// with two ranks the whole reduction is one pass (finish folds in the last
+// input). `acc` holds `count` accumulator elements; `dst` may be `own`.
+void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
+            const std::function<const void*(int)>& next, void* acc, void* dst, size_t count);
 
 }  // namespace meshrun::mpi

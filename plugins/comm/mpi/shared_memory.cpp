@@ -39,9 +39,6 @@ std::vector<Endpoint> exchange(const Comm& comm, const void* send, const void* r
   return all;
 }
 
-// The peer `step` places after this rank: peers are visited in rotation so
-// that they are not all read from or written to at once.
-int peer_at(const Comm& comm, int step) { return (comm.rank + step) % comm.size; }
 pid_t pid_of(const Comm& comm, int rank) { return comm.pids[static_cast<size_t>(rank)]; }
 
 // The elements [first, first + count) of `total` that `rank` reduces: an
@@ -59,36 +56,20 @@ Range owned(size_t total, int ranks, int rank) {
 
 // dst = op over the ranks of `count` elements at element `first` of every
 // rank's send buffer: this rank's elements, then each peer's as it is read.
-// Float32 and the integers accumulate in their own type, so this rank's
-// elements serve as the accumulator until a peer's are added, and with two
-// ranks the whole reduction is one pass (finish folds in the last input).
 // `dst` may be this rank's own elements (in place).
 void reduce_piece(const Comm& comm, Scratch& scratch, const std::vector<Endpoint>& peers,
                   const Buffers& buffers, size_t first, size_t count, ReduceOp op, std::byte* dst) {
   const Dtype dtype = buffers.dtype;
   const size_t offset = first * element_bytes(dtype);
   const size_t bytes = count * element_bytes(dtype);
-  const std::byte* own = buffers.send + offset;
   std::byte* incoming = sized(scratch.incoming, bytes);
   std::byte* acc = sized(scratch.accumulator, count * accumulator_bytes(dtype));
-  const bool native = accumulator_bytes(dtype) == element_bytes(dtype);
-  const void* so_far = own;
-  for (int step = 1; step < comm.size; ++step) {
+  const auto read_peer = [&](int step) -> const void* {
     const int q = peer_at(comm, step);
     read_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].send + offset, incoming, bytes);
-    if (step == comm.size - 1 && (native || so_far == acc)) {
-      finish(dtype, op, comm.size, so_far, incoming, dst, count);
-      return;
-    }
-    if (so_far == own) {
-      combine(dtype, op, own, incoming, acc, count);
-    } else {
-      accumulate(dtype, op, acc, incoming, count);
-    }
-    so_far = acc;
-  }
-  if (so_far == own) combine(dtype, op, own, nullptr, acc, count);
-  finish(dtype, op, comm.size, acc, nullptr, dst, count);
+    return incoming;
+  };
+  reduce(dtype, op, comm.size, buffers.send + offset, read_peer, acc, dst, count);
 }
 
 }  // namespace

@@ -1,0 +1,47 @@
+#include "train/metrics.hpp"
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <nlohmann/json.hpp>
+
+#include "errors.hpp"
+
+namespace meshrun::train {
+
+int64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return int64_t(usage.ru_maxrss) * 1024;  // Linux reports kilobytes
+}
+
+MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::trunc) {
+  if (!out_) throw Error(MESHRUN_INTERNAL, "cannot write " + path);
+}
+
+void MetricsLog::write(const StepMetrics& m) {
+  nlohmann::ordered_json line = {{"step", m.step},
+                                 {"loss", m.loss},
+                                 {"tokens_per_s", m.tokens_per_s},
+                                 {"step_time_s", m.step_time_s},
+                                 {"lr", m.lr},
+                                 {"grad_norm", m.grad_norm}};
+  if (m.val_loss) line["val_loss"] = *m.val_loss;
+  line["mem"] = {{"params", m.mem.params},
+                 {"grads", m.mem.grads},
+                 {"optimizer", m.mem.optimizer},
+                 {"buffers", m.mem.buffers},
+                 {"peak_rss", m.mem.peak_rss}};
+  out_ << line.dump() << "\n";
+  out_.flush();
+}
+
+std::string progress_line(const StepMetrics& m, int64_t steps, double eta_seconds) {
+  const auto eta = int64_t(eta_seconds + 0.5);
+  std::string line = fmt::format("step {}/{} loss {:.4f} tok/s {:.0f} ETA {}:{:02d}", m.step, steps,
+                                 m.loss, m.tokens_per_s, eta / 60, eta % 60);
+  if (m.val_loss) line += fmt::format(" val_loss {:.4f}", *m.val_loss);
+  return line;
+}
+
+}  // namespace meshrun::train

@@ -1,0 +1,49 @@
+// What a run reports: DIR/metrics.jsonl (one JSON object per step, DESIGN.md
+// "User-facing contract") and the progress line, both on rank 0 only.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace meshrun::train {
+
+// Bytes one rank holds, the "mem" object of a metrics line.
+struct MemoryUse {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optimizer = 0;
+  int64_t buffers = 0;  // the strategy's communication and gathered buffers
+  int64_t peak_rss = 0;
+};
+
+struct StepMetrics {
+  int64_t step = 0;  // 1-based: the number of optimizer steps done
+  double loss = 0;   // mean over the global batch
+  double tokens_per_s = 0;
+  double step_time_s = 0;
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+  std::optional<double> val_loss;
+  MemoryUse mem;
+};
+
+// This process's peak resident set size in bytes (getrusage's ru_maxrss).
+int64_t peak_rss_bytes();
+
+class MetricsLog {
+ public:
+  // Creates (truncates) `path`.
+  explicit MetricsLog(const std::string& path);
+  // Appends one line and flushes it, so a crashed run keeps its metrics.
+  void write(const StepMetrics& metrics);
+
+ private:
+  std::ofstream out_;
+};
+
+// "step 12/100 loss 3.2100 tok/s 5400 ETA 0:42" (+ " val_loss 3.1000").
+std::string progress_line(const StepMetrics& metrics, int64_t steps, double eta_seconds);
+
+}  // namespace meshrun::train

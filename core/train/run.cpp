@@ -1,0 +1,138 @@
+#include "train/run.hpp"
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.hpp"
+#include "launch/launch.hpp"
+#include "strategy/strategy.hpp"
+#include "train/input_error.hpp"
+#include "train/trainer.hpp"
+
+namespace meshrun::train {
+namespace {
+
+// The Strategy wrapper makes the same check when a rank sets the strategy
+// up; made here too so a strategy that cannot train fails before any rank
+// starts, as an input error.
+void check_strategy_trains(const Config& config, const PluginLibrary& strategy) {
+  const meshrun_strategy_api* api = strategy.api().strategy;
+  if (api == nullptr || api->struct_size < MESHRUN_STRATEGY_API_SIZE_1_2) {
+    throw config_error(config, "distributed.strategy",
+                       fmt::format("'{}' cannot train yet: its plugin {} has only the mesh rules "
+                                   "(no ABI 1.2 training entry points); use strategy \"ddp\"",
+                                   config.distributed.strategy, strategy.path()));
+  }
+}
+
+void check_batch(const Config& config, int64_t dp) {
+  const TrainConfig& t = config.train;
+  if (t.global_batch_size % (t.micro_batch_size * dp) != 0) {
+    throw config_error(config, "train.global_batch_size",
+                       fmt::format("{} is not divisible by train.micro_batch_size ({}) x the "
+                                   "data-parallel size dp ({})",
+                                   t.global_batch_size, t.micro_batch_size, dp));
+  }
+}
+
+llama::LlamaModel make_model(const Config& config) {
+  try {
+    return llama::LlamaModel(llama_config(config.model));
+  } catch (const std::invalid_argument& error) {
+    throw config_error(config, "model", error.what());
+  }
+}
+
+// DDPConfig's keys, as AutoModel names them, for the strategy plugin.
+std::string strategy_options(const DistributedConfig& d) {
+  return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
+                        {"broadcast_buffers", d.broadcast_buffers},
+                        {"find_unused_parameters", d.find_unused_parameters},
+                        {"gradient_as_bucket_view", d.gradient_as_bucket_view},
+                        {"static_graph", d.static_graph}}
+      .dump();
+}
+
+StrategyBuffers strategy_buffers(llama::LlamaModel& model) {
+  StrategyBuffers buffers{
+      model.param_buffer(), model.grad_buffer(), model.num_parameters(), {0}, {}};
+  for (const auto& view : model.parameters()) {
+    buffers.parameter_offsets.push_back(buffers.parameter_offsets.back() + view.numel);
+    buffers.parameter_names.push_back(view.name);
+  }
+  return buffers;
+}
+
+// runs/<rank 0's start time>, the same on every rank.
+std::string default_output_dir(Communicator& world) {
+  int64_t now = std::time(nullptr);
+  FlatTensor tensor(&now, dtype_int64(), 1);
+  world.broadcast(tensor.get(), 0).wait();
+  return fmt::format("runs/{:%Y%m%d-%H%M%S}", fmt::localtime(std::time_t(now)));
+}
+
+void start_weights(const Config& config, llama::LlamaModel& model) {
+  if (config.model.checkpoint.empty()) {
+    model.init_weights(uint64_t(config.train.seed));
+  } else {
+    read_consolidated(config, model, true);
+  }
+  if (config.model.torch_dtype == "bfloat16") {
+    llama::round_to_bfloat16(model.param_buffer(), model.num_parameters());
+  }
+}
+
+void train_in_world(const Config& config, const std::optional<std::string>& output,
+                    Communicator& world) {
+  const PluginLoader loader = PluginLoader::from_environment();
+  const Plan plan = make_plan(config, world.size(), loader);
+  MeshCommunicators axes(world, plan.mesh);
+  Communicator& data_parallel = axes.axis(Axis::dp);
+  const std::string output_dir = output ? *output : default_output_dir(world);
+  if (world.rank() == 0) std::filesystem::create_directories(output_dir);
+  const TokenData data(config);
+  llama::LlamaModel model = make_model(config);
+  start_weights(config, model);
+  Strategy strategy(plan.strategy, data_parallel, strategy_buffers(model),
+                    strategy_options(config.distributed));
+  Trainer trainer({config, data, model, strategy, world, data_parallel, output_dir});
+  if (!config.checkpoint.resume_from.empty()) {
+    trainer.resume(read_index(config, model.num_parameters()));
+  }
+  strategy.broadcast_parameters();
+  if (world.rank() == 0) {
+    std::printf("meshrun train: %lld ranks, strategy %s, %lld parameters, output %s\n",
+                static_cast<long long>(world.size()), config.distributed.strategy.c_str(),
+                static_cast<long long>(model.num_parameters()), output_dir.c_str());
+    std::fflush(stdout);
+  }
+  trainer.run();
+}
+
+}  // namespace
+
+void check_training_input(const Config& config, const Plan& plan) {
+  const TokenData data(config);
+  check_batch(config, plan.mesh.axis_size(Axis::dp));
+  check_strategy_trains(config, *plan.strategy);
+  llama::LlamaModel model = make_model(config);
+  if (!config.model.checkpoint.empty()) read_consolidated(config, model, false);
+  if (!config.checkpoint.resume_from.empty()) read_index(config, model.num_parameters());
+}
+
+void train_rank(const Config& config, const std::optional<std::string>& output_dir) {
+  CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
+  Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
+  try {
+    train_in_world(config, output_dir, world);
+  } catch (const std::exception& error) {
+    launch::abort_rank(world.rank(), error.what());
+  }
+}
+
+}  // namespace meshrun::train

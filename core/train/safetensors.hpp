@@ -1,0 +1,53 @@
+// The safetensors format (huggingface/safetensors): an 8-byte little-endian
+// header length, a JSON header {name: {dtype, shape, data_offsets}} plus
+// "__metadata__", then the tensors' raw little-endian bytes. Written and read
+// here directly: the format is small and a library for it is not packaged.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace meshrun::train {
+
+// A float32 tensor to write, stored as "F32" or rounded to "BF16".
+struct TensorToWrite {
+  std::string name;
+  std::vector<int64_t> shape;
+  const float* data = nullptr;
+  int64_t numel = 0;
+};
+
+// Writes `tensors` in order; `bfloat16` stores them as BF16. Written to a
+// temporary name and renamed, so a reader never sees half a file.
+void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       bool bfloat16);
+
+// A tensor of a file read by SafetensorsFile.
+struct StoredTensor {
+  std::string dtype;  // "F32" or "BF16" (others are refused on reading)
+  std::vector<int64_t> shape;
+  int64_t begin = 0;  // byte offsets in the data section
+  int64_t end = 0;
+};
+
+// A safetensors file: the header at once, tensor data on demand.
+class SafetensorsFile {
+ public:
+  // Throws meshrun::Error (INVALID_ARGUMENT) naming the file when it is
+  // missing or malformed.
+  explicit SafetensorsFile(std::string path);
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, StoredTensor>& tensors() const { return tensors_; }
+  // Elements [first, first + count) of tensor `name` as float32.
+  void read(const std::string& name, int64_t first, int64_t count, float* out) const;
+
+ private:
+  std::string path_;
+  int64_t data_start_ = 0;
+  std::map<std::string, StoredTensor> tensors_;
+};
+
+}  // namespace meshrun::train

@@ -1,0 +1,170 @@
+#include "train/trainer.hpp"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+namespace meshrun::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Weight decay on every matrix, none on the 1-D norm weights (GPT-2 /
+// nanoGPT practice: decaying a norm's scale towards 0 only hurts).
+std::vector<uint8_t> decay_mask(const llama::LlamaModel& model) {
+  std::vector<uint8_t> mask;
+  mask.reserve(model.num_parameters());
+  for (const auto& view : model.parameters())
+    mask.insert(mask.end(), view.numel, view.shape.size() > 1);
+  return mask;
+}
+
+}  // namespace
+
+Trainer::Trainer(TrainContext context)
+    : ctx_(std::move(context)),
+      hooks_(ctx_.strategy, ctx_.model),
+      optimizer_(ctx_.config.train, decay_mask(ctx_.model)) {
+  ctx_.model.set_hooks(&hooks_);
+}
+
+void Trainer::resume(const CheckpointIndex& index) {
+  load_sharded(index, 0, ctx_.model.num_parameters(), checkpoint_buffers());
+  optimizer_.restore(index.step);
+  next_step_ = index.step;
+}
+
+std::vector<FlatBuffer> Trainer::checkpoint_buffers() {
+  return {{"params", ctx_.model.param_buffer()},
+          {"exp_avg", optimizer_.exp_avg().data()},
+          {"exp_avg_sq", optimizer_.exp_avg_sq().data()}};
+}
+
+double Trainer::all_reduce(double value, ReduceOp op) {
+  auto single = float(value);
+  FlatTensor tensor(&single, dtype_float32(), 1);
+  ctx_.data_parallel.all_reduce(tensor.get(), op).wait();
+  return single;
+}
+
+bool Trainer::due(int64_t every, int64_t step) const {
+  return step == ctx_.config.train.steps || (every > 0 && step % every == 0);
+}
+
+// Forward and backward over this rank's share of the global batch; returns
+// the loss averaged over the global batch.
+double Trainer::train_step(int64_t step) {
+  const TrainConfig& train = ctx_.config.train;
+  const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
+  const int64_t micro_batches = share / train.micro_batch_size;
+  const int64_t first = ctx_.data_parallel.rank() * share;
+  ctx_.model.zero_grad();
+  double loss_sum = 0.0;
+  for (int64_t k = 0; k < micro_batches; ++k) {
+    ctx_.strategy.begin_micro_batch(k == micro_batches - 1);
+    ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
+                             train.micro_batch_size, tokens_, targets_);
+    loss_sum += ctx_.model.forward(tokens_.data(), targets_.data(), train.micro_batch_size,
+                                   ctx_.data.seq_len());
+    ctx_.model.backward();
+  }
+  ctx_.strategy.finish_gradients();
+  // Each micro-batch's loss is a mean over its tokens, so the accumulated
+  // gradient is micro_batches times the mean over this rank's share; the
+  // strategy averaged the shares, which makes it the global batch's mean.
+  if (micro_batches > 1) {
+    const auto scale = float(1.0 / double(micro_batches));
+    float* grads = ctx_.model.grad_buffer();
+    for (int64_t i = 0; i < ctx_.model.num_parameters(); ++i) grads[i] *= scale;
+  }
+  return all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
+}
+
+void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
+  const TrainConfig& train = ctx_.config.train;
+  float* grads = ctx_.model.grad_buffer();
+  const int64_t numel = ctx_.model.num_parameters();
+  // DDP leaves the same averaged gradient on every rank: the local norm is
+  // the global one (a sharded strategy would all-reduce squared_norm first).
+  metrics.grad_norm = std::sqrt(squared_norm(grads, numel));
+  clip_gradients(grads, numel, metrics.grad_norm, train.max_grad_norm);
+  metrics.lr = learning_rate(train, step);
+  optimizer_.step(ctx_.model.param_buffer(), grads, metrics.lr);
+  if (ctx_.config.model.torch_dtype == "bfloat16") {
+    llama::round_to_bfloat16(ctx_.model.param_buffer(), numel);
+  }
+}
+
+// DESIGN.md's val_loss: the windows are shared out over the data-parallel
+// ranks and the token losses summed over them.
+std::optional<double> Trainer::validate() {
+  const int64_t windows = ctx_.data.val_windows();
+  if (windows == 0) return std::nullopt;
+  const int64_t ranks = ctx_.data_parallel.size(), rank = ctx_.data_parallel.rank();
+  const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
+  const int64_t seq_len = ctx_.data.seq_len();
+  double sum = 0.0;
+  for (int64_t first = begin; first < end; first += ctx_.config.train.micro_batch_size) {
+    const int64_t count = std::min(ctx_.config.train.micro_batch_size, end - first);
+    ctx_.data.validation_batch(first, count, tokens_, targets_);
+    sum += double(ctx_.model.forward(tokens_.data(), targets_.data(), count, seq_len)) *
+           double(count * seq_len);
+  }
+  return all_reduce(sum, ReduceOp::sum) / double(windows * seq_len);
+}
+
+void Trainer::save_checkpoint(int64_t step) {
+  const auto dir =
+      std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
+  save_sharded(dir.string(), ctx_.config, step, ctx_.model.num_parameters(), checkpoint_buffers(),
+               ctx_.world);
+}
+
+MemoryUse Trainer::memory_use() {
+  const int64_t bytes = ctx_.model.num_parameters() * int64_t(sizeof(float));
+  return {bytes, bytes, optimizer_.state_bytes(), ctx_.strategy.buffer_bytes(), peak_rss_bytes()};
+}
+
+void Trainer::run() {
+  const TrainConfig& train = ctx_.config.train;
+  const bool writer = ctx_.world.rank() == 0;
+  std::optional<MetricsLog> log;
+  if (writer) log.emplace((std::filesystem::path(ctx_.output_dir) / "metrics.jsonl").string());
+  const double tokens_per_step = double(train.global_batch_size * ctx_.data.seq_len());
+  const int64_t first_step = next_step_;
+  double train_seconds = 0.0;
+  for (; next_step_ < train.steps; ++next_step_) {
+    const auto start = Clock::now();
+    StepMetrics metrics;
+    metrics.step = next_step_ + 1;
+    metrics.loss = train_step(next_step_);
+    optimizer_step(next_step_, metrics);
+    metrics.step_time_s = seconds_since(start);
+    metrics.tokens_per_s = tokens_per_step / metrics.step_time_s;
+    train_seconds += metrics.step_time_s;
+    if (due(train.val_every, metrics.step)) metrics.val_loss = validate();
+    metrics.mem = memory_use();
+    const int64_t save_every = ctx_.config.checkpoint.save_every;
+    if (save_every > 0 && metrics.step % save_every == 0) save_checkpoint(metrics.step);
+    if (!writer) continue;
+    log->write(metrics);
+    if (due(train.log_every, metrics.step) || metrics.val_loss) {
+      const double eta =
+          train_seconds / double(metrics.step - first_step) * double(train.steps - metrics.step);
+      std::printf("%s\n", progress_line(metrics, train.steps, eta).c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (writer && ctx_.config.checkpoint.export_consolidated) {
+    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model);
+  }
+}
+
+}  // namespace meshrun::train

@@ -1,0 +1,62 @@
+// The training loop of one rank: micro-batches with gradient accumulation
+// through the strategy's hooks, gradient clipping, AdamW, validation,
+// metrics, and checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "llama/model.hpp"
+#include "strategy/strategy.hpp"
+#include "train/checkpoint.hpp"
+#include "train/data.hpp"
+#include "train/hooks.hpp"
+#include "train/metrics.hpp"
+#include "train/optimizer.hpp"
+
+namespace meshrun::train {
+
+// What a rank trains with; everything outlives the Trainer.
+struct TrainContext {
+  const Config& config;
+  const TokenData& data;
+  llama::LlamaModel& model;
+  Strategy& strategy;
+  Communicator& world;
+  Communicator& data_parallel;
+  std::string output_dir;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(TrainContext context);
+
+  // Continues from a sharded checkpoint: parameters, AdamW moments and the
+  // step. Sampling depends only on (seed, step), so that is all the state.
+  void resume(const CheckpointIndex& index);
+  // Trains up to train.steps; rank 0 writes metrics.jsonl and, at the end,
+  // the consolidated checkpoint.
+  void run();
+
+ private:
+  double train_step(int64_t step);
+  void optimizer_step(int64_t step, StepMetrics& metrics);
+  std::optional<double> validate();
+  bool due(int64_t every, int64_t step) const;
+  double all_reduce(double value, ReduceOp op);
+  void save_checkpoint(int64_t step);
+  MemoryUse memory_use();
+  std::vector<FlatBuffer> checkpoint_buffers();
+
+  TrainContext ctx_;
+  StrategyHooks hooks_;
+  AdamW optimizer_;
+  int64_t next_step_ = 0;
+  std::vector<int32_t> tokens_, targets_;
+};
+
+}  // namespace meshrun::train

@@ -1,0 +1,372 @@
+// The Llama layers as plain kernels, in the style of llm.c: the forward and
+// the backward of each layer side by side, each with its math, written as
+// loops or one BLAS call. Templated on the real type so the model runs them
+// in float and the tests check every backward against finite differences of
+// its forward in double.
+//
+// Conventions. Matrices are row-major. Activations hold one row per token:
+// N = batch * seq_len rows, token (b, t) in row b * seq_len + t. Weights have
+// Hugging Face's shape [out, in]. Backward kernels take the upstream
+// gradient dL/dy and accumulate (+=) into parameter gradients; activation
+// gradients are overwritten unless the comment says they accumulate.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace meshrun::llama {
+
+// C[m, n] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T;
+// lda, ldb, ldc are the row strides of A, B and C as stored. One BLAS call.
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+          int64_t ldc);
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha,
+          const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc);
+
+// ---------------------------------------------------------------------------
+// Embedding: out[r, :] = table[tokens[r], :]
+
+template <typename Real>
+void embedding_forward(Real* out, const int32_t* tokens, const Real* table, int64_t rows,
+                       int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(table + tokens[r] * dim, dim, out + r * dim);
+  }
+}
+
+// d_table[tokens[r], :] += d_out[r, :]
+template <typename Real>
+void embedding_backward(Real* d_table, const int32_t* tokens, const Real* d_out, int64_t rows,
+                        int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* d_row = d_table + tokens[r] * dim;
+    for (int64_t i = 0; i < dim; ++i) d_row[i] += d_out[r * dim + i];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Linear without bias: y[N, out] = x[N, in] W[out, in]^T
+
+template <typename Real>
+void linear_forward(Real* y, const Real* x, const Real* weight, int64_t rows, int64_t in,
+                    int64_t out) {
+  gemm(false, true, rows, out, in, Real(1), x, in, weight, in, Real(0), y, out);
+}
+
+// dx[N, in] = dy[N, out] W[out, in];  dW[out, in] += dy^T x
+template <typename Real>
+void linear_backward(Real* dx, Real* d_weight, const Real* dy, const Real* x, const Real* weight,
+                     int64_t rows, int64_t in, int64_t out) {
+  gemm(false, false, rows, in, out, Real(1), dy, out, weight, in, Real(0), dx, in);
+  gemm(true, false, out, in, rows, Real(1), dy, out, x, in, Real(1), d_weight, in);
+}
+
+// ---------------------------------------------------------------------------
+// Residual connection: out = x + delta. Its backward hands dL/dout to both
+// inputs unchanged, which the model does by keeping one gradient buffer for
+// the residual stream that the branches accumulate into.
+
+template <typename Real>
+void residual_forward(Real* out, const Real* x, const Real* delta, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = x[i] + delta[i];
+}
+
+// ---------------------------------------------------------------------------
+// RMSNorm per row: y_i = x_i * r * w_i, r = (mean_j x_j^2 + eps)^(-1/2).
+// r is kept per row for the backward.
+
+template <typename Real>
+void rmsnorm_forward(Real* y, Real* rstd, const Real* x, const Real* weight, int64_t rows,
+                     int64_t dim, double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* x_row = x + r * dim;
+    Real sum_squares = 0;
+    for (int64_t i = 0; i < dim; ++i) sum_squares += x_row[i] * x_row[i];
+    const Real s = Real(1) / std::sqrt(sum_squares / Real(dim) + Real(eps));
+    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] = x_row[i] * s * weight[i];
+    rstd[r] = s;
+  }
+}
+
+// dr/dx_j = -r^3 x_j / dim, so
+//   dx_j += r * (dy_j w_j - x_j r^2 / dim * sum_i dy_i w_i x_i)
+//   dw_i += sum over rows of dy_i x_i r
+// dx accumulates: it is the residual stream's gradient, which also flows past
+// the norm unchanged.
+template <typename Real>
+void rmsnorm_backward(Real* dx, Real* d_weight, const Real* dy, const Real* x, const Real* weight,
+                      const Real* rstd, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* x_row = x + r * dim;
+    const Real* dy_row = dy + r * dim;
+    const Real s = rstd[r];
+    Real dot = 0;
+    for (int64_t i = 0; i < dim; ++i) dot += dy_row[i] * weight[i] * x_row[i];
+    const Real coefficient = s * s * dot / Real(dim);
+    for (int64_t i = 0; i < dim; ++i) {
+      dx[r * dim + i] += s * (dy_row[i] * weight[i] - x_row[i] * coefficient);
+      d_weight[i] += dy_row[i] * x_row[i] * s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Rotary position embedding, Hugging Face convention. For head_dim d and
+// i < d/2: inv_freq_i = theta^(-2i/d), angle = pos * inv_freq_i, and with
+// emb = concat(angles, angles): x' = x cos(emb) + rotate_half(x) sin(emb),
+// rotate_half(x) = concat(-x[d/2:], x[:d/2]). So each pair (x_i, x_{i+d/2})
+// turns by its angle:
+//   x'_i       = x_i cos - x_{i+d/2} sin
+//   x'_{i+d/2} = x_{i+d/2} cos + x_i sin
+
+template <typename Real>
+struct RotaryTable {
+  int64_t half_dim = 0;
+  std::vector<Real> cos;  // [seq_len, half_dim]
+  std::vector<Real> sin;  // [seq_len, half_dim]
+
+  RotaryTable(int64_t head_dim, int64_t seq_len, double theta)
+      : half_dim(head_dim / 2), cos(seq_len * half_dim), sin(seq_len * half_dim) {
+    for (int64_t pos = 0; pos < seq_len; ++pos) {
+      for (int64_t i = 0; i < half_dim; ++i) {
+        const double inv_freq = std::pow(theta, -2.0 * double(i) / double(head_dim));
+        const double angle = double(pos) * inv_freq;
+        cos[pos * half_dim + i] = Real(std::cos(angle));
+        sin[pos * half_dim + i] = Real(std::sin(angle));
+      }
+    }
+  }
+};
+
+// Turns the first `heads` head vectors of every row by direction * angle,
+// in place. Position = t within the sequence; rows are `row_stride` apart.
+template <typename Real>
+void rotate_heads(Real* x, const RotaryTable<Real>& table, int64_t batch, int64_t seq_len,
+                  int64_t heads, int64_t row_stride, Real direction) {
+  const int64_t half = table.half_dim;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const Real* cos = table.cos.data() + t * half;
+      const Real* sin = table.sin.data() + t * half;
+      Real* row = x + (b * seq_len + t) * row_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        Real* first = row + h * 2 * half;
+        Real* second = first + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const Real x1 = first[i];
+          const Real x2 = second[i];
+          const Real s = direction * sin[i];
+          first[i] = x1 * cos[i] - x2 * s;
+          second[i] = x2 * cos[i] + x1 * s;
+        }
+      }
+    }
+  }
+}
+
+template <typename Real>
+void rotary_forward(Real* x, const RotaryTable<Real>& table, int64_t batch, int64_t seq_len,
+                    int64_t heads, int64_t row_stride) {
+  rotate_heads(x, table, batch, seq_len, heads, row_stride, Real(1));
+}
+
+// The rotation is orthogonal, so its transpose turns back by -angle:
+//   dx_i = dy_i cos + dy_{i+d/2} sin,  dx_{i+d/2} = dy_{i+d/2} cos - dy_i sin
+// In place on the gradient.
+template <typename Real>
+void rotary_backward(Real* dx, const RotaryTable<Real>& table, int64_t batch, int64_t seq_len,
+                     int64_t heads, int64_t row_stride) {
+  rotate_heads(dx, table, batch, seq_len, heads, row_stride, Real(-1));
+}
+
+// ---------------------------------------------------------------------------
+// Grouped-query causal attention. Each row of qkv is
+// [q heads (heads * d) | k heads (kv_heads * d) | v heads (kv_heads * d)];
+// query head h reads kv head h / (heads / kv_heads). Per sequence and head:
+//   S = Q K^T / sqrt(d), P = softmax(S) over s <= t (causal), Y = P V
+// P is kept ([batch, heads, seq, seq]). Queries go in blocks of query_block
+// rows: block [t0, t1) sees keys [0, t1) only, so the GEMMs skip most of the
+// masked upper triangle, and P is written only left of t1 in those rows.
+
+struct AttentionShape {
+  int64_t batch = 0;
+  int64_t seq_len = 0;
+  int64_t heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t query_block = 64;
+
+  int64_t q_dim() const { return heads * head_dim; }
+  int64_t kv_dim() const { return kv_heads * head_dim; }
+  int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+  // Column offsets of query head h's q, and of its k and v, in a qkv row.
+  int64_t q_offset(int64_t h) const { return h * head_dim; }
+  int64_t k_offset(int64_t h) const { return q_dim() + (h / (heads / kv_heads)) * head_dim; }
+  int64_t v_offset(int64_t h) const { return k_offset(h) + kv_dim(); }
+  // Scratch attention_backward needs.
+  int64_t d_scores_size() const { return std::min(query_block, seq_len) * seq_len; }
+};
+
+// Row t of S becomes softmax over s <= t, max subtracted; s in (t, width)
+// becomes 0, where the block's GEMMs still read it.
+template <typename Real>
+void causal_softmax_row(Real* row, int64_t t, int64_t width) {
+  const Real max = *std::max_element(row, row + t + 1);
+  Real sum = 0;
+  for (int64_t s = 0; s <= t; ++s) {
+    row[s] = std::exp(row[s] - max);
+    sum += row[s];
+  }
+  const Real inv_sum = Real(1) / sum;
+  for (int64_t s = 0; s <= t; ++s) row[s] *= inv_sum;
+  std::fill(row + t + 1, row + width, Real(0));
+}
+
+// out: [N, heads * d]; probs: [batch, heads, seq, seq].
+template <typename Real>
+void attention_forward(Real* out, Real* probs, const Real* qkv, const AttentionShape& shape) {
+  const int64_t T = shape.seq_len, d = shape.head_dim;
+  const int64_t ld_qkv = shape.qkv_dim(), ld_out = shape.q_dim();
+  const Real scale = Real(1) / std::sqrt(Real(d));
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const Real* seq = qkv + b * T * ld_qkv;
+    for (int64_t h = 0; h < shape.heads; ++h) {
+      const Real* q = seq + shape.q_offset(h);
+      const Real* k = seq + shape.k_offset(h);
+      const Real* v = seq + shape.v_offset(h);
+      Real* p = probs + (b * shape.heads + h) * T * T;
+      Real* y = out + b * T * ld_out + h * d;
+      for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
+        const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
+        gemm(false, true, rows, t1, d, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0),
+             p + t0 * T, T);
+        for (int64_t t = t0; t < t1; ++t) causal_softmax_row(p + t * T, t, t1);
+        gemm(false, false, rows, d, t1, Real(1), p + t0 * T, T, v, ld_qkv, Real(0), y + t0 * ld_out,
+             ld_out);
+      }
+    }
+  }
+}
+
+// With dY the gradient of Y, per sequence, head and query block:
+//   dV += P^T dY;  dP = dY V^T
+//   dS = P * (dP - rowsum(P * dP))          (softmax backward; 0 for s > t)
+//   dQ = dS K / sqrt(d);  dK += dS^T Q / sqrt(d)
+// dV and dK accumulate over the blocks and over the query heads sharing a kv
+// head. d_qkv is overwritten; d_scores is scratch of shape.d_scores_size().
+template <typename Real>
+void attention_backward(Real* d_qkv, Real* d_scores, const Real* d_out, const Real* qkv,
+                        const Real* probs, const AttentionShape& shape) {
+  const int64_t T = shape.seq_len, d = shape.head_dim;
+  const int64_t ld_qkv = shape.qkv_dim(), ld_out = shape.q_dim();
+  const Real scale = Real(1) / std::sqrt(Real(d));
+  std::fill_n(d_qkv, shape.batch * T * ld_qkv, Real(0));
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const Real* seq = qkv + b * T * ld_qkv;
+    Real* d_seq = d_qkv + b * T * ld_qkv;
+    for (int64_t h = 0; h < shape.heads; ++h) {
+      const Real* q = seq + shape.q_offset(h);
+      const Real* k = seq + shape.k_offset(h);
+      const Real* v = seq + shape.v_offset(h);
+      const Real* p = probs + (b * shape.heads + h) * T * T;
+      const Real* dy = d_out + b * T * ld_out + h * d;
+      for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
+        const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
+        const Real* p_block = p + t0 * T;
+        gemm(true, false, t1, d, rows, Real(1), p_block, T, dy + t0 * ld_out, ld_out, Real(1),
+             d_seq + shape.v_offset(h), ld_qkv);
+        gemm(false, true, rows, t1, d, Real(1), dy + t0 * ld_out, ld_out, v, ld_qkv, Real(0),
+             d_scores, T);
+        for (int64_t t = t0; t < t1; ++t) {
+          const Real* p_row = p + t * T;
+          Real* ds_row = d_scores + (t - t0) * T;
+          Real dot = 0;
+          for (int64_t s = 0; s <= t; ++s) dot += p_row[s] * ds_row[s];
+          for (int64_t s = 0; s <= t; ++s) ds_row[s] = p_row[s] * (ds_row[s] - dot);
+          std::fill(ds_row + t + 1, ds_row + t1, Real(0));
+        }
+        gemm(false, false, rows, d, t1, scale, d_scores, T, k, ld_qkv, Real(0),
+             d_seq + shape.q_offset(h) + t0 * ld_qkv, ld_qkv);
+        gemm(true, false, t1, d, rows, scale, d_scores, T, q + t0 * ld_qkv, ld_qkv, Real(1),
+             d_seq + shape.k_offset(h), ld_qkv);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// SwiGLU: each row of gate_up is [gate (dim) | up (dim)];
+//   out = silu(gate) * up,  silu(a) = a * sigmoid(a)
+
+template <typename Real>
+void swiglu_forward(Real* out, const Real* gate_up, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* gate = gate_up + r * 2 * dim;
+    const Real* up = gate + dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      const Real sigmoid = Real(1) / (Real(1) + std::exp(-gate[i]));
+      out[r * dim + i] = gate[i] * sigmoid * up[i];
+    }
+  }
+}
+
+// silu'(a) = s (1 + a (1 - s)), s = sigmoid(a), so
+//   d_gate = d_out * up * silu'(gate),  d_up = d_out * silu(gate)
+template <typename Real>
+void swiglu_backward(Real* d_gate_up, const Real* d_out, const Real* gate_up, int64_t rows,
+                     int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* gate = gate_up + r * 2 * dim;
+    const Real* up = gate + dim;
+    Real* d_gate = d_gate_up + r * 2 * dim;
+    Real* d_up = d_gate + dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      const Real sigmoid = Real(1) / (Real(1) + std::exp(-gate[i]));
+      const Real dy = d_out[r * dim + i];
+      d_gate[i] = dy * up[i] * sigmoid * (Real(1) + gate[i] * (Real(1) - sigmoid));
+      d_up[i] = dy * gate[i] * sigmoid;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Mean cross-entropy over N rows, natural log:
+//   L = 1/N sum_r (log sum_v exp(z_rv) - z_r,target_r)
+// The logits are replaced by their softmax probabilities, which the backward
+// needs.
+
+template <typename Real>
+double cross_entropy_forward(Real* logits, const int32_t* targets, int64_t rows, int64_t vocab) {
+  double total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* z = logits + r * vocab;
+    const Real max = *std::max_element(z, z + vocab);
+    const Real target_logit = z[targets[r]];
+    Real sum = 0;
+    for (int64_t v = 0; v < vocab; ++v) {
+      z[v] = std::exp(z[v] - max);
+      sum += z[v];
+    }
+    const Real inv_sum = Real(1) / sum;
+    for (int64_t v = 0; v < vocab; ++v) z[v] *= inv_sum;
+    total += double(std::log(sum) + max - target_logit);
+  }
+  return total / double(rows);
+}
+
+// dL/dz_rv = (p_rv - [v == target_r]) / N, in place over the probabilities.
+template <typename Real>
+void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, int64_t vocab) {
+  const Real inv_rows = Real(1) / Real(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* p = probs + r * vocab;
+    p[targets[r]] -= Real(1);
+    for (int64_t v = 0; v < vocab; ++v) p[v] *= inv_rows;
+  }
+}
+
+}  // namespace meshrun::llama
