@@ -281,7 +281,8 @@ std::vector<std::string> meshrun_variables() {
   for (char** entry = environ; *entry != nullptr; ++entry) {
     const std::string_view variable(*entry);
     const size_t equals = variable.find('=');
-    if (variable.rfind("MESHRUN_", 0) == 0 && equals != std::string_view::npos) {
+    const bool ours = variable.rfind("MESHRUN_", 0) == 0 || variable.rfind("OPENBLAS_", 0) == 0;
+    if (ours && equals != std::string_view::npos) {
       names.emplace_back(variable.substr(0, equals));
     }
   }

@@ -24,7 +24,7 @@ std::optional<std::string> find_on_path(const std::string& name);
 
 // The facts of this process: mpirun found on PATH (throws meshrun::Error
 // NOT_FOUND naming Debian's openmpi-bin when it is not), effective user,
-// CPU affinity, and the MESHRUN_* variables of the environment.
+// CPU affinity, and the MESHRUN_* and OPENBLAS_* variables of the environment.
 HostFacts host_facts();
 
 // mpirun's argv for nproc_per_node ranks of `command`.

@@ -42,9 +42,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "torch_llama_ddp.py")
 
 
+def blas_kernels():
+    """The OpenBLAS kernels `meshrun train` gives its ranks (core/launch), so
+    that the peer runs on the same ones: the user's OPENBLAS_CORETYPE, else
+    SkylakeX with AVX-512, Haswell with AVX2, else OpenBLAS's own choice."""
+    if "OPENBLAS_CORETYPE" in os.environ:
+        return os.environ["OPENBLAS_CORETYPE"]
+    flags = open("/proc/cpuinfo", encoding="utf-8").read().split()
+    if "avx512f" in flags:
+        return "SkylakeX"
+    return "Haswell" if "avx2" in flags else None
+
+
 def one_thread_env():
-    """The environment for every run: one OpenMP and one OpenBLAS thread per rank."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    """The environment for every run: one OpenMP and one OpenBLAS thread per
+    rank, and the same OpenBLAS kernels for meshrun and the peer."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    if blas_kernels():
+        env["OPENBLAS_CORETYPE"] = blas_kernels()
+    return env
 
 
 def batch_shape(config_path):
