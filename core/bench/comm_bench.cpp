@@ -191,16 +191,17 @@ int64_t parse_byte_size(const std::string& text) {
   if (suffix == "K" || suffix == "KiB") scale = int64_t{1} << 10;
   if (suffix == "M" || suffix == "MiB") scale = int64_t{1} << 20;
   if (suffix == "G" || suffix == "GiB") scale = int64_t{1} << 30;
-  if (digits == 0 || digits > 6 || scale == 0) {
+  if (digits == 0 || digits > 12 || scale == 0) {
     throw invalid_argument(fmt::format(
         "--sizes: '{}' is not a size; write a number with an optional K, M or G suffix (64K, 16M)",
         text));
   }
-  const int64_t value = std::stoll(text.substr(0, digits)) * scale;
-  if (value < 1 || value > (int64_t{4} << 30)) {
+  constexpr int64_t kLargest = int64_t{4} << 30;
+  const int64_t count = std::stoll(text.substr(0, digits));
+  if (count < 1 || count > kLargest / scale) {
     throw invalid_argument(fmt::format("--sizes: '{}' must be between 1 byte and 4G", text));
   }
-  return value;
+  return count * scale;
 }
 
 double bus_bandwidth(BenchOp op, int64_t nproc, double algbw) {

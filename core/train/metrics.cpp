@@ -24,6 +24,7 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"loss", m.loss},
                                  {"tokens_per_s", m.tokens_per_s},
                                  {"step_time_s", m.step_time_s},
+                                 {"grad_sync_wait_s", m.grad_sync_wait_s},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
   if (m.val_loss) line["val_loss"] = *m.val_loss;

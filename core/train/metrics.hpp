@@ -25,6 +25,9 @@ struct StepMetrics {
   double step_time_s = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
+  // Time finish_gradients blocked: the gradient communication backward did
+  // not hide.
+  double grad_sync_wait_s = 0;
   std::optional<double> val_loss;
   MemoryUse mem;
 };

@@ -58,9 +58,10 @@ bool Trainer::due(int64_t every, int64_t step) const {
   return step == ctx_.config.train.steps || (every > 0 && step % every == 0);
 }
 
-// Forward and backward over this rank's share of the global batch; returns
-// the loss averaged over the global batch.
-double Trainer::train_step(int64_t step) {
+// Forward and backward over this rank's share of the global batch: the loss
+// averaged over the global batch, and how long the step waited for the
+// gradient reduction that backward did not hide.
+void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const TrainConfig& train = ctx_.config.train;
   const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
   const int64_t micro_batches = share / train.micro_batch_size;
@@ -75,7 +76,9 @@ double Trainer::train_step(int64_t step) {
                                    ctx_.data.seq_len());
     ctx_.model.backward();
   }
+  const auto sync_start = Clock::now();
   ctx_.strategy.finish_gradients();
+  metrics.grad_sync_wait_s = seconds_since(sync_start);
   // Each micro-batch's loss is a mean over its tokens, so the accumulated
   // gradient is micro_batches times the mean over this rank's share; the
   // strategy averaged the shares, which makes it the global batch's mean.
@@ -84,7 +87,7 @@ double Trainer::train_step(int64_t step) {
     float* grads = ctx_.model.grad_buffer();
     for (int64_t i = 0; i < ctx_.model.num_parameters(); ++i) grads[i] *= scale;
   }
-  return all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
+  metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
 }
 
 void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
@@ -144,7 +147,7 @@ void Trainer::run() {
     const auto start = Clock::now();
     StepMetrics metrics;
     metrics.step = next_step_ + 1;
-    metrics.loss = train_step(next_step_);
+    train_step(next_step_, metrics);
     optimizer_step(next_step_, metrics);
     metrics.step_time_s = seconds_since(start);
     metrics.tokens_per_s = tokens_per_step / metrics.step_time_s;

@@ -43,7 +43,8 @@ class Trainer {
   void run();
 
  private:
-  double train_step(int64_t step);
+  // Sets metrics.loss and metrics.grad_sync_wait_s.
+  void train_step(int64_t step, StepMetrics& metrics);
   void optimizer_step(int64_t step, StepMetrics& metrics);
   std::optional<double> validate();
   bool due(int64_t every, int64_t step) const;

@@ -90,7 +90,8 @@ def step_times(records, warmup):
 
 
 def meshrun_train(args, nproc, global_batch, output):
-    """Step times of one `meshrun train` run, from rank 0's records in OUTPUT/metrics.jsonl."""
+    """(step times, step records) of one `meshrun train` run, from OUTPUT/metrics.jsonl
+    (rank 0's), both without the first --warmup steps."""
     run([args.meshrun, "train", args.config, "--nproc-per-node", str(nproc), "--output", output,
          f"train.steps={args.steps}", "train.val_every=0", "checkpoint.export=false",
          f"train.global_batch_size={global_batch}"], f"meshrun train on {nproc} rank(s)")
@@ -99,7 +100,20 @@ def meshrun_train(args, nproc, global_batch, output):
         sys.exit(f"train_vs_torch: meshrun train wrote no {metrics}")
     with open(metrics) as f:
         records = [json.loads(line) for line in f if line.startswith("{")]
-    return step_times([r for r in records if r.get("rank", 0) == 0], args.warmup)
+    records = [r for r in records if r.get("rank", 0) == 0]
+    return step_times(records, args.warmup), records[args.warmup:]
+
+
+def hidden_share(args, records):
+    """Share of the gradient all-reduce hidden behind backward: 1 - (what the
+    step waited for in finish_gradients) / (a blocking all_reduce of the whole
+    gradient buffer on the same ranks, from `meshrun bench comm`)."""
+    grad_bytes = records[-1]["mem"]["grads"]
+    output = run([args.meshrun, "bench", "comm", "--nproc", "2", "--ops", "all_reduce",
+                  "--sizes", str(grad_bytes), "--json"], "meshrun bench comm")
+    blocking_s = json.loads(output.splitlines()[-1])["time_us"] / 1e6
+    waited_s = statistics.mean(r["grad_sync_wait_s"] for r in records)
+    return blocking_s, waited_s, max(0.0, 1 - waited_s / blocking_s)
 
 
 def torch_peer(args, extra):
@@ -124,8 +138,9 @@ def main():
                  "1-rank baselines run half of it")
 
     with tempfile.TemporaryDirectory(prefix="train_vs_torch.") as tmp:
-        meshrun_2 = meshrun_train(args, 2, global_batch, os.path.join(tmp, "ddp2"))
-        meshrun_1 = meshrun_train(args, 1, global_batch // 2, os.path.join(tmp, "single"))
+        meshrun_2, records_2 = meshrun_train(args, 2, global_batch, os.path.join(tmp, "ddp2"))
+        meshrun_1, _ = meshrun_train(args, 1, global_batch // 2, os.path.join(tmp, "single"))
+    blocking_s, waited_s, hidden = hidden_share(args, records_2)
     torch_2, torch_summary = torch_peer(args, ["--nproc", "2"])
     torch_1, _ = torch_peer(args, ["--no-ddp", "--global-batch-size", str(global_batch // 2)])
 
@@ -144,6 +159,8 @@ def main():
           "DDP overhead goal <= 10%")
     print(f"torch: all-reduce span {torch_summary['allreduce_span_s_mean'] * 1e3:.0f} ms per "
           f"step, {torch_summary['allreduce_hidden_fraction']:.0%} of it hidden behind backward")
+    print(f"meshrun: blocking all-reduce of the gradients {blocking_s * 1e3:.1f} ms, the step "
+          f"waited {waited_s * 1e3:.1f} ms for it: {hidden:.0%} hidden behind backward")
     return 0
 
 
