@@ -49,24 +49,23 @@ TEST_CASE("train: clipping scales to max_grad_norm like clip_grad_norm_", "[trai
   CHECK(std::sqrt(train::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
 }
 
-TEST_CASE("train: hook ranges cover every parameter once, per unit", "[train]") {
+TEST_CASE("train: hook ranges tile the buffers in parameter order", "[train]") {
   llama::LlamaConfig config;
   config.hidden_size = 16;
   config.intermediate_size = 32;
   config.num_hidden_layers = 3;
   config.num_attention_heads = 2;
   config.num_key_value_heads = 1;
-  const llama::LlamaModel model(config);
-  const auto ranges = train::unit_ranges(model);
-  REQUIRE(ranges.size() == 4);
-  CHECK(ranges[0].size() == 2);  // root: norm + lm_head, then embed_tokens
-  int64_t covered = 0;
-  for (const auto& unit : ranges) {
-    for (const auto& [begin, end] : unit) covered += end - begin;
+  llama::LlamaModel model(config);
+  const auto ranges = train::parameter_ranges(model);
+  REQUIRE(ranges.size() == model.parameters().size());
+  int64_t next = 0;
+  for (size_t p = 0; p < ranges.size(); ++p) {
+    CHECK(ranges[p].first == next);
+    CHECK(ranges[p].first == model.parameters()[p].data - model.param_buffer());
+    next = ranges[p].second;
   }
-  CHECK(covered == model.num_parameters());
-  CHECK(ranges[1].size() == 1);
-  CHECK(ranges[1][0].second == ranges[2][0].first);
+  CHECK(next == model.num_parameters());
 }
 
 TEST_CASE("train: training samples stay in the training part and depend on (seed, step, index)",
