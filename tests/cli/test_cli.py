@@ -14,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import unittest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import InputErrorAssertions  # noqa: E402
 
 MESHRUN = sys.argv[1] if len(sys.argv) > 1 else "meshrun"
 SOURCE_DIR = sys.argv[2] if len(sys.argv) > 2 else "."
@@ -43,16 +45,7 @@ class ConfigFile:
         os.unlink(self.file.name)
 
 
-class BadInputTest(unittest.TestCase):
-    def assert_input_error(self, result, *needles):
-        self.assertEqual(result.returncode, 2, result.stderr + result.stdout)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        self.assertTrue(lines[0].startswith("meshrun: error: "), lines[0])
-        for needle in needles:
-            self.assertIn(needle, lines[0])
-        self.assertEqual(result.stdout, "")
-
+class BadInputTest(InputErrorAssertions):
     def plan_text(self, text, *args, needles=()):
         with ConfigFile(text) as path:
             result = run("plan", path, *args)

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 import unittest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import InputErrorAssertions  # noqa: E402
 
 MESHRUN = sys.argv[1] if len(sys.argv) > 1 else "meshrun"
 PROGRAM = sys.argv[2] if len(sys.argv) > 2 else "meshrun-launch-rank-program"
@@ -162,16 +164,7 @@ class FailureTest(unittest.TestCase):
         return found
 
 
-class BadInputTest(unittest.TestCase):
-    def assert_input_error(self, result, *needles):
-        self.assertEqual(result.returncode, 2, result.stderr + result.stdout)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        self.assertTrue(lines[0].startswith("meshrun: error: "), lines[0])
-        for needle in needles:
-            self.assertIn(needle, lines[0])
-        self.assertEqual(result.stdout, "")
-
+class BadInputTest(InputErrorAssertions):
     def test_bad_arguments(self):
         cases = [
             (["--nproc-per-node", "0", "--", PROGRAM], ["--nproc-per-node", "got '0'"]),

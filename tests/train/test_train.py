@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import unittest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import InputErrorAssertions  # noqa: E402
 
 MESHRUN = sys.argv[1] if len(sys.argv) > 1 else "meshrun"
 TOLERANCE = 1e-4
@@ -207,20 +209,15 @@ class Checkpoints(TrainTest):
             self.assertEqual(json.load(f)["torch_dtype"], "bfloat16")
 
 
-class BadInput(TrainTest):
-    def assert_input_error(self, key, *overrides, nproc=2):
+class BadInput(TrainTest, InputErrorAssertions):
+    def assert_bad_training_input(self, key, *overrides, nproc=2):
         result = run(self.runs.config, "--nproc-per-node", str(nproc),
                      "--output", os.path.join(self.runs.root, "bad"), *overrides)
-        self.assertEqual(result.returncode, 2, result.stderr + result.stdout)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        self.assertTrue(lines[0].startswith("meshrun: error: "), lines[0])
-        self.assertIn(key, lines[0])
-        self.assertEqual(result.stdout, "")
+        self.assert_input_error(result, key)
         self.assertFalse(os.path.exists(os.path.join(self.runs.root, "bad")))
 
     def test_missing_data_file(self):
-        self.assert_input_error("data.path", "data.path=/nonexistent/text")
+        self.assert_bad_training_input("data.path", "data.path=/nonexistent/text")
 
     def test_data_key_position_is_named(self):
         with open(self.runs.config) as f:
@@ -251,7 +248,7 @@ class BadInput(TrainTest):
         ]
         for key, *overrides in cases:
             with self.subTest(key=key):
-                self.assert_input_error(key, *overrides)
+                self.assert_bad_training_input(key, *overrides)
 
 
 if __name__ == "__main__":
