@@ -125,16 +125,34 @@ namespace {
 // OpenBLAS 0.3.21 does not recognise recent Xeons and falls back to its
 // slowest (Prescott) kernels: a training step runs 3.5x slower. Unless the
 // user chose (OPENBLAS_CORETYPE set), ranks get the kernels of the newest
-// instruction set this CPU has; the variable is read when the ranks load
-// OpenBLAS, so it only reaches processes started after this.
-void choose_blas_kernels() {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return;
+// instruction set this CPU has. OpenBLAS reads the variable when it loads,
+// so it reaches only processes started after this. Returns whether it set it.
+bool choose_blas_kernels() {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return false;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
-    setenv("OPENBLAS_CORETYPE", "SkylakeX", 0);
-  } else if (__builtin_cpu_supports("avx2")) {
-    setenv("OPENBLAS_CORETYPE", "Haswell", 0);
+  const char* kernels = __builtin_cpu_supports("avx512f") ? "SkylakeX"
+                        : __builtin_cpu_supports("avx2")  ? "Haswell"
+                                                          : nullptr;
+  return kernels != nullptr && setenv("OPENBLAS_CORETYPE", kernels, 0) == 0;
+}
+
+std::filesystem::path this_executable() {
+  std::error_code error;
+  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("cannot find this executable (/proc/self/exe): {}", error.message()));
   }
+  return self;
+}
+
+// Runs this executable again with the same arguments, in this process, so
+// that libraries read the environment afresh. Returns only if exec fails.
+void exec_self(int argc, char** argv) {
+  std::fflush(nullptr);
+  std::vector<char*> args(argv, argv + argc);
+  args.push_back(nullptr);
+  execv(this_executable().c_str(), args.data());
 }
 
 }  // namespace
@@ -142,14 +160,13 @@ void choose_blas_kernels() {
 std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** argv,
                                            const LaunchOptions& options) {
   if (detect_launcher()) return std::nullopt;
-  if (nproc_per_node == 1 && options.hostfile.empty()) return std::nullopt;
-  std::error_code error;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) {
-    throw Error(MESHRUN_INTERNAL,
-                fmt::format("cannot find this executable (/proc/self/exe): {}", error.message()));
+  if (nproc_per_node == 1 && options.hostfile.empty()) {
+    // The only rank is this process: it needs a fresh start to load OpenBLAS
+    // with the kernels chosen (a failed exec just keeps the default ones).
+    if (choose_blas_kernels()) exec_self(argc, argv);
+    return std::nullopt;
   }
-  std::vector<std::string> command = {self.string()};
+  std::vector<std::string> command = {this_executable().string()};
   command.insert(command.end(), argv + std::min(argc, 1), argv + argc);
   choose_blas_kernels();
   return launch_local(nproc_per_node, command, options);

@@ -69,9 +69,11 @@ int launch_local(int nproc_per_node, const std::vector<std::string>& command,
 // - Under a launcher: returns std::nullopt; the launcher's world size
 //   wins over nproc_per_node.
 // - No launcher and nproc_per_node == 1: returns std::nullopt; this process
-//   is the only rank.
+//   is the only rank. When OPENBLAS_CORETYPE is unset it first sets it for
+//   this CPU and re-executes itself once, so OpenBLAS loads those kernels.
 // - Otherwise: runs this executable (/proc/self/exe) with argv[1..] as
-//   nproc_per_node ranks through launch_local, and returns the job's exit
+//   nproc_per_node ranks through launch_local (with OPENBLAS_CORETYPE set
+//   for this CPU unless the user set it), and returns the job's exit
 //   status for the caller to return from main. Inside those ranks the same
 //   call returns std::nullopt, so the arguments need no change.
 // Throws as launch_local.
