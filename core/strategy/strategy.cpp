@@ -20,11 +20,7 @@ std::shared_ptr<PluginLibrary> require_training_entry_points(
     throw invalid_argument(fmt::format("plugin {} is a {} plugin, not a strategy", library->path(),
                                        plugin_kind_name(library->kind())));
   }
-  const meshrun_strategy_api& strategy = *api.strategy;
-  if (strategy.struct_size < MESHRUN_STRATEGY_API_SIZE_1_2 || strategy.setup == nullptr ||
-      strategy.broadcast_parameters == nullptr || strategy.begin_micro_batch == nullptr ||
-      strategy.gradients_ready == nullptr || strategy.finish_gradients == nullptr ||
-      strategy.memory == nullptr) {
+  if (!strategy_can_train(*library)) {
     throw Error(MESHRUN_UNIMPLEMENTED,
                 fmt::format("strategy plugin {} (ABI {}.{}) has no training entry points: "
                             "training with strategy {} is not implemented yet",
@@ -38,6 +34,13 @@ DLTensor flat_float32(float* data, int64_t& numel) {
 }
 
 }  // namespace
+
+bool strategy_can_train(const PluginLibrary& library) {
+  const meshrun_strategy_api* s = library.api().strategy;
+  return s != nullptr && s->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_2 && s->setup != nullptr &&
+         s->broadcast_parameters != nullptr && s->begin_micro_batch != nullptr &&
+         s->gradients_ready != nullptr && s->finish_gradients != nullptr && s->memory != nullptr;
+}
 
 Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
                    StrategyBuffers buffers, const std::string& options_json)

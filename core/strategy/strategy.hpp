@@ -24,6 +24,10 @@ struct StrategyBuffers {
   std::vector<std::string> parameter_names;
 };
 
+// True when `library` is a strategy whose table has every training entry
+// point of ABI 1.2 (fsdp2 and megatron_fsdp still ship mesh rules only).
+bool strategy_can_train(const PluginLibrary& library);
+
 class Strategy {
  public:
   // Creates an instance of `library` (a strategy plugin) and sets it up.

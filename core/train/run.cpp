@@ -17,12 +17,10 @@
 namespace meshrun::train {
 namespace {
 
-// The Strategy wrapper makes the same check when a rank sets the strategy
-// up; made here too so a strategy that cannot train fails before any rank
-// starts, as an input error.
+// Checked before any rank starts, so a strategy that cannot train is an
+// input error (the Strategy wrapper in the ranks refuses it too).
 void check_strategy_trains(const Config& config, const PluginLibrary& strategy) {
-  const meshrun_strategy_api* api = strategy.api().strategy;
-  if (api == nullptr || api->struct_size < MESHRUN_STRATEGY_API_SIZE_1_2) {
+  if (!strategy_can_train(strategy)) {
     throw config_error(config, "distributed.strategy",
                        fmt::format("'{}' cannot train yet: its plugin {} has only the mesh rules "
                                    "(no ABI 1.2 training entry points); use strategy \"ddp\"",

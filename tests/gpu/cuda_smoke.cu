@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <vector>
 
+#include "usable_devices.hpp"
+
 // y[i] = a * x[i] + y[i]
 __global__ void saxpy(int n, float a, const float* x, float* y) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -13,8 +15,6 @@ __global__ void saxpy(int n, float a, const float* x, float* y) {
 }
 
 namespace {
-
-constexpr int kSkip = 77;
 
 bool check(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return true;
@@ -25,13 +25,9 @@ bool check(cudaError_t status, const char* what) {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("SKIP: no usable CUDA device (%s)\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-    return kSkip;
-  }
+  const std::optional<int> usable = usable_cuda_devices();
+  if (!usable) return kSkip;
+  const int devices = *usable;
   const int n = 1 << 20;
   std::vector<float> x(n), y(n);
   for (int i = 0; i < n; ++i) {

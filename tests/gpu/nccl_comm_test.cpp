@@ -33,10 +33,10 @@
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "plugin/loader.hpp"
+#include "usable_devices.hpp"
 
 namespace {
 
-constexpr int kSkip = 77;
 constexpr double kTimeoutSeconds = 120.0;
 
 int env_int(const char* name, int fallback) {
@@ -522,13 +522,9 @@ void test_refusals(Checks& checks, meshrun::Communicator& comm, meshrun::CommBac
 }  // namespace
 
 int main() {
-  int devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&devices);
-  if (status != cudaSuccess || devices == 0) {
-    std::printf("SKIP: no usable CUDA device (%s)\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-    return kSkip;
-  }
+  const std::optional<int> usable = usable_cuda_devices();
+  if (!usable) return kSkip;
+  const int devices = *usable;
   // Open MPI's mpirun tells each rank its place on the node.
   const int local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
   const int local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);

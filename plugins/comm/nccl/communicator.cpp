@@ -579,18 +579,25 @@ std::unique_ptr<Request> Communicator::broadcast(DLTensor* tensor, int64_t root)
   });
 }
 
-std::unique_ptr<Request> Communicator::send(const DLTensor* tensor, int64_t peer, int64_t tag) {
-  const char* name = "send";
-  const Buffer data = buffer(tensor, "send", name);
+// NCCL matches sends and receives by order alone: a tag is accepted but must
+// be non-negative, and a rank cannot pair with itself.
+void Communicator::require_point_to_point(int64_t peer, int64_t tag, const char* name,
+                                          const char* self_transfer) const {
   require_peer(peer, "peer", name);
   if (peer == rank_) {
     throw Error(MESHRUN_INVALID_ARGUMENT,
-                describe(name) + ": sending to oneself is not supported by the nccl backend");
+                describe(name) + ": " + self_transfer + " is not supported by the nccl backend");
   }
   if (tag < 0) {
     throw Error(MESHRUN_INVALID_ARGUMENT,
                 describe(name) + ": tag " + std::to_string(tag) + " is negative");
   }
+}
+
+std::unique_ptr<Request> Communicator::send(const DLTensor* tensor, int64_t peer, int64_t tag) {
+  const char* name = "send";
+  const Buffer data = buffer(tensor, "send", name);
+  require_point_to_point(peer, tag, name, "sending to oneself");
   return launch(name, [&](const std::string& where) {
     check_nccl(ncclSend(data.data, data.count, data.type, static_cast<int>(peer), comm_, stream_),
                where, "ncclSend", comm_);
@@ -600,15 +607,7 @@ std::unique_ptr<Request> Communicator::send(const DLTensor* tensor, int64_t peer
 std::unique_ptr<Request> Communicator::recv(DLTensor* tensor, int64_t peer, int64_t tag) {
   const char* name = "recv";
   const Buffer data = buffer(tensor, "recv", name);
-  require_peer(peer, "peer", name);
-  if (peer == rank_) {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                describe(name) + ": receiving from oneself is not supported by the nccl backend");
-  }
-  if (tag < 0) {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                describe(name) + ": tag " + std::to_string(tag) + " is negative");
-  }
+  require_point_to_point(peer, tag, name, "receiving from oneself");
   return launch(name, [&](const std::string& where) {
     check_nccl(ncclRecv(data.data, data.count, data.type, static_cast<int>(peer), comm_, stream_),
                where, "ncclRecv", comm_);

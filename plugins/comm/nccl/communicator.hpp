@@ -143,6 +143,8 @@ class Communicator {
   void require_usable(const char* op) const;
   Buffer buffer(const DLTensor* tensor, const char* role, const char* op) const;
   void require_peer(int64_t peer, const char* role, const char* op) const;
+  void require_point_to_point(int64_t peer, int64_t tag, const char* name,
+                              const char* self_transfer) const;
   // Enqueues `body` on the stream, then records the request's event after it.
   template <class Body>
   std::unique_ptr<Request> launch(const char* op, Body&& body);
