@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -24,6 +25,31 @@ struct StrategyBuffers {
   std::vector<std::string> parameter_names;
 };
 
+// What a sharded strategy (ABI 1.3) also needs: the shard and replicate
+// groups and the units. A sharded strategy copies its shard out of
+// StrategyBuffers::parameters during construction; the host may then free
+// its buffers.
+struct StrategyUnits {
+  Communicator* shard_group = nullptr;      // dp_shard_cp
+  Communicator* replicate_group = nullptr;  // dp_replicate
+  int32_t num_units = 0;
+  int32_t root_unit = 0;
+  std::vector<int32_t> parameter_units;  // one per parameter
+  std::vector<int64_t> parameter_rows;   // dim 0 of each parameter
+};
+
+// A flat float32 view a sharded strategy owns.
+struct FloatView {
+  float* data = nullptr;
+  int64_t numel = 0;
+};
+
+// The strategy's memory, for metrics.jsonl's "mem".
+struct StrategyMemory {
+  int64_t buffers = 0;
+  int64_t buffers_peak = 0;
+};
+
 // True when `library` is a strategy whose table has every training entry
 // point of ABI 1.2 (fsdp2 and megatron_fsdp still ship mesh rules only).
 bool strategy_can_train(const PluginLibrary& library);
@@ -33,15 +59,33 @@ class Strategy {
   // Creates an instance of `library` (a strategy plugin) and sets it up.
   // Throws UNIMPLEMENTED naming the plugin file when its table lacks the
   // ABI 1.2 training entry points; otherwise the plugin's own errors.
+  // `units` is required by a sharded strategy and ignored by others.
   Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
-           StrategyBuffers buffers, const std::string& options_json);
+           StrategyBuffers buffers, const std::string& options_json,
+           const StrategyUnits* units = nullptr);
+
+  // True when the plugin's table has the ABI 1.3 sharded entry points.
+  bool sharded() const;
 
   void broadcast_parameters();
   void begin_micro_batch(bool sync);
   // The gradients of elements [begin, end) are final for this backward.
   void gradients_ready(int64_t begin, int64_t end);
   void finish_gradients();
-  int64_t buffer_bytes();
+  StrategyMemory memory();
+
+  // Sharded strategies only (UNIMPLEMENTED otherwise); see meshrun/strategy.h.
+  void pre_forward(int32_t unit);
+  void post_forward(int32_t unit);
+  void pre_backward(int32_t unit);
+  void post_backward(int32_t unit);
+  // The unit's full parameters and (in its backward, else data null) gradients.
+  std::pair<FloatView, FloatView> unit_views(int32_t unit);
+  // This rank's shard of the parameters and their gradients.
+  std::pair<FloatView, FloatView> local_shard();
+  std::vector<meshrun_shard_segment> shard_segments();
+  // Fills `full` (every parameter element) on every rank; collective.
+  void gather_parameters(float* full, int64_t numel);
 
   const PluginLibrary& library() const { return instance_.library(); }
 

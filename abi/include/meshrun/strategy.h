@@ -16,6 +16,18 @@
  *
  * Fields after `extensions` of meshrun_strategy_api arrived in ABI 1.2; test
  * them with MESHRUN_HAS_FIELD.
+ *
+ * ABI 1.3 adds sharded strategies (fsdp2). A sharded strategy owns the
+ * parameters: it keeps only this rank's shard between uses and materializes
+ * a unit's full parameters around its forward and backward. The host then
+ * calls, per micro-batch, around every unit u (the root encloses the others):
+ *
+ *   pre_forward(u)   unit_views(u)   [forward of u]    post_forward(u)
+ *   pre_backward(u)  unit_views(u)   [backward of u]   post_backward(u)
+ *
+ * and steps its optimizer on local_shard() after finish_gradients. A table
+ * is sharded when it reaches `gather_parameters` and `local_shard` is set;
+ * a replicated one (ddp) leaves the 1.3 entries NULL.
  */
 #ifndef MESHRUN_STRATEGY_H_
 #define MESHRUN_STRATEGY_H_
@@ -51,13 +63,43 @@ typedef struct meshrun_strategy_setup {
   /* The [distributed] config as one JSON object (AutoModel's key names). */
   const char* options_json;
   const meshrun_extension* extensions;
+
+  /* ---- ABI 1.3: what a sharded strategy needs (test with MESHRUN_HAS_FIELD) ---- */
+
+  /* The ranks a parameter is sharded over (dp_shard_cp) and the ranks that
+   * hold equal shards (dp_replicate, size 1 without HSDP). Both are
+   * sub-communicators of data_parallel. */
+  meshrun_communicator* shard_group;
+  meshrun_communicator* replicate_group;
+  /* Units (DESIGN.md "Plan"): the modules whose parameters are gathered
+   * together. Units other than `root_unit` are one layer list, numbered in
+   * forward order; the root encloses them (embeddings, final norm, head). */
+  int32_t num_units;
+  int32_t root_unit;
+  const int32_t* parameter_units; /* num_parameters entries in [0, num_units) */
+  const int64_t* parameter_rows;  /* num_parameters sizes of dim 0 (1 for scalars) */
 } meshrun_strategy_setup;
 
 /* Bytes a strategy holds for one rank, for the run's memory accounting. */
 typedef struct meshrun_strategy_memory {
   size_t struct_size;
-  int64_t buffers; /* communication buffers and gathered parameters */
+  int64_t buffers; /* communication buffers and gathered parameters, now */
+  /* ---- ABI 1.3 ---- */
+  int64_t buffers_peak; /* the most `buffers` has been since setup */
 } meshrun_strategy_memory;
+
+/* A piece of a sharded strategy's local shard: `count` elements that are
+ * elements [global_begin, global_begin + count) of the flat parameter layout
+ * (setup's parameter_offsets) and elements [local_begin, local_begin + count)
+ * of local_shard's buffers. Local elements in no segment are padding: zero
+ * in parameters and gradients. Over the shard group's ranks the segments
+ * cover every parameter element exactly once. */
+typedef struct meshrun_shard_segment {
+  int64_t parameter; /* index into the setup's parameters */
+  int64_t global_begin;
+  int64_t local_begin;
+  int64_t count;
+} meshrun_shard_segment;
 
 struct meshrun_strategy_api {
   size_t struct_size;
@@ -88,11 +130,63 @@ struct meshrun_strategy_api {
   /* Writes the bytes this strategy holds into *out (out->struct_size set by
    * the caller). */
   meshrun_error* (*memory)(meshrun_plugin_instance* instance, meshrun_strategy_memory* out);
+
+  /* ---- ABI 1.3: sharded strategies; NULL in replicated ones ----
+   *
+   * With these set, setup's `parameters` holds the initial full weights and
+   * both setup buffers are borrowed for the setup call only: the strategy
+   * copies its shard out, and the host may free them. Units are numbered as
+   * in the setup; an out-of-range unit is OUT_OF_RANGE, a call out of the
+   * order above FAILED_PRECONDITION. */
+
+  /* Returns when the unit's full parameters are in place (gathered now, or
+   * still gathered, or prefetched earlier); may start prefetching the units
+   * that follow. Collective over the shard group. */
+  meshrun_error* (*pre_forward)(meshrun_plugin_instance* instance, int32_t unit);
+  /* The unit's forward is done; the strategy may reshard it. */
+  meshrun_error* (*post_forward)(meshrun_plugin_instance* instance, int32_t unit);
+  /* As pre_forward, and the unit's gradient buffer is ready: zero on the
+   * step's first backward, else holding the gradients accumulated so far. */
+  meshrun_error* (*pre_backward)(meshrun_plugin_instance* instance, int32_t unit);
+  /* The unit's gradients are final for this backward; on a sync micro-batch
+   * (or always, when gradients are not deferred) the strategy starts their
+   * reduce-scatter into the local shard, then may reshard the unit. */
+  meshrun_error* (*post_backward)(meshrun_plugin_instance* instance, int32_t unit);
+  /* Flat float32 views of the unit's full parameters and gradients: its
+   * parameters in index order, each contiguous, no gaps. Owned by the
+   * strategy, valid until the unit's next post_forward or post_backward.
+   * `gradients` gets data NULL outside the unit's backward. Either pointer
+   * may be NULL. FAILED_PRECONDITION when the unit is not gathered. */
+  meshrun_error* (*unit_views)(meshrun_plugin_instance* instance, int32_t unit,
+                               DLTensor* parameters, DLTensor* gradients);
+  /* Flat float32 views of this rank's shard of the parameters and of their
+   * gradients, the same length; owned by the strategy, valid until it is
+   * destroyed. The host zeroes the gradients before a step's first
+   * micro-batch; after finish_gradients they hold the sum, over the step's
+   * micro-batches, of the data-parallel average; the host then updates the
+   * parameters in place (its optimizer step). */
+  meshrun_error* (*local_shard)(meshrun_plugin_instance* instance, DLTensor* parameters,
+                                DLTensor* gradients);
+  /* Writes up to `capacity` segments of the local shard, in local order, to
+   * `segments` (NULL with capacity 0 asks for the count) and their number to
+   * *count. */
+  meshrun_error* (*shard_segments)(meshrun_plugin_instance* instance,
+                                   meshrun_shard_segment* segments, int64_t capacity,
+                                   int64_t* count);
+  /* Fills `full` (float32, every parameter element, the setup's layout) with
+   * the current parameters on every rank of the shard group, e.g. for a
+   * consolidated export. Collective over the shard group; outside a step. */
+  meshrun_error* (*gather_parameters)(meshrun_plugin_instance* instance, DLTensor* full);
 };
 
-/* The size of the ABI 1.0 and 1.2 strategy tables. */
+/* The size of the ABI 1.0, 1.2 and 1.3 strategy tables. */
 #define MESHRUN_STRATEGY_API_SIZE_1_0 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions)
 #define MESHRUN_STRATEGY_API_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, memory)
+#define MESHRUN_STRATEGY_API_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, gather_parameters)
+/* The size of the ABI 1.2 and 1.3 setup structs. */
+#define MESHRUN_STRATEGY_SETUP_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, extensions)
+#define MESHRUN_STRATEGY_SETUP_SIZE_1_3 \
+  MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
 
 #ifdef __cplusplus
 } /* extern "C" */
