@@ -97,6 +97,17 @@ struct PipelineConfig {
   bool pp_recv_buffer_pool = false;
 };
 
+// [distributed.mp_policy]: FSDP2's MixedPrecisionPolicy with AutoModel's
+// defaults: bfloat16 parameters for compute, float32 gradient reduction,
+// float32 outputs, inputs cast to the parameter dtype. Master weights and
+// optimizer state stay float32.
+struct MixedPrecisionConfig {
+  std::string param_dtype = "bfloat16";
+  std::string reduce_dtype = "float32";
+  std::string output_dtype = "float32";
+  bool cast_forward_inputs = true;
+};
+
 // [distributed.moe]: AutoModel's MoEParallelizerConfig.
 struct MoeConfig {
   bool present = false;
@@ -138,6 +149,7 @@ struct DistributedConfig {
   bool enable_fsdp2_prefetch = true;
   int64_t fsdp2_forward_prefetch_depth = 1;
   int64_t fsdp2_backward_prefetch_depth = 2;
+  MixedPrecisionConfig mp_policy;
 
   // MegatronFSDPConfig
   int64_t zero_dp_strategy = 3;

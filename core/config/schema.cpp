@@ -149,7 +149,18 @@ std::vector<Field> moe_fields() {
       .build();
 }
 
-std::vector<Field> distributed_fields(const TableSchema& pipeline, const TableSchema& moe) {
+std::vector<Field> mp_policy_fields() {
+  using M = MixedPrecisionConfig;
+  return TableBuilder<M>([](Config& c) -> M& { return c.distributed.mp_policy; })
+      .choice("param_dtype", &M::param_dtype, kComputeDtypes)
+      .choice("reduce_dtype", &M::reduce_dtype, kComputeDtypes)
+      .choice("output_dtype", &M::output_dtype, kComputeDtypes)
+      .boolean("cast_forward_inputs", &M::cast_forward_inputs)
+      .build();
+}
+
+std::vector<Field> distributed_fields(const TableSchema& pipeline, const TableSchema& moe,
+                                      const TableSchema& mp_policy) {
   using D = DistributedConfig;
   return TableBuilder<D>([](Config& c) -> D& { return c.distributed; })
       .custom("strategy", read_strategy)
@@ -181,6 +192,7 @@ std::vector<Field> distributed_fields(const TableSchema& pipeline, const TableSc
       .boolean("enable_fsdp2_prefetch", &D::enable_fsdp2_prefetch)
       .integer("fsdp2_forward_prefetch_depth", &D::fsdp2_forward_prefetch_depth, 0)
       .integer("fsdp2_backward_prefetch_depth", &D::fsdp2_backward_prefetch_depth, 0)
+      .table("mp_policy", mp_policy)
       .owned_by("megatron_fsdp")
       .integer("zero_dp_strategy", &D::zero_dp_strategy, 0, 3)
       .boolean("overlap_grad_reduce", &D::overlap_grad_reduce)
@@ -212,7 +224,9 @@ const TableSchema& root_schema() {
                                     pipeline_fields()};
   static const TableSchema moe{"distributed.moe",
                                [](Config& c) { c.distributed.moe.present = true; }, moe_fields()};
-  static const TableSchema distributed{"distributed", nullptr, distributed_fields(pipeline, moe)};
+  static const TableSchema mp_policy{"distributed.mp_policy", nullptr, mp_policy_fields()};
+  static const TableSchema distributed{"distributed", nullptr,
+                                       distributed_fields(pipeline, moe, mp_policy)};
   static const TableSchema root{
       "",
       nullptr,

@@ -127,7 +127,7 @@ class TableBuilder {
     return *this;
   }
   TableBuilder& table(std::string name, const TableSchema& schema) {
-    fields_.push_back(Field{std::move(name), nullptr, &schema, {}});
+    fields_.push_back(Field{std::move(name), nullptr, &schema, strategy_});
     return *this;
   }
   // The keys added after this call belong to `strategy` only.

@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "train/input_error.hpp"
 #include "train/safetensors.hpp"
@@ -104,10 +106,12 @@ nlohmann::ordered_json hf_config_json(const ModelConfig& m) {
 }
 
 void export_consolidated(const std::string& dir, const ModelConfig& config,
-                         const llama::LlamaModel& model) {
+                         const llama::LlamaModel& model, const float* parameters) {
   std::vector<TensorToWrite> tensors;
+  int64_t offset = 0;
   for (const auto& view : model.parameters()) {
-    tensors.push_back({view.name, view.shape, view.data, view.numel});
+    tensors.push_back({view.name, view.shape, parameters + offset, view.numel});
+    offset += view.numel;
   }
   fs::create_directories(dir);
   write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors,
@@ -128,34 +132,78 @@ void read_consolidated(const Config& config, llama::LlamaModel& model, bool load
   for (auto& view : model.parameters()) file->read(view.name, 0, view.numel, view.data);
 }
 
+namespace {
+
+// Every rank's ranges, on rank 0 (others get an empty list): two all_gathers
+// over `world`, the counts and then the ranges padded to the largest count.
+std::vector<std::vector<HeldRange>> gather_ranges(const std::vector<HeldRange>& ranges,
+                                                  Communicator& world) {
+  const int64_t size = world.size();
+  int64_t count = int64_t(ranges.size());
+  std::vector<int64_t> counts(size_t(size), 0);
+  FlatTensor count_send(&count, dtype_int64(), 1);
+  FlatTensor count_recv(counts.data(), dtype_int64(), size);
+  world.all_gather(count_send.get(), count_recv.get()).wait();
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
+  std::vector<int64_t> mine(size_t(2 * most), 0), all(size_t(2 * most * size), 0);
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    mine[2 * k] = ranges[k].global_begin;
+    mine[2 * k + 1] = ranges[k].count;
+  }
+  FlatTensor send(mine.data(), dtype_int64(), 2 * most);
+  FlatTensor recv(all.data(), dtype_int64(), 2 * most * size);
+  if (most > 0) world.all_gather(send.get(), recv.get()).wait();
+  std::vector<std::vector<HeldRange>> by_rank(world.rank() == 0 ? size_t(size) : 0);
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    for (int64_t k = 0; k < counts[r]; ++k) {
+      const size_t at = size_t(2 * (int64_t(r) * most + k));
+      by_rank[r].push_back({all[at], 0, all[at + 1]});
+    }
+  }
+  return by_rank;
+}
+
+std::string shard_file(int64_t rank) { return fmt::format("shard_{}.safetensors", rank); }
+
+}  // namespace
+
 void save_sharded(const std::string& dir, const Config& config, int64_t step, int64_t numel,
-                  const std::vector<FlatBuffer>& buffers, Communicator& world) {
-  const int64_t rank = world.rank(), size = world.size();
-  const auto slice = [&](int64_t r) { return std::pair{r * numel / size, (r + 1) * numel / size}; };
-  const auto [begin, end] = slice(rank);
+                  const std::vector<HeldRange>& ranges, const std::vector<FlatBuffer>& buffers,
+                  Communicator& world) {
   fs::create_directories(dir);
   std::vector<TensorToWrite> tensors;
   for (const auto& buffer : buffers) {
-    tensors.push_back({buffer.name, {end - begin}, buffer.data + begin, end - begin});
+    for (size_t k = 0; k < ranges.size(); ++k) {
+      tensors.push_back({fmt::format("{}.{}", buffer.name, k),
+                         {ranges[k].count},
+                         buffer.data + ranges[k].local_begin,
+                         ranges[k].count});
+    }
   }
-  write_safetensors((fs::path(dir) / fmt::format("shard_{}.safetensors", rank)).string(), tensors,
-                    false);
+  if (!tensors.empty()) {
+    write_safetensors((fs::path(dir) / shard_file(world.rank())).string(), tensors, false);
+  }
+  const auto by_rank = gather_ranges(ranges, world);
   // index.json only once every shard is on disk: its presence marks a
   // complete checkpoint.
   world.barrier().wait();
-  if (rank != 0) return;
+  if (world.rank() != 0) return;
   nlohmann::ordered_json slices = nlohmann::ordered_json::array();
-  for (int64_t r = 0; r < size; ++r) {
-    slices.push_back({{"rank", r},
-                      {"file", fmt::format("shard_{}.safetensors", r)},
-                      {"begin", slice(r).first},
-                      {"end", slice(r).second}});
+  for (size_t r = 0; r < by_rank.size(); ++r) {
+    for (size_t k = 0; k < by_rank[r].size(); ++k) {
+      const HeldRange& range = by_rank[r][k];
+      slices.push_back({{"rank", r},
+                        {"file", shard_file(int64_t(r))},
+                        {"part", k},
+                        {"begin", range.global_begin},
+                        {"end", range.global_begin + range.count}});
+    }
   }
   nlohmann::ordered_json buffer_names = nlohmann::ordered_json::array();
   for (const auto& buffer : buffers) buffer_names.push_back(buffer.name);
   write_json((fs::path(dir) / "index.json").string(),
              {{"step", step},
-              {"world_size", size},
+              {"world_size", world.size()},
               {"numel", numel},
               {"buffers", buffer_names},
               {"slices", slices},
@@ -176,8 +224,8 @@ CheckpointIndex read_index(const Config& config, int64_t numel) {
     index.world_size = json.at("world_size").get<int64_t>();
     index.numel = json.at("numel").get<int64_t>();
     for (const auto& slice : json.at("slices")) {
-      index.slices.push_back({slice.at("file").get<std::string>(), slice.at("begin").get<int64_t>(),
-                              slice.at("end").get<int64_t>()});
+      index.slices.push_back({slice.at("file").get<std::string>(), slice.at("part").get<int64_t>(),
+                              slice.at("begin").get<int64_t>(), slice.at("end").get<int64_t>()});
     }
     if (json.at("config_hash").get<std::string>() != architecture_hash(config.model) ||
         index.numel != numel) {
@@ -200,14 +248,23 @@ CheckpointIndex read_index(const Config& config, int64_t numel) {
   return index;
 }
 
-void load_sharded(const CheckpointIndex& index, int64_t begin, int64_t end,
+void load_sharded(const CheckpointIndex& index, const std::vector<HeldRange>& ranges,
                   const std::vector<FlatBuffer>& buffers) {
+  std::map<std::string, SafetensorsFile> files;
   for (const auto& slice : index.slices) {
-    const int64_t first = std::max(begin, slice.begin), last = std::min(end, slice.end);
-    if (first >= last) continue;
-    const SafetensorsFile file((fs::path(index.dir) / slice.file).string());
-    for (const auto& buffer : buffers) {
-      file.read(buffer.name, first - slice.begin, last - first, buffer.data + first);
+    for (const HeldRange& range : ranges) {
+      const int64_t first = std::max(range.global_begin, slice.begin);
+      const int64_t last = std::min(range.global_begin + range.count, slice.end);
+      if (first >= last) continue;
+      auto file = files.find(slice.file);
+      if (file == files.end()) {
+        file = files.emplace(slice.file, (fs::path(index.dir) / slice.file).string()).first;
+      }
+      const int64_t local = range.local_begin + (first - range.global_begin);
+      for (const auto& buffer : buffers) {
+        file->second.read(fmt::format("{}.{}", buffer.name, slice.part), first - slice.begin,
+                          last - first, buffer.data + local);
+      }
     }
   }
 }

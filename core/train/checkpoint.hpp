@@ -2,11 +2,12 @@
 // - consolidated: DIR/model.safetensors with Hugging Face names and shapes
 //   and DIR/config.json (a Hugging Face LlamaConfig), read back by
 //   model.checkpoint = "DIR";
-// - sharded, for resuming: DIR/checkpoints/step_N/, where rank r of W wrote
-//   shard_r.safetensors holding its slice [r*n/W, (r+1)*n/W) of the flat
-//   parameters and of AdamW's two moments, and rank 0 wrote index.json last.
-//   Any world size reads it: a rank reads the slices overlapping the range
-//   it needs (the whole buffer while DDP replicates everything).
+// - sharded, for resuming: DIR/checkpoints/step_N/, where every rank wrote
+//   shard_r.safetensors holding ranges of the flat parameters and of
+//   AdamW's two moments (a DDP rank its 1/W of the buffer, an FSDP2 rank
+//   the pieces of its shard), and rank 0 wrote index.json last, mapping
+//   every range to its file. Any world size and strategy reads it: a rank
+//   reads the slices overlapping the ranges it holds.
 #pragma once
 
 #include <cstdint>
@@ -27,17 +28,28 @@ llama::LlamaConfig llama_config(const ModelConfig& model);
 // Hugging Face's config.json for the [model] table.
 nlohmann::ordered_json hf_config_json(const ModelConfig& model);
 
+// Writes model.safetensors (the model's names and shapes, values from the
+// flat `parameters`) and config.json into `dir`.
 void export_consolidated(const std::string& dir, const ModelConfig& config,
-                         const llama::LlamaModel& model);
+                         const llama::LlamaModel& model, const float* parameters);
 
 // Checks model.checkpoint's names and shapes against `model`; with `load`
 // also copies the weights in. Errors name model.checkpoint.
 void read_consolidated(const Config& config, llama::LlamaModel& model, bool load);
 
-// One flat buffer a sharded checkpoint holds ("params", "exp_avg", ...).
+// One flat buffer a sharded checkpoint holds ("params", "exp_avg", ...), in
+// the rank's local layout.
 struct FlatBuffer {
   std::string name;
   float* data = nullptr;
+};
+
+// Elements [global_begin, global_begin + count) of the flat parameter layout
+// held at [local_begin, local_begin + count) of a rank's local buffers.
+struct HeldRange {
+  int64_t global_begin = 0;
+  int64_t local_begin = 0;
+  int64_t count = 0;
 };
 
 // What index.json says.
@@ -46,25 +58,30 @@ struct CheckpointIndex {
   int64_t step = 0;  // optimizer steps taken; the run resumes at this step
   int64_t world_size = 0;
   int64_t numel = 0;
+  // Tensor "<buffer>.<part>" of `file` holds elements [begin, end).
   struct Slice {
     std::string file;
+    int64_t part = 0;
     int64_t begin = 0, end = 0;
   };
   std::vector<Slice> slices;
 };
 
-// Collective over `world`: every rank writes its slice of `buffers` (numel
-// elements each), then rank 0 writes index.json.
+// Collective over `world`: every rank writes the `ranges` it is asked to
+// save (none: no file) of each of `buffers` to shard_RANK.safetensors, then
+// rank 0 writes index.json. Over all ranks the ranges must cover the numel
+// elements of the flat layout.
 void save_sharded(const std::string& dir, const Config& config, int64_t step, int64_t numel,
-                  const std::vector<FlatBuffer>& buffers, Communicator& world);
+                  const std::vector<HeldRange>& ranges, const std::vector<FlatBuffer>& buffers,
+                  Communicator& world);
 
 // Reads and checks checkpoint.resume_from's index.json against the config
 // (architecture, seed, number of steps) and `numel`. Errors name
 // checkpoint.resume_from.
 CheckpointIndex read_index(const Config& config, int64_t numel);
 
-// Fills elements [begin, end) of every buffer from the slices overlapping it.
-void load_sharded(const CheckpointIndex& index, int64_t begin, int64_t end,
+// Fills the `ranges` of every buffer from the slices overlapping them.
+void load_sharded(const CheckpointIndex& index, const std::vector<HeldRange>& ranges,
                   const std::vector<FlatBuffer>& buffers);
 
 }  // namespace meshrun::train

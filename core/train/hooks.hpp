@@ -1,14 +1,26 @@
-// The trainer's side of the module hooks: as soon as backward has made a
-// parameter's gradient final (the model's gradient_ready hook, last
-// parameter first), the strategy is told its element range, so DDP starts
-// reducing a bucket the moment its last gradient is done, while backward
-// goes on.
+// The trainer's side of the module hooks (llama::ModuleHooks).
+//
+// Replicated strategies (ddp): as soon as backward has made a parameter's
+// gradient final (gradient_ready, last parameter first), the strategy is told
+// its element range, so DDP starts reducing a bucket the moment its last
+// gradient is done, while backward goes on.
+//
+// Sharded strategies (fsdp2): around each unit's forward and backward the
+// strategy gathers and frees the unit's parameters, and the hooks point the
+// model's parameter views at the gathered storage; they also apply the
+// mixed-precision policy's casts to the hidden states entering and leaving
+// each decoder layer.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "config/config.hpp"
 #include "llama/model.hpp"
 #include "strategy/strategy.hpp"
 
@@ -24,14 +36,55 @@ class StrategyHooks : public llama::ModuleHooks {
   StrategyHooks(Strategy& strategy, const llama::LlamaModel& model)
       : strategy_(strategy), ranges_(parameter_ranges(model)) {}
 
-  void gradient_ready(int parameter) override {
-    const auto& [begin, end] = ranges_[static_cast<size_t>(parameter)];
-    strategy_.gradients_ready(begin, end);
+  void gradient_ready(int parameter) override;
+
+  // Seconds spent inside the strategy's hook calls since the last call:
+  // communication the strategy could not hide, plus its copies.
+  double take_seconds_in_strategy();
+
+ protected:
+  // Runs `call` (a call into the strategy), adding its duration.
+  template <class Call>
+  void timed(Call&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    seconds_in_strategy_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
  private:
   Strategy& strategy_;
   std::vector<ElementRange> ranges_;
+  double seconds_in_strategy_ = 0;
+};
+
+// The sidecar plan's units ("units": [{"name", "parameters": [names]}]) as
+// the strategy ABI numbers them: decoder layer l is unit l, the root (the
+// unit named "root") is unit num_hidden_layers. Throws INVALID_ARGUMENT when
+// the plan's units are not the model's layers and root, naming the unit.
+StrategyUnits model_units(const nlohmann::ordered_json& plan_units, const llama::LlamaModel& model);
+
+class ShardedHooks : public StrategyHooks {
+ public:
+  ShardedHooks(Strategy& strategy, llama::LlamaModel& model, const StrategyUnits& units,
+               const MixedPrecisionConfig& precision);
+
+  void pre_forward(int unit) override;
+  void post_forward(int unit) override;
+  void pre_backward(int unit) override;
+  void post_backward(int unit) override;
+
+ private:
+  int32_t strategy_unit(int unit) const { return unit == llama::kRootUnit ? root_unit_ : unit; }
+  // Points the unit's parameter views (and gradient views) at the strategy's storage.
+  void bind(int32_t unit, bool gradients);
+  void round_hidden_states(int64_t layer, const std::string& dtype);
+
+  Strategy& strategy_;
+  llama::LlamaModel& model_;
+  int32_t root_unit_;
+  std::vector<std::vector<int>> unit_parameters_;
+  MixedPrecisionConfig precision_;
 };
 
 }  // namespace meshrun::train

@@ -25,6 +25,7 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"tokens_per_s", m.tokens_per_s},
                                  {"step_time_s", m.step_time_s},
                                  {"grad_sync_wait_s", m.grad_sync_wait_s},
+                                 {"comm_wait_s", m.comm_wait_s},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
   if (m.val_loss) line["val_loss"] = *m.val_loss;
@@ -32,6 +33,7 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"grads", m.mem.grads},
                  {"optimizer", m.mem.optimizer},
                  {"buffers", m.mem.buffers},
+                 {"buffers_peak", m.mem.buffers_peak},
                  {"peak_rss", m.mem.peak_rss}};
   out_ << line.dump() << "\n";
   out_.flush();

@@ -14,7 +14,8 @@ struct MemoryUse {
   int64_t params = 0;
   int64_t grads = 0;
   int64_t optimizer = 0;
-  int64_t buffers = 0;  // the strategy's communication and gathered buffers
+  int64_t buffers = 0;       // the strategy's communication and gathered buffers
+  int64_t buffers_peak = 0;  // the most `buffers` has been so far
   int64_t peak_rss = 0;
 };
 
@@ -28,6 +29,9 @@ struct StepMetrics {
   // Time finish_gradients blocked: the gradient communication backward did
   // not hide.
   double grad_sync_wait_s = 0;
+  // Time the step spent inside the strategy's calls (hooks and
+  // finish_gradients): its communication that compute did not hide.
+  double comm_wait_s = 0;
   std::optional<double> val_loss;
   MemoryUse mem;
 };

@@ -21,10 +21,11 @@ namespace {
 // input error (the Strategy wrapper in the ranks refuses it too).
 void check_strategy_trains(const Config& config, const PluginLibrary& strategy) {
   if (!strategy_can_train(strategy)) {
-    throw config_error(config, "distributed.strategy",
-                       fmt::format("'{}' cannot train yet: its plugin {} has only the mesh rules "
-                                   "(no ABI 1.2 training entry points); use strategy \"ddp\"",
-                                   config.distributed.strategy, strategy.path()));
+    throw config_error(
+        config, "distributed.strategy",
+        fmt::format("'{}' cannot train yet: its plugin {} has only the mesh rules "
+                    "(no ABI 1.2 training entry points); use strategy \"fsdp2\" or \"ddp\"",
+                    config.distributed.strategy, strategy.path()));
   }
 }
 
@@ -46,14 +47,51 @@ llama::LlamaModel make_model(const Config& config) {
   }
 }
 
-// DDPConfig's keys, as AutoModel names them, for the strategy plugin.
+// The strategy's keys of [distributed] as AutoModel names them (DDPConfig
+// or FSDP2Config), for the strategy plugin.
 std::string strategy_options(const DistributedConfig& d) {
-  return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
-                        {"broadcast_buffers", d.broadcast_buffers},
-                        {"find_unused_parameters", d.find_unused_parameters},
-                        {"gradient_as_bucket_view", d.gradient_as_bucket_view},
-                        {"static_graph", d.static_graph}}
-      .dump();
+  if (d.strategy != "fsdp2") {
+    return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
+                          {"broadcast_buffers", d.broadcast_buffers},
+                          {"find_unused_parameters", d.find_unused_parameters},
+                          {"gradient_as_bucket_view", d.gradient_as_bucket_view},
+                          {"static_graph", d.static_graph}}
+        .dump();
+  }
+  const MixedPrecisionConfig& mp = d.mp_policy;
+  nlohmann::json options{{"pp_size", d.pp_size},
+                         {"dp_replicate_size", d.dp_replicate_size},
+                         {"reshard_after_forward", nullptr},
+                         {"defer_fsdp_grad_sync", d.defer_fsdp_grad_sync},
+                         {"enable_fsdp2_prefetch", d.enable_fsdp2_prefetch},
+                         {"fsdp2_forward_prefetch_depth", d.fsdp2_forward_prefetch_depth},
+                         {"fsdp2_backward_prefetch_depth", d.fsdp2_backward_prefetch_depth},
+                         {"mp_policy",
+                          {{"param_dtype", mp.param_dtype},
+                           {"reduce_dtype", mp.reduce_dtype},
+                           {"output_dtype", mp.output_dtype},
+                           {"cast_forward_inputs", mp.cast_forward_inputs}}}};
+  if (d.reshard_after_forward) options["reshard_after_forward"] = *d.reshard_after_forward;
+  return options.dump();
+}
+
+// The trainer runs the reference model whole on every rank: it has no
+// tensor, context, pipeline or expert parallel execution yet (the plan
+// shows those layouts; `meshrun plan` prints them).
+void check_parallel_sizes(const Config& config) {
+  const DistributedConfig& d = config.distributed;
+  for (const auto& [key, size] : {std::pair{"distributed.tp_size", d.tp_size},
+                                  {"distributed.cp_size", d.cp_size},
+                                  {"distributed.pp_size", d.pp_size},
+                                  {"distributed.ep_size", d.ep_size}}) {
+    if (size != 1) {
+      throw config_error(config, key,
+                         fmt::format("{} > 1: meshrun train runs data parallel only so far "
+                                     "(ddp, fsdp2 with dp_replicate_size and dp_shard); set it "
+                                     "to 1, or see the layout with `meshrun plan`",
+                                     size));
+    }
+  }
 }
 
 StrategyBuffers strategy_buffers(llama::LlamaModel& model) {
@@ -91,14 +129,24 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
   const Plan plan = make_plan(config, world.size(), loader);
   MeshCommunicators axes(world, plan.mesh);
   Communicator& data_parallel = axes.axis(Axis::dp);
+  Communicator& shard_group = axes.axis(Axis::dp_shard_cp);
+  Communicator& replicate_group = axes.axis(Axis::dp_replicate);
   const std::string output_dir = output ? *output : default_output_dir(world);
   if (world.rank() == 0) std::filesystem::create_directories(output_dir);
   const TokenData data(config);
   llama::LlamaModel model = make_model(config);
   start_weights(config, model);
+  // A sidecar of ABI 1.0 plans no units: only a replicated strategy can train.
+  StrategyUnits units =
+      plan.model.is_null() ? StrategyUnits{} : model_units(plan.model.at("units"), model);
+  units.shard_group = &shard_group;
+  units.replicate_group = &replicate_group;
   Strategy strategy(plan.strategy, data_parallel, strategy_buffers(model),
-                    strategy_options(config.distributed));
-  Trainer trainer({config, data, model, strategy, world, data_parallel, output_dir});
+                    strategy_options(config.distributed), &units);
+  // The strategy copied its shard: the full weights are no longer needed.
+  if (strategy.sharded()) model.release_storage();
+  Trainer trainer({config, data, model, strategy, world, data_parallel, shard_group,
+                   replicate_group, units, output_dir});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, model.num_parameters()));
   }
@@ -117,6 +165,7 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
 void check_training_input(const Config& config, const Plan& plan) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
+  check_parallel_sizes(config);
   check_strategy_trains(config, *plan.strategy);
   llama::LlamaModel model = make_model(config);
   if (!config.model.checkpoint.empty()) read_consolidated(config, model, false);

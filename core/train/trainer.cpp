@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -16,33 +17,35 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Weight decay on every matrix, none on the 1-D norm weights (GPT-2 /
-// nanoGPT practice: decaying a norm's scale towards 0 only hurts).
-std::vector<uint8_t> decay_mask(const llama::LlamaModel& model) {
-  std::vector<uint8_t> mask;
-  mask.reserve(model.num_parameters());
-  for (const auto& view : model.parameters())
-    mask.insert(mask.end(), view.numel, view.shape.size() > 1);
-  return mask;
+std::unique_ptr<StrategyHooks> make_hooks(const TrainContext& ctx) {
+  if (!ctx.strategy.sharded()) return std::make_unique<StrategyHooks>(ctx.strategy, ctx.model);
+  return std::make_unique<ShardedHooks>(ctx.strategy, ctx.model, ctx.units,
+                                        ctx.config.distributed.mp_policy);
+}
+
+LocalParameters local_parameters(const TrainContext& ctx) {
+  if (!ctx.strategy.sharded()) return replicated_parameters(ctx.model, ctx.world);
+  return sharded_parameters(ctx.strategy, ctx.shard_group, ctx.replicate_group);
 }
 
 }  // namespace
 
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
-      hooks_(ctx_.strategy, ctx_.model),
-      optimizer_(ctx_.config.train, decay_mask(ctx_.model)) {
-  ctx_.model.set_hooks(&hooks_);
+      hooks_(make_hooks(ctx_)),
+      local_(local_parameters(ctx_)),
+      optimizer_(ctx_.config.train, decay_mask(local_, ctx_.model)) {
+  ctx_.model.set_hooks(hooks_.get());
 }
 
 void Trainer::resume(const CheckpointIndex& index) {
-  load_sharded(index, 0, ctx_.model.num_parameters(), checkpoint_buffers());
+  load_sharded(index, local_.held, checkpoint_buffers());
   optimizer_.restore(index.step);
   next_step_ = index.step;
 }
 
 std::vector<FlatBuffer> Trainer::checkpoint_buffers() {
-  return {{"params", ctx_.model.param_buffer()},
+  return {{"params", local_.params},
           {"exp_avg", optimizer_.exp_avg().data()},
           {"exp_avg_sq", optimizer_.exp_avg_sq().data()}};
 }
@@ -66,7 +69,8 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
   const int64_t micro_batches = share / train.micro_batch_size;
   const int64_t first = ctx_.data_parallel.rank() * share;
-  ctx_.model.zero_grad();
+  std::fill_n(local_.grads, local_.numel, 0.0f);
+  hooks_->take_seconds_in_strategy();  // not this step's: validation's gathers
   double loss_sum = 0.0;
   for (int64_t k = 0; k < micro_batches; ++k) {
     ctx_.strategy.begin_micro_batch(k == micro_batches - 1);
@@ -79,29 +83,35 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const auto sync_start = Clock::now();
   ctx_.strategy.finish_gradients();
   metrics.grad_sync_wait_s = seconds_since(sync_start);
+  metrics.comm_wait_s = metrics.grad_sync_wait_s + hooks_->take_seconds_in_strategy();
   // Each micro-batch's loss is a mean over its tokens, so the accumulated
   // gradient is micro_batches times the mean over this rank's share; the
   // strategy averaged the shares, which makes it the global batch's mean.
   if (micro_batches > 1) {
     const auto scale = float(1.0 / double(micro_batches));
-    float* grads = ctx_.model.grad_buffer();
-    for (int64_t i = 0; i < ctx_.model.num_parameters(); ++i) grads[i] *= scale;
+    for (int64_t i = 0; i < local_.numel; ++i) local_.grads[i] *= scale;
   }
   metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
 }
 
 void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
   const TrainConfig& train = ctx_.config.train;
-  float* grads = ctx_.model.grad_buffer();
-  const int64_t numel = ctx_.model.num_parameters();
-  // DDP leaves the same averaged gradient on every rank: the local norm is
-  // the global one (a sharded strategy would all-reduce squared_norm first).
-  metrics.grad_norm = std::sqrt(squared_norm(grads, numel));
-  clip_gradients(grads, numel, metrics.grad_norm, train.max_grad_norm);
+  // A replicated strategy leaves the whole averaged gradient on every rank;
+  // the shards of a sharded one partition it over the shard group (replicas
+  // hold equal shards, so the replicate group adds nothing).
+  double squared = squared_norm(local_.grads, local_.numel);
+  if (local_.norm_group != nullptr) {
+    auto shard = float(squared);
+    FlatTensor tensor(&shard, dtype_float32(), 1);
+    local_.norm_group->all_reduce(tensor.get(), ReduceOp::sum).wait();
+    squared = shard;
+  }
+  metrics.grad_norm = std::sqrt(squared);
+  clip_gradients(local_.grads, local_.numel, metrics.grad_norm, train.max_grad_norm);
   metrics.lr = learning_rate(train, step);
-  optimizer_.step(ctx_.model.param_buffer(), grads, metrics.lr);
+  optimizer_.step(local_.params, local_.grads, metrics.lr);
   if (ctx_.config.model.torch_dtype == "bfloat16") {
-    llama::round_to_bfloat16(ctx_.model.param_buffer(), numel);
+    llama::round_to_bfloat16(local_.params, local_.numel);
   }
 }
 
@@ -126,13 +136,31 @@ std::optional<double> Trainer::validate() {
 void Trainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
-  save_sharded(dir.string(), ctx_.config, step, ctx_.model.num_parameters(), checkpoint_buffers(),
-               ctx_.world);
+  save_sharded(dir.string(), ctx_.config, step, ctx_.model.num_parameters(), local_.saved,
+               checkpoint_buffers(), ctx_.world);
 }
 
 MemoryUse Trainer::memory_use() {
-  const int64_t bytes = ctx_.model.num_parameters() * int64_t(sizeof(float));
-  return {bytes, bytes, optimizer_.state_bytes(), ctx_.strategy.buffer_bytes(), peak_rss_bytes()};
+  const int64_t bytes = local_.numel * int64_t(sizeof(float));
+  const StrategyMemory strategy = ctx_.strategy.memory();
+  return {bytes,           bytes, optimizer_.state_bytes(), strategy.buffers, strategy.buffers_peak,
+          peak_rss_bytes()};
+}
+
+// The consolidated weights on rank 0; a sharded strategy gathers them first
+// (collective over the shard group, so every rank comes here).
+void Trainer::export_weights() {
+  if (!ctx_.config.checkpoint.export_consolidated) return;
+  std::vector<float> gathered;
+  const float* full = ctx_.model.param_buffer();
+  if (ctx_.strategy.sharded()) {
+    gathered.resize(size_t(ctx_.model.num_parameters()));
+    ctx_.strategy.gather_parameters(gathered.data(), ctx_.model.num_parameters());
+    full = gathered.data();
+  }
+  if (ctx_.world.rank() == 0) {
+    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model, full);
+  }
 }
 
 void Trainer::run() {
@@ -165,9 +193,7 @@ void Trainer::run() {
       std::fflush(stdout);
     }
   }
-  if (writer && ctx_.config.checkpoint.export_consolidated) {
-    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model);
-  }
+  export_weights();
 }
 
 }  // namespace meshrun::train

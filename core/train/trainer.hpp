@@ -1,9 +1,11 @@
 // The training loop of one rank: micro-batches with gradient accumulation
 // through the strategy's hooks, gradient clipping, AdamW, validation,
-// metrics, and checkpoints.
+// metrics, and checkpoints. Under a sharded strategy the optimizer, clipping
+// and checkpoints work on the rank's shard (LocalParameters).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "train/checkpoint.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
+#include "train/local_parameters.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
 
@@ -28,6 +31,9 @@ struct TrainContext {
   Strategy& strategy;
   Communicator& world;
   Communicator& data_parallel;
+  Communicator& shard_group;      // dp_shard_cp
+  Communicator& replicate_group;  // dp_replicate
+  const StrategyUnits& units;     // for a sharded strategy's hooks
   std::string output_dir;
 };
 
@@ -52,9 +58,11 @@ class Trainer {
   void save_checkpoint(int64_t step);
   MemoryUse memory_use();
   std::vector<FlatBuffer> checkpoint_buffers();
+  void export_weights();
 
   TrainContext ctx_;
-  StrategyHooks hooks_;
+  std::unique_ptr<StrategyHooks> hooks_;
+  LocalParameters local_;
   AdamW optimizer_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;

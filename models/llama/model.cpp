@@ -171,6 +171,7 @@ LlamaModel::LlamaModel(LlamaConfig config) : config_(config), hooks_(&no_hooks()
     add_parameter("lm_head.weight", {V, H});
   }
 
+  num_parameters_ = int64_t(params_.size());
   grads_.assign(params_.size(), 0.0f);
   int64_t offset = 0;
   for (ParameterView& view : parameters_) {
@@ -204,6 +205,21 @@ void LlamaModel::init_weights(uint64_t seed) {
 }
 
 void LlamaModel::zero_grad() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+void LlamaModel::release_storage() {
+  std::vector<float>().swap(params_);
+  std::vector<float>().swap(grads_);
+  for (ParameterView& view : parameters_) view.data = view.grad = nullptr;
+}
+
+float* LlamaModel::hidden_states(int64_t layer) {
+  require(layer >= 0 && layer <= config_.num_hidden_layers, "hidden_states: layer out of range");
+  return acts_ ? acts_->residual_at(layer) : nullptr;
+}
+
+int64_t LlamaModel::hidden_states_numel() const {
+  return acts_ ? acts_->rows() * config_.hidden_size : 0;
+}
 
 void LlamaModel::set_hooks(ModuleHooks* hooks) { hooks_ = hooks ? hooks : &no_hooks(); }
 

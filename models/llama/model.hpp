@@ -87,7 +87,8 @@ class LlamaModel {
   const std::vector<ParameterView>& parameters() const { return parameters_; }
   float* param_buffer() { return params_.data(); }
   float* grad_buffer() { return grads_.data(); }
-  int64_t num_parameters() const { return int64_t(params_.size()); }
+  // Elements over all parameters (also after release_storage).
+  int64_t num_parameters() const { return num_parameters_; }
 
   // Matrices ~ normal(0, 0.02), norms = 1, from splitmix64 + Box-Muller so
   // that a seed gives the same weights with any standard library.
@@ -102,6 +103,19 @@ class LlamaModel {
   // loss. Consumes that forward: a second backward needs a new forward.
   void backward();
   void zero_grad();
+
+  // Frees the parameter and gradient buffers and nulls every view's data
+  // and grad: a sharded strategy owns the storage from now on, and the
+  // caller points the views at it (in the hooks) before each use.
+  // param_buffer() and grad_buffer() are null afterwards.
+  void release_storage();
+
+  // The hidden states entering decoder layer `layer` (layer L: leaving the
+  // last one), [batch * seq_len, hidden_size], valid during a forward from
+  // pre_forward(layer) on; the hooks may modify them in place (e.g. the
+  // casts of a mixed-precision policy). Null before the first forward.
+  float* hidden_states(int64_t layer);
+  int64_t hidden_states_numel() const;
 
   // Hooks stay owned by the caller; nullptr removes them.
   void set_hooks(ModuleHooks* hooks);
@@ -127,6 +141,7 @@ class LlamaModel {
   int64_t head_dim_ = 0;
   std::vector<float> params_;
   std::vector<float> grads_;
+  int64_t num_parameters_ = 0;
   std::vector<ParameterView> parameters_;
   int norm_index_ = 0;
   int lm_head_index_ = kEmbedIndex;  // its own index unless tied

@@ -242,7 +242,9 @@ class BadInput(TrainTest, InputErrorAssertions):
             ("model.num_key_value_heads", "model.num_key_value_heads=3"),
             ("train.stepz", "train.stepz=3"),
             ("model.model_type", "model.model_type=gpt9"),
-            ("distributed.strategy", "distributed.strategy=fsdp2"),  # no training entry points
+            # no training entry points
+            ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
+            ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=2"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),
         ]

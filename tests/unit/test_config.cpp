@@ -610,6 +610,26 @@ TEST_CASE("config rule: strategy-specific keys are accepted only for their strat
                   "distributed.enable_compile", "but distributed.strategy is 'my_strategy'");
 }
 
+TEST_CASE("config: [distributed.mp_policy] is FSDP2's MixedPrecisionPolicy", "[config]") {
+  const Config defaults = parse("");
+  const auto& mp = defaults.distributed.mp_policy;
+  CHECK(mp.param_dtype == "bfloat16");
+  CHECK(mp.reduce_dtype == "float32");
+  CHECK(mp.output_dtype == "float32");
+  CHECK(mp.cast_forward_inputs);
+  const Config pure = parse("", {"distributed.mp_policy.param_dtype=float32"});
+  CHECK(pure.distributed.mp_policy.param_dtype == "float32");
+  const Config set = parse(
+      "[distributed.mp_policy]\nreduce_dtype = \"bfloat16\"\ncast_forward_inputs = false\n");
+  CHECK(set.distributed.mp_policy.reduce_dtype == "bfloat16");
+  CHECK_FALSE(set.distributed.mp_policy.cast_forward_inputs);
+  expect_rejected(failure_in("distributed.mp_policy", "param_dtype = \"float64\""),
+                  "distributed.mp_policy.param_dtype", "'float32', 'bfloat16', 'float16'");
+  expect_rejected(failure_of("[distributed]\nstrategy = \"ddp\"\n[distributed.mp_policy]\n"
+                             "param_dtype = \"float32\"\n"),
+                  "distributed.mp_policy", "only valid with strategy 'fsdp2'", "cfg.toml:3:14");
+}
+
 TEST_CASE("config rule: sequence_parallel only with fsdp2", "[config][rules]") {
   CHECK(parse("[distributed]\nsequence_parallel = true\n").distributed.sequence_parallel);
   CHECK_FALSE(parse("[distributed]\nsequence_parallel = false\nstrategy = \"ddp\"\n")

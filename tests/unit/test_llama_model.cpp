@@ -295,6 +295,80 @@ TEST_CASE("llama calls the hooks in the documented order, gradients final when a
   CHECK(hooks.events.size() == events);
 }
 
+// What a sharded strategy does: each unit's parameters live in storage the
+// model does not own, allocated at the unit's pre-hook and freed at its
+// post-hook, with the views pointed at it in between.
+class UnitStorageHooks : public ModuleHooks {
+ public:
+  UnitStorageHooks(LlamaModel& model, const std::vector<float>& weights)
+      : model_(model), weights_(weights) {}
+  void pre_forward(int unit) override { materialize(unit, false); }
+  void post_forward(int unit) override { storage_.erase(unit); }
+  void pre_backward(int unit) override { materialize(unit, true); }
+  void post_backward(int unit) override {
+    const Storage& storage = storage_.at(unit);
+    grads.insert(grads.end(), storage.grads.begin(), storage.grads.end());
+    storage_.erase(unit);
+  }
+
+  std::vector<float> grads;  // per unit in backward order, parameters in index order
+
+ private:
+  struct Storage {
+    std::vector<float> params, grads;
+  };
+  void materialize(int unit, bool with_grads) {
+    Storage& storage = storage_[unit];
+    int64_t offset = 0;
+    for (auto& view : model_.parameters()) {
+      if (unit_of(view.name) != unit) {
+        offset += view.numel;
+        continue;
+      }
+      storage.params.insert(storage.params.end(), weights_.begin() + offset,
+                            weights_.begin() + offset + view.numel);
+      offset += view.numel;
+    }
+    storage.grads.assign(storage.params.size(), 0.0f);
+    int64_t at = 0;
+    for (auto& view : model_.parameters()) {
+      if (unit_of(view.name) != unit) continue;
+      view.data = storage.params.data() + at;
+      view.grad = with_grads ? storage.grads.data() + at : nullptr;
+      at += view.numel;
+    }
+  }
+  LlamaModel& model_;
+  const std::vector<float>& weights_;
+  std::map<int, Storage> storage_;
+};
+
+TEST_CASE("llama computes the same with its storage released and units bound by the hooks",
+          "[llama]") {
+  const bool tied = GENERATE(false, true);
+  LlamaModel owning(narrow_config(tied)), bound(narrow_config(tied));
+  randomize(owning, 5);
+  const std::vector<float> weights(owning.param_buffer(),
+                                   owning.param_buffer() + owning.num_parameters());
+  const Batch batch = random_batch(11, kBatch, kSeqLen, 3);
+  const float expected = forward_backward(owning, batch);
+
+  bound.release_storage();
+  CHECK(bound.param_buffer() == nullptr);
+  CHECK(bound.num_parameters() == owning.num_parameters());
+  for (const auto& view : bound.parameters()) CHECK(view.data == nullptr);
+  UnitStorageHooks hooks(bound, weights);
+  bound.set_hooks(&hooks);
+  CHECK(forward_backward(bound, batch) == expected);
+
+  std::vector<float> expected_grads;
+  for (int unit : {kRootUnit, 1, 0}) {
+    const std::vector<float> unit_grads = unit_gradients(owning, unit);
+    expected_grads.insert(expected_grads.end(), unit_grads.begin(), unit_grads.end());
+  }
+  CHECK(hooks.grads == expected_grads);
+}
+
 TEST_CASE("llama initialization and loss are deterministic per seed", "[llama]") {
   const LlamaConfig config = narrow_config(false);
   LlamaModel first(config), second(config);
