@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: builds meshrun, then trains the reference example (a tiny
-# Llama on the bytes of the GPL) with DDP on 4 ranks into runs/main-job.
+# Llama on the bytes of the GPL) with FSDP2 on 4 ranks into runs/main-job.
 # Extra arguments are passed on (e.g. train.steps=200 train.lr=1e-3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

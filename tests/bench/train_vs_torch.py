@@ -94,7 +94,8 @@ def meshrun_train(args, nproc, global_batch, output):
     (rank 0's), both without the first --warmup steps."""
     run([args.meshrun, "train", args.config, "--nproc-per-node", str(nproc), "--output", output,
          f"train.steps={args.steps}", "train.val_every=0", "checkpoint.export=false",
-         f"train.global_batch_size={global_batch}"], f"meshrun train on {nproc} rank(s)")
+         f"train.global_batch_size={global_batch}", "distributed.strategy=ddp"],
+        f"meshrun train on {nproc} rank(s)")
     metrics = os.path.join(output, "metrics.jsonl")
     if not os.path.exists(metrics):
         sys.exit(f"train_vs_torch: meshrun train wrote no {metrics}")
