@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <utility>
 
 #include "errors.hpp"
@@ -10,9 +12,9 @@ namespace meshrun {
 
 namespace {
 
-// `library`, once it is known to be a strategy whose table has the training
-// entry points of ABI 1.2: fsdp2 and megatron_fsdp still ship 1.0-sized
-// tables (mesh rules only), and the message says so rather than failing later.
+// `library`, once it is known to be a strategy whose table has its training
+// entry points: megatron_fsdp still ships a 1.0-sized table (mesh rules
+// only), and the message says so rather than failing later.
 std::shared_ptr<PluginLibrary> require_training_entry_points(
     std::shared_ptr<PluginLibrary> library) {
   const meshrun_plugin_api& api = library->api();
@@ -33,17 +35,31 @@ DLTensor flat_float32(float* data, int64_t& numel) {
   return DLTensor{data, {kDLCPU, 0}, 1, dtype_float32(), &numel, nullptr, 0};
 }
 
+// A table is sharded when it reaches gather_parameters and sets local_shard
+// (meshrun/strategy.h).
+bool table_is_sharded(const meshrun_strategy_api& s) {
+  return s.struct_size >= MESHRUN_STRATEGY_API_SIZE_1_3 && s.gather_parameters != nullptr &&
+         s.local_shard != nullptr;
+}
+
+bool has_sharded_entry_points(const meshrun_strategy_api& s) {
+  return s.pre_forward != nullptr && s.post_forward != nullptr && s.pre_backward != nullptr &&
+         s.post_backward != nullptr && s.unit_views != nullptr && s.shard_segments != nullptr;
+}
+
 }  // namespace
 
 bool strategy_can_train(const PluginLibrary& library) {
   const meshrun_strategy_api* s = library.api().strategy;
   return s != nullptr && s->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_2 && s->setup != nullptr &&
          s->broadcast_parameters != nullptr && s->begin_micro_batch != nullptr &&
-         s->gradients_ready != nullptr && s->finish_gradients != nullptr && s->memory != nullptr;
+         s->gradients_ready != nullptr && s->finish_gradients != nullptr && s->memory != nullptr &&
+         (!table_is_sharded(*s) || has_sharded_entry_points(*s));
 }
 
 Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
-                   StrategyBuffers buffers, const std::string& options_json)
+                   StrategyBuffers buffers, const std::string& options_json,
+                   const StrategyUnits* units)
     : buffers_(std::move(buffers)),
       options_json_(options_json),
       instance_(require_training_entry_points(std::move(library))) {
@@ -69,8 +85,35 @@ Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_pa
   setup.parameter_offsets = buffers_.parameter_offsets.data();
   setup.parameter_names = name_pointers_.data();
   setup.options_json = options_json_.c_str();
+  if (sharded()) fill_units(setup, units);
   call(api().setup(instance_.handle(), &setup), "setup");
 }
+
+void Strategy::fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units) {
+  if (units == nullptr) {
+    throw invalid_argument(fmt::format(
+        "strategy {} shards the parameters: it needs the units and the shard and replicate "
+        "groups (StrategyUnits)",
+        library().name()));
+  }
+  const auto num_parameters = buffers_.parameter_names.size();
+  if (units->parameter_units.size() != num_parameters ||
+      units->parameter_rows.size() != num_parameters) {
+    throw invalid_argument(
+        fmt::format("strategy units: {} parameter units and {} parameter rows for {} parameters",
+                    units->parameter_units.size(), units->parameter_rows.size(), num_parameters));
+  }
+  units_ = *units;
+  setup.shard_group = units_.shard_group != nullptr ? units_.shard_group->handle() : nullptr;
+  setup.replicate_group =
+      units_.replicate_group != nullptr ? units_.replicate_group->handle() : nullptr;
+  setup.num_units = units_.num_units;
+  setup.root_unit = units_.root_unit;
+  setup.parameter_units = units_.parameter_units.data();
+  setup.parameter_rows = units_.parameter_rows.data();
+}
+
+bool Strategy::sharded() const { return table_is_sharded(api()); }
 
 void Strategy::broadcast_parameters() {
   call(api().broadcast_parameters(instance_.handle()), "broadcast_parameters");
@@ -88,11 +131,84 @@ void Strategy::finish_gradients() {
   call(api().finish_gradients(instance_.handle()), "finish_gradients");
 }
 
-int64_t Strategy::buffer_bytes() {
+StrategyMemory Strategy::memory() {
   meshrun_strategy_memory memory{};
   memory.struct_size = sizeof(meshrun_strategy_memory);
   call(api().memory(instance_.handle(), &memory), "memory");
-  return memory.buffers;
+  // A strategy of ABI 1.2 leaves the peak unwritten (zero).
+  return {memory.buffers, std::max(memory.buffers, memory.buffers_peak)};
+}
+
+void Strategy::pre_forward(int32_t unit) {
+  require_sharded("pre_forward");
+  call(api().pre_forward(instance_.handle(), unit), "pre_forward");
+}
+
+void Strategy::post_forward(int32_t unit) {
+  require_sharded("post_forward");
+  call(api().post_forward(instance_.handle(), unit), "post_forward");
+}
+
+void Strategy::pre_backward(int32_t unit) {
+  require_sharded("pre_backward");
+  call(api().pre_backward(instance_.handle(), unit), "pre_backward");
+}
+
+void Strategy::post_backward(int32_t unit) {
+  require_sharded("post_backward");
+  call(api().post_backward(instance_.handle(), unit), "post_backward");
+}
+
+std::pair<FloatView, FloatView> Strategy::unit_views(int32_t unit) {
+  require_sharded("unit_views");
+  DLTensor parameters{};
+  DLTensor gradients{};
+  call(api().unit_views(instance_.handle(), unit, &parameters, &gradients), "unit_views");
+  return {float_view(parameters, "unit_views"), float_view(gradients, "unit_views")};
+}
+
+std::pair<FloatView, FloatView> Strategy::local_shard() {
+  require_sharded("local_shard");
+  DLTensor parameters{};
+  DLTensor gradients{};
+  call(api().local_shard(instance_.handle(), &parameters, &gradients), "local_shard");
+  return {float_view(parameters, "local_shard"), float_view(gradients, "local_shard")};
+}
+
+std::vector<meshrun_shard_segment> Strategy::shard_segments() {
+  require_sharded("shard_segments");
+  int64_t count = 0;
+  call(api().shard_segments(instance_.handle(), nullptr, 0, &count), "shard_segments");
+  std::vector<meshrun_shard_segment> segments(static_cast<size_t>(count));
+  call(api().shard_segments(instance_.handle(), segments.data(), count, &count), "shard_segments");
+  segments.resize(std::min(segments.size(), static_cast<size_t>(count)));
+  return segments;
+}
+
+void Strategy::gather_parameters(float* full, int64_t numel) {
+  require_sharded("gather_parameters");
+  DLTensor tensor = flat_float32(full, numel);
+  call(api().gather_parameters(instance_.handle(), &tensor), "gather_parameters");
+}
+
+FloatView Strategy::float_view(const DLTensor& tensor, const char* entry_point) const {
+  if (tensor.data == nullptr) return {};
+  if (tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 ||
+      tensor.ndim != 1 || tensor.shape == nullptr ||
+      (tensor.strides != nullptr && tensor.strides[0] != 1)) {
+    throw Error(MESHRUN_INTERNAL, fmt::format("strategy {} {}: the view is not flat float32",
+                                              library().name(), entry_point));
+  }
+  return {reinterpret_cast<float*>(static_cast<std::byte*>(tensor.data) + tensor.byte_offset),
+          tensor.shape[0]};
+}
+
+void Strategy::require_sharded(const char* entry_point) const {
+  if (!sharded()) {
+    throw Error(MESHRUN_UNIMPLEMENTED,
+                fmt::format("strategy {} does not shard parameters: it has no {} (ABI 1.3)",
+                            library().name(), entry_point));
+  }
 }
 
 void Strategy::call(meshrun_error* error, const char* entry_point) const {

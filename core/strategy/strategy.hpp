@@ -51,15 +51,17 @@ struct StrategyMemory {
 };
 
 // True when `library` is a strategy whose table has every training entry
-// point of ABI 1.2 (fsdp2 and megatron_fsdp still ship mesh rules only).
+// point of ABI 1.2 and, when it is sharded, of ABI 1.3 (megatron_fsdp still
+// ships mesh rules only).
 bool strategy_can_train(const PluginLibrary& library);
 
 class Strategy {
  public:
   // Creates an instance of `library` (a strategy plugin) and sets it up.
   // Throws UNIMPLEMENTED naming the plugin file when its table lacks the
-  // ABI 1.2 training entry points; otherwise the plugin's own errors.
-  // `units` is required by a sharded strategy and ignored by others.
+  // training entry points; otherwise the plugin's own errors. `units` is
+  // required by a sharded strategy (INVALID_ARGUMENT without) and ignored
+  // by others.
   Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
            StrategyBuffers buffers, const std::string& options_json,
            const StrategyUnits* units = nullptr);
@@ -94,9 +96,18 @@ class Strategy {
   // Throws the plugin's error, if any, naming the strategy and `entry_point`.
   void call(meshrun_error* error, const char* entry_point) const;
 
+  // The unit view of a sharded strategy's DLTensor; throws INTERNAL when
+  // the plugin handed back something else than a flat float32 view.
+  FloatView float_view(const DLTensor& tensor, const char* entry_point) const;
+  // Checks `units` and points setup's ABI 1.3 fields at a copy of them.
+  void fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units);
+  // Throws UNIMPLEMENTED naming `entry_point` unless the strategy is sharded.
+  void require_sharded(const char* entry_point) const;
+
   // What setup points to stays valid until the instance is destroyed, so
   // the instance is declared last: destroyed first.
   StrategyBuffers buffers_;
+  StrategyUnits units_;
   std::vector<const char*> name_pointers_;
   std::string options_json_;
   PluginInstance instance_;

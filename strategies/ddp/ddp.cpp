@@ -9,43 +9,27 @@
 // overlaps the rest of backward, and finish_gradients waits only for what is
 // still in flight. Earlier micro-batches reduce nothing: gradients accumulate
 // in the host's buffer (deferred sync, DDP's no_sync).
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "buckets.hpp"
-#include "meshrun/plugin.hpp"
+#include "common/errors.hpp"
+#include "common/options.hpp"
+#include "common/setup_checks.hpp"
+#include "common/table.hpp"
 
 namespace {
 
-using meshrun::plugin::Error;
-using Json = nlohmann::json;
+using meshrun::strategies::invalid;
+using meshrun::strategies::out_of_order;
+using meshrun::strategies::throw_if_error;
 
 constexpr int64_t kElementBytes = sizeof(float);
 constexpr double kBytesPerMb = 1024.0 * 1024.0;
-
-[[noreturn]] void invalid(const std::string& message) {
-  throw Error(MESHRUN_INVALID_ARGUMENT, "ddp: " + message);
-}
-
-[[noreturn]] void out_of_order(const std::string& message) {
-  throw Error(MESHRUN_FAILED_PRECONDITION, "ddp: " + message);
-}
-
-// Throws the comm backend's error with `context`, releasing it through its
-// own destroy (the backend made it).
-void throw_if_error(meshrun_error* error, const std::string& context) {
-  if (error == nullptr) return;
-  const int32_t code = error->code;
-  const std::string message = error->message != nullptr ? error->message : "(no message)";
-  meshrun_error_release(error);
-  throw Error(code, "ddp: " + context + ": " + message);
-}
 
 // The DDPConfig keys of the [distributed] object this strategy reads.
 struct Options {
@@ -53,67 +37,29 @@ struct Options {
   bool find_unused_parameters = false;
 };
 
-bool boolean_option(const Json& options, const char* key) {
-  const auto found = options.find(key);
-  if (found == options.end()) return false;
-  if (!found->is_boolean()) {
-    invalid(std::string("option '") + key + "' must be true or false, not " + found->dump());
-  }
-  return found->get<bool>();
-}
-
 Options parse_options(const char* options_json) {
-  if (options_json == nullptr) invalid("setup: options_json is NULL");
-  Json options;
-  try {
-    options = Json::parse(options_json);
-  } catch (const Json::parse_error& e) {
-    invalid(std::string("setup: options_json is not JSON: ") + e.what());
-  }
-  if (!options.is_object()) invalid("setup: options_json must be a JSON object");
+  const meshrun::strategies::Json json = meshrun::strategies::parse_options(options_json);
+  const meshrun::strategies::OptionReader options(json);
   Options parsed;
-  const auto cap = options.find("bucket_cap_mb");
   // AutoModel's bucket_cap_mb = None means PyTorch's default.
-  if (cap != options.end() && !cap->is_null()) {
-    if (!cap->is_number() || !std::isfinite(cap->get<double>()) || cap->get<double>() <= 0) {
-      invalid("option 'bucket_cap_mb' must be a positive number of MiB, not " + cap->dump());
-    }
-    parsed.bucket_cap_mb = cap->get<double>();
-  }
-  parsed.find_unused_parameters = boolean_option(options, "find_unused_parameters");
+  parsed.bucket_cap_mb =
+      options.positive_number("bucket_cap_mb").value_or(meshrun::ddp::kDefaultBucketCapMb);
+  parsed.find_unused_parameters = options.boolean("find_unused_parameters", false);
   // Read only to check their type: the host's gradients are already one flat
   // buffer whose ranges are the buckets, so gradient_as_bucket_view = true
   // holds as it is and false would only add a copy nobody can observe; the
   // bucket order is fixed, which is what static_graph promises; the host's
   // models have no buffers to broadcast.
   for (const char* key : {"gradient_as_bucket_view", "static_graph", "broadcast_buffers"}) {
-    boolean_option(options, key);
+    options.boolean(key, false);
   }
   return parsed;
 }
 
-// Checks a setup tensor is a compact one-dimensional float32 view of
-// `numel` elements on the backend's device.
-void check_buffer(const DLTensor& tensor, const char* name, int64_t numel, int32_t device_type) {
-  const std::string what = std::string("setup: ") + name;
-  if (tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1) {
-    invalid(what + " must be float32");
-  }
-  if (tensor.ndim != 1 || tensor.shape == nullptr) invalid(what + " must be one-dimensional");
-  if (tensor.shape[0] != numel) {
-    invalid(what + " has " + std::to_string(tensor.shape[0]) +
-            " elements but the parameter offsets end at " + std::to_string(numel));
-  }
-  if (tensor.strides != nullptr && tensor.strides[0] != 1) invalid(what + " must be contiguous");
-  if (tensor.data == nullptr && numel > 0) invalid(what + " data is NULL");
-  if (tensor.device.device_type != device_type) {
-    invalid(what + " is on device type " + std::to_string(tensor.device.device_type) +
-            " but the comm backend moves device type " + std::to_string(device_type));
-  }
-}
-
 class Ddp {
  public:
+  static constexpr const char* kName = "ddp";
+
   explicit Ddp(const meshrun_host_services& host) : host_(&host) {}
   Ddp(const Ddp&) = delete;
   Ddp& operator=(const Ddp&) = delete;
@@ -127,19 +73,14 @@ class Ddp {
 
   void setup(const meshrun_strategy_setup* setup) {
     if (comm_ != nullptr) out_of_order("setup was already called on this instance");
-    if (setup == nullptr) invalid("setup: setup is NULL");
-    if (setup->struct_size < MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, options_json)) {
-      invalid("setup: struct_size " + std::to_string(setup->struct_size) + " is too small");
-    }
-    if (setup->comm == nullptr || setup->comm->struct_size < MESHRUN_COMM_API_SIZE_1_1) {
-      invalid("setup: comm is NULL or lacks the ABI 1.1 communication functions");
-    }
-    if (setup->data_parallel == nullptr) invalid("setup: data_parallel is NULL");
+    meshrun::strategies::check_setup(
+        setup, MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, options_json), "1.2");
     const Options options = parse_options(setup->options_json);
-    check_layout(*setup);
     const int64_t numel = setup->parameter_offsets[setup->num_parameters];
-    check_buffer(setup->parameters, "parameters", numel, setup->comm->device_type);
-    check_buffer(setup->gradients, "gradients", numel, setup->comm->device_type);
+    for (const auto& [tensor, name] : {std::pair{&setup->parameters, "setup: parameters"},
+                                       std::pair{&setup->gradients, "setup: gradients"}}) {
+      meshrun::strategies::check_flat_float32(*tensor, name, numel, setup->comm->device_type);
+    }
 
     find_unused_parameters_ = options.find_unused_parameters;
     offsets_.assign(setup->parameter_offsets, setup->parameter_offsets + setup->num_parameters + 1);
@@ -188,21 +129,8 @@ class Ddp {
   void gradients_ready(int64_t begin, int64_t end) {
     require_setup("gradients_ready");
     if (!in_micro_batch_) out_of_order("gradients_ready outside a micro-batch");
-    const int64_t numel = offsets_.back();
-    if (begin < 0 || end > numel || begin > end) {
-      throw Error(MESHRUN_OUT_OF_RANGE, "ddp: gradients_ready range [" + std::to_string(begin) +
-                                            ", " + std::to_string(end) + ") is not within [0, " +
-                                            std::to_string(numel) + ")");
-    }
-    // Parameters are found by their first element; the range must start and
-    // end on parameter boundaries.
-    auto p = static_cast<size_t>(std::lower_bound(offsets_.begin(), offsets_.end(), begin) -
-                                 offsets_.begin());
-    if (offsets_[p] != begin || !std::binary_search(offsets_.begin(), offsets_.end(), end)) {
-      invalid("gradients_ready range [" + std::to_string(begin) + ", " + std::to_string(end) +
-              ") does not cover whole parameters");
-    }
-    for (; p < names_.size() && offsets_[p + 1] <= end; ++p) {
+    for (size_t p = meshrun::strategies::first_parameter_of_range(offsets_, begin, end);
+         p < names_.size() && offsets_[p + 1] <= end; ++p) {
       if (offsets_[p + 1] == offsets_[p]) continue;  // empty: nothing to reduce
       if (ready_[p]) {
         invalid("parameter '" + names_[p] + "' was reported ready twice in one backward");
@@ -226,11 +154,10 @@ class Ddp {
       if (!unreported.empty()) {
         // Leaves no request behind, so the instance can run the next step.
         wait_in_flight();
-        throw Error(MESHRUN_INVALID_ARGUMENT,
-                    "ddp: parameter " + unreported +
-                        " got no gradient in the step's backward (never reported by "
-                        "gradients_ready); if the model leaves parameters unused, set "
-                        "find_unused_parameters = true");
+        invalid("parameter " + unreported +
+                " got no gradient in the step's backward (never reported by "
+                "gradients_ready); if the model leaves parameters unused, set "
+                "find_unused_parameters = true");
       }
       // Unreported parameters keep their local gradient (zero when unused),
       // reduced with the rest of their bucket as PyTorch does.
@@ -240,9 +167,9 @@ class Ddp {
     wait_in_flight();
   }
 
-  int64_t buffer_bytes() const {
+  void memory(meshrun_strategy_memory* out) const {
     // Buckets are views of the host's gradient buffer: no staging copies.
-    return 0;
+    meshrun::strategies::write_memory(out, 0, 0);
   }
 
  private:
@@ -252,24 +179,6 @@ class Ddp {
     int64_t unready = 0;  // non-empty parameters not yet reported
     meshrun_request* request = nullptr;
   };
-
-  static void check_layout(const meshrun_strategy_setup& setup) {
-    if (setup.num_parameters < 0) invalid("setup: num_parameters is negative");
-    if (setup.parameter_offsets == nullptr) invalid("setup: parameter_offsets is NULL");
-    if (setup.num_parameters > 0 && setup.parameter_names == nullptr) {
-      invalid("setup: parameter_names is NULL");
-    }
-    if (setup.parameter_offsets[0] != 0) invalid("setup: parameter_offsets[0] must be 0");
-    for (int64_t p = 0; p < setup.num_parameters; ++p) {
-      if (setup.parameter_names[p] == nullptr) {
-        invalid("setup: parameter_names[" + std::to_string(p) + "] is NULL");
-      }
-      if (setup.parameter_offsets[p + 1] < setup.parameter_offsets[p]) {
-        invalid("setup: parameter_offsets decrease at parameter '" +
-                std::string(setup.parameter_names[p]) + "'");
-      }
-    }
-  }
 
   int64_t parameters_in(const Bucket& bucket) const {
     int64_t count = 0;
@@ -365,80 +274,18 @@ class Ddp {
   bool sync_ = false;
 };
 
-// Runs `body` on the instance, turning exceptions into errors.
-template <class Body>
-meshrun_error* on_instance(meshrun_plugin_instance* instance, Body&& body) noexcept {
-  return meshrun::plugin::guard([&] {
-    if (instance == nullptr) invalid("instance is NULL");
-    body(*reinterpret_cast<Ddp*>(instance));
-  });
-}
+const meshrun_strategy_api kStrategyApi =
+    meshrun::strategies::replicated_strategy_table<Ddp>(MESHRUN_MESH_FAMILY_DDP);
 
-meshrun_error* setup(meshrun_plugin_instance* instance, const meshrun_strategy_setup* setup) {
-  return on_instance(instance, [&](Ddp& ddp) { ddp.setup(setup); });
-}
-
-meshrun_error* broadcast_parameters(meshrun_plugin_instance* instance) {
-  return on_instance(instance, [&](Ddp& ddp) { ddp.broadcast_parameters(); });
-}
-
-meshrun_error* begin_micro_batch(meshrun_plugin_instance* instance, int32_t sync) {
-  return on_instance(instance, [&](Ddp& ddp) { ddp.begin_micro_batch(sync != 0); });
-}
-
-meshrun_error* gradients_ready(meshrun_plugin_instance* instance, int64_t begin, int64_t end) {
-  return on_instance(instance, [&](Ddp& ddp) { ddp.gradients_ready(begin, end); });
-}
-
-meshrun_error* finish_gradients(meshrun_plugin_instance* instance) {
-  return on_instance(instance, [&](Ddp& ddp) { ddp.finish_gradients(); });
-}
-
-meshrun_error* memory(meshrun_plugin_instance* instance, meshrun_strategy_memory* out) {
-  return on_instance(instance, [&](Ddp& ddp) {
-    if (out == nullptr) invalid("memory: out is NULL");
-    if (out->struct_size < MESHRUN_STRUCT_SIZE(meshrun_strategy_memory, buffers)) {
-      invalid("memory: out->struct_size " + std::to_string(out->struct_size) + " is too small");
-    }
-    out->buffers = ddp.buffer_bytes();
-  });
-}
-
-// Built field by field from a zeroed table, so fields appended by later ABI
-// minors need no initializer here.
-const meshrun_strategy_api kStrategyApi = [] {
-  meshrun_strategy_api api{};
-  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_2;
-  api.mesh_family = MESHRUN_MESH_FAMILY_DDP;
-  api.setup = &setup;
-  api.broadcast_parameters = &broadcast_parameters;
-  api.begin_micro_batch = &begin_micro_batch;
-  api.gradients_ready = &gradients_ready;
-  api.finish_gradients = &finish_gradients;
-  api.memory = &memory;
-  return api;
-}();
-
-const meshrun_plugin_api kApi = [] {
-  meshrun_plugin_api api{};
-  api.struct_size = sizeof(meshrun_plugin_api);
-  api.abi_major = MESHRUN_ABI_VERSION_MAJOR;
-  api.abi_minor = MESHRUN_ABI_VERSION_MINOR;
-  api.kind = MESHRUN_PLUGIN_KIND_STRATEGY;
-  api.name = "ddp";
-  api.version = MESHRUN_PLUGIN_VERSION;
-  api.description =
-      "DDP: replicates parameters on every dp rank (broadcast from rank 0) and all-reduces "
-      "(averages) float32 gradients in reverse-order buckets (bucket_cap_mb, first bucket "
-      "1 MiB) as backward reports them ready, overlapping backward; deferred sync on non-final "
-      "micro-batches; find_unused_parameters honoured; gradient_as_bucket_view, static_graph and "
-      "broadcast_buffers accepted (buckets are always views, the bucket order is fixed, no "
-      "buffers); no tp, pp, cp or ep";
-  api.create = &meshrun::plugin::create_instance<Ddp>;
-  api.destroy = &meshrun::plugin::destroy_instance<Ddp>;
-  api.strategy = &kStrategyApi;
-  return api;
-}();
+const meshrun_plugin_api kApi = meshrun::strategies::strategy_plugin_table<Ddp>(
+    Ddp::kName, MESHRUN_PLUGIN_VERSION,
+    "DDP: replicates parameters on every dp rank (broadcast from rank 0) and all-reduces "
+    "(averages) float32 gradients in reverse-order buckets (bucket_cap_mb, first bucket "
+    "1 MiB) as backward reports them ready, overlapping backward; deferred sync on non-final "
+    "micro-batches; find_unused_parameters honoured; gradient_as_bucket_view, static_graph and "
+    "broadcast_buffers accepted (buckets are always views, the bucket order is fixed, no "
+    "buffers); no tp, pp, cp or ep",
+    &kStrategyApi);
 
 }  // namespace
 

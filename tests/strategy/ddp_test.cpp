@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "checker.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "plugin/loader.hpp"
@@ -44,6 +45,7 @@ using meshrun::Communicator;
 using meshrun::FlatTensor;
 using meshrun::PluginLibrary;
 using meshrun::Strategy;
+using meshrun::test::Checker;
 using Clock = std::chrono::steady_clock;
 
 // 7 parameters of various sizes. With bucket_cap_mb 0.5 they fall into 6
@@ -81,37 +83,6 @@ struct Model {
 float local_gradient(int64_t rank, int m, int64_t i) {
   return 0.25f * static_cast<float>((rank + 1) * (m + 1) + i % 13);
 }
-
-class Checker {
- public:
-  explicit Checker(int64_t rank) : rank_(rank) {}
-  void check(bool ok, const std::string& what) {
-    if (ok) return;
-    ++failures_;
-    std::fprintf(stderr, "rank %lld: FAILED: %s\n", static_cast<long long>(rank_), what.c_str());
-  }
-  // Runs `body`, expecting a meshrun::Error of `code` whose message contains
-  // every one of `parts`.
-  void expect_error(const std::string& what, int32_t code, const std::vector<std::string>& parts,
-                    const std::function<void()>& body) {
-    try {
-      body();
-      check(false, what + ": no error");
-    } catch (const meshrun::Error& e) {
-      const std::string message = e.what();
-      check(e.code() == code, what + ": code " + std::to_string(e.code()) + " (" + message + ")");
-      for (const auto& part : parts) {
-        check(message.find(part) != std::string::npos,
-              what + ": message lacks '" + part + "': " + message);
-      }
-    }
-  }
-  int failures() const { return failures_; }
-
- private:
-  int64_t rank_;
-  int failures_ = 0;
-};
 
 // Checks every gradient element against `expected`, reporting the first miss.
 void check_gradients(Checker& checker, const Model& model, const std::string& what,
@@ -167,12 +138,12 @@ struct Context {
 void refuses_bad_input(Context& c, const meshrun::PluginLoader& loader) {
   c.section("refuses a strategy without training entry points, bad options, calls out of order");
   Model model(kNumels);
-  c.checker.expect_error("fsdp2 (ABI 1.0 table)", MESHRUN_UNIMPLEMENTED,
-                         {"meshrun_strategy_fsdp2.so", "has no training entry points",
-                          "training with strategy fsdp2 is not implemented yet"},
+  c.checker.expect_error("megatron_fsdp (ABI 1.0 table)", MESHRUN_UNIMPLEMENTED,
+                         {"meshrun_strategy_megatron_fsdp.so", "has no training entry points",
+                          "training with strategy megatron_fsdp is not implemented yet"},
                          [&] {
-                           Strategy(loader.load(meshrun::PluginKind::strategy, "fsdp2"), c.world,
-                                    model.buffers(), kOptions);
+                           Strategy(loader.load(meshrun::PluginKind::strategy, "megatron_fsdp"),
+                                    c.world, model.buffers(), kOptions);
                          });
   const std::vector<std::pair<std::string, std::string>> bad_options = {
       {R"({"bucket_cap_mb": -1})", "bucket_cap_mb"},
@@ -204,7 +175,12 @@ void refuses_bad_input(Context& c, const meshrun::PluginLoader& loader) {
   c.checker.expect_error("finish_gradients after a non-sync micro-batch",
                          MESHRUN_FAILED_PRECONDITION, {"sync = 1"},
                          [&] { strategy.finish_gradients(); });
-  c.checker.check(strategy.buffer_bytes() == 0, "buffers are views: no bytes of its own");
+  const meshrun::StrategyMemory memory = strategy.memory();
+  c.checker.check(memory.buffers == 0 && memory.buffers_peak == 0,
+                  "buffers are views: no bytes of its own");
+  c.checker.check(!strategy.sharded(), "ddp does not shard");
+  c.checker.expect_error("a sharded entry point of ddp", MESHRUN_UNIMPLEMENTED,
+                         {"pre_forward", "ABI 1.3"}, [&] { strategy.pre_forward(0); });
 }
 
 void broadcasts_parameters(Context& c) {
@@ -403,12 +379,7 @@ int run() {
   unused_parameters(c);
   overlaps_backward(c);
 
-  // Every rank learns whether any rank failed.
-  float failed = checker.failures() > 0 ? 1.0f : 0.0f;
-  FlatTensor verdict(&failed, meshrun::dtype_float32(), 1);
-  world.all_reduce(verdict.get(), meshrun::ReduceOp::max).wait();
-  if (world.rank() == 0) std::printf("ddp test: %s\n", failed > 0 ? "FAILED" : "passed");
-  return failed > 0 ? 1 : 0;
+  return meshrun::test::verdict(world, checker, "ddp test");
 }
 
 }  // namespace

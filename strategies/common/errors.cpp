@@ -1,0 +1,26 @@
+#include "common/errors.hpp"
+
+namespace meshrun::strategies {
+
+void invalid(const std::string& message) { throw Error(MESHRUN_INVALID_ARGUMENT, message); }
+
+void out_of_order(const std::string& message) { throw Error(MESHRUN_FAILED_PRECONDITION, message); }
+
+void throw_if_error(meshrun_error* error, const std::string& context) {
+  if (error == nullptr) return;
+  const int32_t code = error->code;
+  const std::string message = error->message != nullptr ? error->message : "(no message)";
+  meshrun_error_release(error);
+  throw Error(code, context + ": " + message);
+}
+
+void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak) {
+  if (out == nullptr) invalid("memory: out is NULL");
+  if (!MESHRUN_HAS_FIELD(meshrun_strategy_memory, out, buffers)) {
+    invalid("memory: out->struct_size " + std::to_string(out->struct_size) + " is too small");
+  }
+  out->buffers = buffers;
+  if (MESHRUN_HAS_FIELD(meshrun_strategy_memory, out, buffers_peak)) out->buffers_peak = peak;
+}
+
+}  // namespace meshrun::strategies

@@ -1,0 +1,426 @@
+#include "fsdp2.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+
+#include "common/errors.hpp"
+#include "common/setup_checks.hpp"
+
+namespace meshrun::fsdp2 {
+namespace {
+
+using strategies::Error;
+using strategies::invalid;
+using strategies::out_of_order;
+using strategies::throw_if_error;
+
+const char* phase_name(bool forward) { return forward ? "forward" : "backward"; }
+
+std::string parameter_name(const meshrun_strategy_setup& setup, int64_t p) {
+  return "'" + std::string(setup.parameter_names[p]) + "'";
+}
+
+// The shard and replicate groups of `setup`, with the replicate group's size.
+Groups make_groups(const meshrun_strategy_setup& setup) {
+  if (setup.shard_group == nullptr) invalid("setup: shard_group is NULL");
+  if (setup.replicate_group == nullptr) invalid("setup: replicate_group is NULL");
+  Groups groups{setup.comm, setup.shard_group, setup.replicate_group, 1};
+  throw_if_error(setup.comm->size(setup.replicate_group, &groups.replicate_size),
+                 "size of the replicate group");
+  return groups;
+}
+
+// The units and rows of `setup`, checked: every parameter in a unit that
+// exists, its rows dividing its elements.
+LayoutInput layout_input(const meshrun_strategy_setup& setup) {
+  if (setup.num_units < 1) invalid("setup: num_units must be at least 1");
+  if (setup.root_unit < 0 || setup.root_unit >= setup.num_units) {
+    invalid("setup: root_unit " + std::to_string(setup.root_unit) + " is not in [0, " +
+            std::to_string(setup.num_units) + ")");
+  }
+  const auto count = static_cast<size_t>(setup.num_parameters);
+  if (count > 0 && (setup.parameter_units == nullptr || setup.parameter_rows == nullptr)) {
+    invalid("setup: parameter_units or parameter_rows is NULL");
+  }
+  LayoutInput input{
+      {setup.parameter_offsets, setup.parameter_offsets + count + 1}, {}, {}, setup.num_units};
+  for (int64_t p = 0; p < setup.num_parameters; ++p) {
+    const int32_t unit = setup.parameter_units[p];
+    const int64_t rows = setup.parameter_rows[p];
+    const int64_t numel = input.offsets[p + 1] - input.offsets[p];
+    if (unit < 0 || unit >= setup.num_units) {
+      invalid("setup: parameter " + parameter_name(setup, p) + " is in unit " +
+              std::to_string(unit) + ", not in [0, " + std::to_string(setup.num_units) + ")");
+    }
+    if (rows < 0 || (rows == 0 ? numel != 0 : numel % rows != 0)) {
+      invalid("setup: parameter " + parameter_name(setup, p) + " has " + std::to_string(numel) +
+              " elements, which " + std::to_string(rows) + " rows do not divide");
+    }
+  }
+  input.rows.assign(setup.parameter_rows, setup.parameter_rows + count);
+  input.units.assign(setup.parameter_units, setup.parameter_units + count);
+  return input;
+}
+
+DLTensor float32_tensor(void* data, int64_t& numel) {
+  return host_tensor(data, Dtype::float32, numel);
+}
+
+}  // namespace
+
+// ---- setup and the step ----
+
+void Fsdp2::setup(const meshrun_strategy_setup* setup) {
+  if (layout_ != nullptr) out_of_order("setup was already called on this instance");
+  strategies::check_setup(setup, MESHRUN_STRATEGY_SETUP_SIZE_1_3, "1.3");
+  if (setup->comm->device_type != kDLCPU) {
+    throw Error(MESHRUN_UNIMPLEMENTED,
+                "setup: shards and unit buffers live in host memory, but the comm backend moves "
+                "device type " +
+                    std::to_string(setup->comm->device_type) + " tensors");
+  }
+  options_ = parse_options(setup->options_json);
+  groups_ = make_groups(*setup);
+  const LayoutInput input = layout_input(*setup);
+  strategies::check_flat_float32(setup->parameters, "setup: parameters", input.offsets.back(),
+                                 kDLCPU);
+  int64_t ranks = 0;
+  int64_t rank = 0;
+  throw_if_error(setup->comm->size(setup->shard_group, &ranks), "size of the shard group");
+  throw_if_error(setup->comm->rank(setup->shard_group, &rank), "rank in the shard group");
+  auto layout = std::make_unique<const ShardLayout>(input, ranks, rank);
+
+  offsets_ = input.offsets;
+  local_numel_ = layout->local_numel();
+  shard_parameters_.resize(static_cast<size_t>(local_numel_));
+  // Copied out: the host may free its full weights after setup.
+  layout->shard(
+      reinterpret_cast<const float*>(static_cast<const std::byte*>(setup->parameters.data) +
+                                     setup->parameters.byte_offset),
+      shard_parameters_.data());
+  shard_gradients_.assign(static_cast<size_t>(local_numel_), 0.0f);
+  segments_ = layout->segments();
+  layout_ = std::move(layout);
+  make_units(*setup);
+  log(MESHRUN_LOG_DEBUG,
+      std::to_string(setup->num_units) + " units, " + std::to_string(local_numel_) +
+          " local shard elements of " + std::to_string(offsets_.back()) + ", param_dtype " +
+          dtype_name(options_.param_dtype) + ", reduce_dtype " + dtype_name(options_.reduce_dtype));
+}
+
+void Fsdp2::log(int32_t level, const std::string& message) const {
+  const std::string line = std::string(kName) + ": " + message;
+  if (host_->log != nullptr) host_->log(host_->context, level, line.c_str());
+}
+
+void Fsdp2::make_units(const meshrun_strategy_setup& setup) {
+  root_ = setup.root_unit;
+  position_.assign(static_cast<size_t>(setup.num_units), -1);
+  for (int32_t u = 0; u < setup.num_units; ++u) {
+    if (u == root_) continue;
+    position_[static_cast<size_t>(u)] = static_cast<int32_t>(layers_.size());
+    layers_.push_back(u);
+  }
+  units_.reserve(static_cast<size_t>(setup.num_units));
+  for (int32_t u = 0; u < setup.num_units; ++u) {
+    Unit& unit = units_.emplace_back(meter_);
+    unit.numel = layout_->unit(u).full_numel;
+    unit.reshard_after_forward = reshards_after_forward(u);
+  }
+}
+
+// AutoModel's rule: the root keeps its parameters from forward to backward;
+// an explicit reshard_after_forward applies to the other units; unset, no
+// unit reshards under pipeline parallelism (a stage runs several forwards
+// before their backwards), and otherwise every unit but the last, whose
+// backward comes right after its forward.
+bool Fsdp2::reshards_after_forward(int32_t unit) const {
+  if (unit == root_) return false;
+  if (options_.reshard_after_forward.has_value()) return *options_.reshard_after_forward;
+  return options_.pp_size == 1 && unit != layers_.back();
+}
+
+void Fsdp2::broadcast_parameters() {
+  check_outside_step("broadcast_parameters");
+  DLTensor shard = float32_tensor(shard_parameters_.data(), local_numel_);
+  throw_if_error(groups_.comm->broadcast(groups_.replicate, &shard, 0, nullptr),
+                 "broadcast of the local shard from replicate-group rank 0");
+  // Gathered copies of the old shard would be stale.
+  reshard_all();
+}
+
+void Fsdp2::begin_micro_batch(bool sync) {
+  check_setup_done("begin_micro_batch");
+  if (in_micro_batch_ && sync_) {
+    out_of_order("begin_micro_batch after the step's sync micro-batch without finish_gradients");
+  }
+  check_between_units("begin_micro_batch");
+  replicate_started();
+  poll();
+  // A new step gathers from the shard as the optimizer left it, even where
+  // a forward outside a step (evaluation) left units gathered.
+  if (!in_micro_batch_) reshard_all();
+  in_micro_batch_ = true;
+  sync_ = sync;
+}
+
+void Fsdp2::gradients_ready(int64_t begin, int64_t end) const {
+  check_setup_done("gradients_ready");
+  if (!in_micro_batch_) out_of_order("gradients_ready outside a micro-batch");
+  // Gradients are reduced per unit, after post_backward: ranges are only
+  // checked.
+  strategies::first_parameter_of_range(offsets_, begin, end);
+}
+
+void Fsdp2::finish_gradients() {
+  check_setup_done("finish_gradients");
+  if (!in_micro_batch_ || !sync_) {
+    out_of_order(
+        "finish_gradients without a sync micro-batch: begin the step's last micro-batch "
+        "with sync = 1");
+  }
+  check_between_units("finish_gradients");
+  // Deferred gradients of units the sync micro-batch's backward never reached.
+  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
+    if (units_[static_cast<size_t>(u)].gradients.held()) start_reduction(u);
+  }
+  replicate_started();
+  while (!reductions_.empty()) finish_first_reduction();
+  reshard_all();
+  in_micro_batch_ = false;
+}
+
+void Fsdp2::memory(meshrun_strategy_memory* out) const {
+  strategies::write_memory(out, meter_.now(), meter_.peak());
+}
+
+// ---- the hooks ----
+
+void Fsdp2::pre_forward(int32_t u) { enter(u, Phase::forward); }
+
+void Fsdp2::post_forward(int32_t u) {
+  Unit& unit = leave(u, Phase::forward);
+  poll();
+  if (unit.reshard_after_forward) unit.parameters.release();
+}
+
+void Fsdp2::pre_backward(int32_t u) {
+  Unit& unit = enter(u, Phase::backward);
+  if (!unit.gradients.held()) {
+    unit.gradients.allocate(static_cast<size_t>(unit.numel) * sizeof(float), true);
+  }
+}
+
+void Fsdp2::post_backward(int32_t u) {
+  Unit& unit = leave(u, Phase::backward);
+  replicate_started();
+  poll();
+  if (sync_ || !options_.defer_grad_sync) start_reduction(u);
+  unit.parameters.release();
+}
+
+// pre_forward and pre_backward: the unit gathered, the next ones prefetched.
+Fsdp2::Unit& Fsdp2::enter(int32_t u, Phase phase) {
+  const bool forward = phase == Phase::forward;
+  const std::string call = std::string("pre_") + phase_name(forward);
+  Unit& unit = unit_at(u, call.c_str());
+  if (!forward && !in_micro_batch_) {
+    out_of_order(call + " outside a micro-batch: call begin_micro_batch first");
+  }
+  check_idle(u, call.c_str());
+  poll();
+  unshard(u, forward ? forward_prefetch(u) : backward_prefetch(u));
+  unit.phase = phase;
+  return unit;
+}
+
+// post_forward and post_backward: the unit is out of its phase.
+Fsdp2::Unit& Fsdp2::leave(int32_t u, Phase phase) {
+  const char* name = phase_name(phase == Phase::forward);
+  const std::string call = std::string("post_") + name;
+  Unit& unit = unit_at(u, call.c_str());
+  if (unit.phase != phase) {
+    out_of_order(call + " of unit " + std::to_string(u) + " without its pre_" + name);
+  }
+  unit.phase = Phase::idle;
+  return unit;
+}
+
+void Fsdp2::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
+  Unit& unit = unit_at(u, "unit_views");
+  if (!unit.parameters.held()) {
+    out_of_order("unit_views: unit " + std::to_string(u) +
+                 " is not gathered (views exist between pre_forward and post_forward, and "
+                 "between pre_backward and post_backward)");
+  }
+  if (parameters != nullptr) *parameters = float32_tensor(unit.parameters.data(), unit.numel);
+  if (gradients != nullptr) {
+    const bool in_backward = unit.phase == Phase::backward;
+    *gradients = float32_tensor(in_backward ? unit.gradients.data() : nullptr, unit.numel);
+  }
+}
+
+void Fsdp2::local_shard(DLTensor* parameters, DLTensor* gradients) {
+  check_setup_done("local_shard");
+  if (parameters != nullptr) *parameters = float32_tensor(shard_parameters_.data(), local_numel_);
+  if (gradients != nullptr) *gradients = float32_tensor(shard_gradients_.data(), local_numel_);
+}
+
+void Fsdp2::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
+                           int64_t* count) const {
+  check_setup_done("shard_segments");
+  if (count == nullptr) invalid("shard_segments: count is NULL");
+  if (capacity < 0 || (segments == nullptr && capacity > 0)) {
+    invalid("shard_segments: capacity " + std::to_string(capacity) +
+            " must be >= 0, and 0 when segments is NULL");
+  }
+  const auto written = std::min(static_cast<size_t>(capacity), segments_.size());
+  std::copy_n(segments_.begin(), written, segments);
+  *count = static_cast<int64_t>(segments_.size());
+}
+
+void Fsdp2::gather_parameters(DLTensor* full) {
+  check_outside_step("gather_parameters");
+  if (full == nullptr) invalid("gather_parameters: full is NULL");
+  strategies::check_flat_float32(*full, "gather_parameters: full", offsets_.back(), kDLCPU);
+  Buffer gathered(meter_);
+  int64_t gathered_numel = layout_->ranks() * local_numel_;
+  gathered.allocate(static_cast<size_t>(gathered_numel) * sizeof(float), false);
+  const DLTensor send = float32_tensor(shard_parameters_.data(), local_numel_);
+  DLTensor recv = float32_tensor(gathered.data(), gathered_numel);
+  throw_if_error(groups_.comm->all_gather(groups_.shard, &send, &recv, nullptr),
+                 "all_gather of the local shards");
+  layout_->unshard(gathered.floats(), reinterpret_cast<float*>(static_cast<std::byte*>(full->data) +
+                                                               full->byte_offset));
+}
+
+// ---- checks ----
+
+void Fsdp2::check_setup_done(const char* call) const {
+  if (layout_ == nullptr) out_of_order(std::string(call) + " before setup");
+}
+
+Fsdp2::Unit& Fsdp2::unit_at(int32_t unit, const char* call) {
+  check_setup_done(call);
+  if (unit < 0 || unit >= static_cast<int32_t>(units_.size())) {
+    throw Error(MESHRUN_OUT_OF_RANGE, std::string(call) + ": unit " + std::to_string(unit) +
+                                          " is not in [0, " + std::to_string(units_.size()) + ")");
+  }
+  return units_[static_cast<size_t>(unit)];
+}
+
+void Fsdp2::check_idle(int32_t unit, const char* call) const {
+  const Phase phase = units_[static_cast<size_t>(unit)].phase;
+  if (phase == Phase::idle) return;
+  const bool forward = phase == Phase::forward;
+  out_of_order(std::string(call) + " of unit " + std::to_string(unit) + ", which is in its " +
+               phase_name(forward) + " (no post_" + phase_name(forward) + " since)");
+}
+
+// No unit between its pre_* and post_* hooks.
+void Fsdp2::check_between_units(const char* call) const {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].phase == Phase::idle) continue;
+    const bool forward = units_[u].phase == Phase::forward;
+    out_of_order(std::string(call) + " while unit " + std::to_string(u) + " is in its " +
+                 phase_name(forward) + " (no post_" + phase_name(forward) + " yet)");
+  }
+}
+
+void Fsdp2::check_outside_step(const char* call) const {
+  check_setup_done(call);
+  if (in_micro_batch_) {
+    out_of_order(std::string(call) + " during a step (before its finish_gradients)");
+  }
+  check_between_units(call);
+}
+
+// ---- unsharding ----
+
+std::vector<int32_t> Fsdp2::forward_prefetch(int32_t unit) const {
+  const int64_t depth = options_.prefetch ? options_.forward_prefetch_depth : 0;
+  // The root (position -1) runs before the first layer.
+  const int64_t first = position_[static_cast<size_t>(unit)] + 1;
+  const int64_t end = std::min(first + depth, static_cast<int64_t>(layers_.size()));
+  return {layers_.begin() + first, layers_.begin() + std::max(first, end)};
+}
+
+std::vector<int32_t> Fsdp2::backward_prefetch(int32_t unit) const {
+  const int64_t depth = options_.prefetch ? options_.backward_prefetch_depth : 0;
+  // Backward visits the layers last to first, after the root's head.
+  const int64_t end =
+      unit == root_ ? static_cast<int64_t>(layers_.size()) : position_[static_cast<size_t>(unit)];
+  std::vector<int32_t> units;
+  for (int64_t p = end - 1; p >= std::max<int64_t>(end - depth, 0); --p) {
+    units.push_back(layers_[static_cast<size_t>(p)]);
+  }
+  return units;
+}
+
+// Starts the unit's gather, then the prefetches, and waits for the unit's.
+void Fsdp2::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
+  start_gather(unit);
+  for (int32_t next : prefetch) start_gather(next);
+  complete_gather(unit);
+}
+
+// Whether a unit is gathered or in flight is the same on every rank (it
+// follows the hooks), so every rank starts the same gathers in one order.
+void Fsdp2::start_gather(int32_t u) {
+  Unit& unit = units_[static_cast<size_t>(u)];
+  if (unit.parameters.held() || unit.gather.has_value()) return;
+  unit.gather.emplace(groups_, *layout_, u, shard_parameters_.data(), options_.param_dtype, meter_);
+}
+
+void Fsdp2::complete_gather(int32_t u) {
+  Unit& unit = units_[static_cast<size_t>(u)];
+  if (!unit.gather.has_value()) return;
+  unit.gather->finish(unit.parameters);
+  unit.gather.reset();
+}
+
+// Every unit sharded, its gathers complete.
+void Fsdp2::reshard_all() {
+  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
+    complete_gather(u);
+    units_[static_cast<size_t>(u)].parameters.release();
+  }
+}
+
+// ---- gradient reduction ----
+
+// Frees the unit's gradients once their copy is in the send buffer.
+void Fsdp2::start_reduction(int32_t u) {
+  Unit& unit = units_[static_cast<size_t>(u)];
+  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype,
+                           meter_);
+  unit.gradients.release();
+}
+
+// Starts the HSDP all-reduce of every reduction started so far: at fixed
+// points, in start order, so that every rank issues them alike.
+void Fsdp2::replicate_started() {
+  for (Reduction& reduction : reductions_) {
+    if (reduction.awaits_replication()) reduction.replicate();
+  }
+}
+
+// Reductions complete in start order, so every replica of a shard adds the
+// same results in the same order and the replicas stay bit-identical.
+void Fsdp2::finish_first_reduction() {
+  reductions_.front().finish(shard_gradients_.data());
+  reductions_.pop_front();
+}
+
+// Completes whatever communication has finished: copies out, no new
+// collectives.
+void Fsdp2::poll() {
+  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
+    Unit& unit = units_[static_cast<size_t>(u)];
+    if (unit.gather.has_value() && unit.gather->done()) complete_gather(u);
+  }
+  while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
+}
+
+}  // namespace meshrun::fsdp2

@@ -1,0 +1,117 @@
+// The fsdp2 strategy: PyTorch FSDP2 (fully_shard) semantics, as NeMo
+// AutoModel configures it, over units of the host's model.
+//
+// Each rank keeps its shard of every parameter (layout.hpp) as float32
+// master weights with their gradients. Around a unit's forward and backward
+// the unit is unsharded: its block of the shard is all-gathered in
+// param_dtype into one float32 buffer of its full parameters, and freed
+// again after (reshard). After the unit's backward its gradients are
+// reduce-scattered (average) in reduce_dtype over the shard group, then,
+// with HSDP, all-reduced (average) over the replicate group, and added to
+// the shard's gradients. Gathers of the next units are started early
+// (prefetch) and reductions run while later units compute.
+//
+// Every rank must start its collectives in the same order (meshrun/comm.h),
+// and ranks complete requests at different times, so nothing is started
+// because a request was found complete: gathers start in pre_forward and
+// pre_backward, reduce-scatters in post_backward, and the HSDP all-reduces
+// of the reduce-scatters started so far at the next post_backward,
+// begin_micro_batch or finish_gradients, waiting for their reduce-scatter
+// if need be. Completions found by polling only do local work (copies).
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "buffer.hpp"
+#include "layout.hpp"
+#include "meshrun/strategy.h"
+#include "options.hpp"
+#include "unit_comm.hpp"
+
+namespace meshrun::fsdp2 {
+
+class Fsdp2 {
+ public:
+  static constexpr const char* kName = "fsdp2";
+
+  explicit Fsdp2(const meshrun_host_services& host) : host_(&host) {}
+  Fsdp2(const Fsdp2&) = delete;
+  Fsdp2& operator=(const Fsdp2&) = delete;
+
+  void setup(const meshrun_strategy_setup* setup);
+  void broadcast_parameters();
+  void begin_micro_batch(bool sync);
+  void gradients_ready(int64_t begin, int64_t end) const;
+  void finish_gradients();
+  void memory(meshrun_strategy_memory* out) const;
+
+  void pre_forward(int32_t unit);
+  void post_forward(int32_t unit);
+  void pre_backward(int32_t unit);
+  void post_backward(int32_t unit);
+  void unit_views(int32_t unit, DLTensor* parameters, DLTensor* gradients);
+  void local_shard(DLTensor* parameters, DLTensor* gradients);
+  void shard_segments(meshrun_shard_segment* segments, int64_t capacity, int64_t* count) const;
+  void gather_parameters(DLTensor* full);
+
+ private:
+  enum class Phase { idle, forward, backward };
+
+  struct Unit {
+    explicit Unit(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
+    Phase phase = Phase::idle;
+    bool reshard_after_forward = false;
+    int64_t numel = 0;             // of the full buffers; the views' shape
+    std::optional<Gather> gather;  // in flight
+    Buffer parameters;             // held while gathered
+    Buffer gradients;              // held from pre_backward until reduced
+  };
+
+  void log(int32_t level, const std::string& message) const;
+  Unit& enter(int32_t unit, Phase phase);
+  Unit& leave(int32_t unit, Phase phase);
+  void check_setup_done(const char* call) const;
+  Unit& unit_at(int32_t unit, const char* call);
+  void check_idle(int32_t unit, const char* call) const;
+  void check_between_units(const char* call) const;
+  void check_outside_step(const char* call) const;
+  void make_units(const meshrun_strategy_setup& setup);
+  bool reshards_after_forward(int32_t unit) const;
+  std::vector<int32_t> forward_prefetch(int32_t unit) const;
+  std::vector<int32_t> backward_prefetch(int32_t unit) const;
+
+  void unshard(int32_t unit, const std::vector<int32_t>& prefetch);
+  void start_gather(int32_t unit);
+  void complete_gather(int32_t unit);
+  void reshard_all();
+  void start_reduction(int32_t unit);
+  void replicate_started();
+  void finish_first_reduction();
+  void poll();
+
+  const meshrun_host_services* host_;
+  Options options_;
+  Groups groups_;
+  std::unique_ptr<const ShardLayout> layout_;  // set once setup succeeded
+  std::vector<meshrun_shard_segment> segments_;
+  std::vector<int64_t> offsets_;
+  int32_t root_ = 0;
+  std::vector<int32_t> layers_;    // the units but the root, in forward order
+  std::vector<int32_t> position_;  // of each unit in layers_; -1 for the root
+
+  // Declared before what it counts: destroyed last.
+  MemoryMeter meter_;
+  int64_t local_numel_ = 0;  // the local shard's shape
+  std::vector<float> shard_parameters_;
+  std::vector<float> shard_gradients_;
+  std::vector<Unit> units_;
+  std::deque<Reduction> reductions_;  // in flight, in start order
+  bool in_micro_batch_ = false;
+  bool sync_ = false;
+};
+
+}  // namespace meshrun::fsdp2

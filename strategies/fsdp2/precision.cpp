@@ -1,0 +1,96 @@
+#include "precision.hpp"
+
+#include <cstring>
+
+#include "common/errors.hpp"
+// The core's header-only bfloat16 conversion (round to nearest even), the
+// one the comm backends and the reference model use.
+#include "tensor/elements.hpp"
+
+namespace meshrun::fsdp2 {
+namespace {
+
+// Calls `body` with `data` as elements of `dtype` and the function that
+// widens one to float32. float16 is g++'s _Float16 (IEEE binary16), as in
+// the comm backends.
+template <class Body>
+void with_elements(Dtype dtype, const void* data, Body&& body) {
+  switch (dtype) {
+    case Dtype::bfloat16:
+      body(static_cast<const uint16_t*>(data),
+           [](uint16_t value) { return meshrun::bfloat16_to_float(value); });
+      return;
+    case Dtype::float16:
+      body(static_cast<const _Float16*>(data), [](_Float16 value) { return float(value); });
+      return;
+    case Dtype::float32:
+      break;
+  }
+  body(static_cast<const float*>(data), [](float value) { return value; });
+}
+
+}  // namespace
+
+const std::vector<std::string>& dtype_names() {
+  static const std::vector<std::string> names = {"float32", "bfloat16", "float16"};
+  return names;
+}
+
+Dtype dtype_from_name(const std::string& name) {
+  if (name == "bfloat16") return Dtype::bfloat16;
+  if (name == "float16") return Dtype::float16;
+  if (name == "float32") return Dtype::float32;
+  strategies::invalid("unknown dtype '" + name + "'");
+}
+
+const char* dtype_name(Dtype dtype) { return dtype_names()[static_cast<size_t>(dtype)].c_str(); }
+
+DLDataType dlpack_dtype(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::bfloat16:
+      return DLDataType{kDLBfloat, 16, 1};
+    case Dtype::float16:
+      return DLDataType{kDLFloat, 16, 1};
+    case Dtype::float32:
+      break;
+  }
+  return DLDataType{kDLFloat, 32, 1};
+}
+
+size_t dtype_bytes(Dtype dtype) { return dtype == Dtype::float32 ? 4 : 2; }
+
+DLTensor host_tensor(void* data, Dtype dtype, int64_t& numel) {
+  return DLTensor{data, {kDLCPU, 0}, 1, dlpack_dtype(dtype), &numel, nullptr, 0};
+}
+
+void narrow(Dtype dtype, const float* in, void* out, int64_t count) {
+  switch (dtype) {
+    case Dtype::bfloat16: {
+      auto* bits = static_cast<uint16_t*>(out);
+      for (int64_t i = 0; i < count; ++i) bits[i] = meshrun::float_to_bfloat16(in[i]);
+      return;
+    }
+    case Dtype::float16: {
+      auto* halves = static_cast<_Float16*>(out);
+      for (int64_t i = 0; i < count; ++i) halves[i] = static_cast<_Float16>(in[i]);
+      return;
+    }
+    case Dtype::float32:
+      break;
+  }
+  std::memcpy(out, in, static_cast<size_t>(count) * sizeof(float));
+}
+
+void widen(Dtype dtype, const void* in, float* out, int64_t count) {
+  with_elements(dtype, in, [&](const auto* elements, auto to_float) {
+    for (int64_t i = 0; i < count; ++i) out[i] = to_float(elements[i]);
+  });
+}
+
+void widen_add(Dtype dtype, const void* in, float* out, int64_t count) {
+  with_elements(dtype, in, [&](const auto* elements, auto to_float) {
+    for (int64_t i = 0; i < count; ++i) out[i] += to_float(elements[i]);
+  });
+}
+
+}  // namespace meshrun::fsdp2

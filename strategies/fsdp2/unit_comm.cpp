@@ -1,0 +1,110 @@
+#include "unit_comm.hpp"
+
+#include <cstddef>
+
+#include "common/errors.hpp"
+
+namespace meshrun::fsdp2 {
+namespace {
+
+using strategies::throw_if_error;
+
+// Elements of `dtype` at element `offset` of `buffer`.
+std::byte* at(const Buffer& buffer, Dtype dtype, int64_t offset) {
+  return buffer.data() + static_cast<size_t>(offset) * dtype_bytes(dtype);
+}
+
+size_t bytes_of(int64_t numel, Dtype dtype) {
+  return static_cast<size_t>(numel) * dtype_bytes(dtype);
+}
+
+}  // namespace
+
+Gather::Gather(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* local,
+               Dtype dtype, MemoryMeter& meter)
+    : unit_(&layout.unit(unit)),
+      ranks_(layout.ranks()),
+      dtype_(dtype),
+      what_("all_gather of unit " + std::to_string(unit)),
+      send_numel_(unit_->block_numel),
+      recv_numel_(ranks_ * unit_->block_numel),
+      send_(meter),
+      recv_(meter) {
+  send_.allocate(bytes_of(send_numel_, dtype), false);
+  recv_.allocate(bytes_of(recv_numel_, dtype), false);
+  narrow(dtype, local + unit_->local_begin, send_.data(), send_numel_);
+  const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
+  DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
+  meshrun_request* request = nullptr;
+  throw_if_error(groups.comm->all_gather(groups.shard, &send, &recv, &request), what_);
+  request_ = strategies::Request(*groups.comm, request);
+}
+
+bool Gather::done() { return request_.test(what_); }
+
+void Gather::finish(Buffer& full) {
+  request_.wait(what_);
+  full.allocate(static_cast<size_t>(unit_->full_numel) * sizeof(float), false);
+  for (const ParameterPlace& place : unit_->parameters) {
+    for (int64_t r = 0; r < ranks_; ++r) {
+      widen(dtype_, at(recv_, dtype_, r * unit_->block_numel + place.block_begin),
+            full.floats() + place.unit_begin + r * place.chunk, place.filled(r));
+    }
+  }
+  send_.release();
+  recv_.release();
+}
+
+Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit,
+                     const float* gradients, Dtype dtype, MemoryMeter& meter)
+    : groups_(&groups),
+      unit_(&layout.unit(unit)),
+      dtype_(dtype),
+      unit_name_("unit " + std::to_string(unit)),
+      replicated_(groups.replicate_size == 1),
+      what_("reduce_scatter of the gradients of " + unit_name_),
+      send_numel_(layout.ranks() * unit_->block_numel),
+      recv_numel_(unit_->block_numel),
+      send_(meter),
+      recv_(meter) {
+  send_.allocate(bytes_of(send_numel_, dtype), true);
+  recv_.allocate(bytes_of(recv_numel_, dtype), false);
+  for (const ParameterPlace& place : unit_->parameters) {
+    for (int64_t r = 0; r < layout.ranks(); ++r) {
+      narrow(dtype, gradients + place.unit_begin + r * place.chunk,
+             at(send_, dtype, r * unit_->block_numel + place.block_begin), place.filled(r));
+    }
+  }
+  const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
+  DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
+  meshrun_request* request = nullptr;
+  throw_if_error(
+      groups.comm->reduce_scatter(groups.shard, &send, &recv, MESHRUN_REDUCE_AVG, &request), what_);
+  request_ = strategies::Request(*groups.comm, request);
+}
+
+bool Reduction::awaits_replication() const { return !replicated_; }
+
+void Reduction::replicate() {
+  request_.wait(what_);
+  send_.release();
+  what_ = "all_reduce over the replicate group of the gradients of " + unit_name_;
+  DLTensor result = host_tensor(recv_.data(), dtype_, recv_numel_);
+  meshrun_request* request = nullptr;
+  throw_if_error(
+      groups_->comm->all_reduce(groups_->replicate, &result, &result, MESHRUN_REDUCE_AVG, &request),
+      what_);
+  request_ = strategies::Request(*groups_->comm, request);
+  replicated_ = true;
+}
+
+bool Reduction::done() { return replicated_ && request_.test(what_); }
+
+void Reduction::finish(float* local_gradients) {
+  request_.wait(what_);
+  widen_add(dtype_, recv_.data(), local_gradients + unit_->local_begin, recv_numel_);
+  send_.release();
+  recv_.release();
+}
+
+}  // namespace meshrun::fsdp2

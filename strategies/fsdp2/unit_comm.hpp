@@ -1,0 +1,87 @@
+// The communication of one unit: the all-gather that unshards its
+// parameters and the reduce-scatter (then, with HSDP, all-reduce) that
+// reduces its gradients into the local shard. Each object is one operation
+// in flight with the buffers it owns; it is started by its constructor,
+// polled with done() and completed by finish().
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "buffer.hpp"
+#include "common/request.hpp"
+#include "layout.hpp"
+#include "meshrun/comm.h"
+#include "precision.hpp"
+
+namespace meshrun::fsdp2 {
+
+// Where fsdp2 communicates.
+struct Groups {
+  const meshrun_comm_api* comm = nullptr;
+  meshrun_communicator* shard = nullptr;      // dp_shard_cp: parameters are sharded over it
+  meshrun_communicator* replicate = nullptr;  // dp_replicate: holds equal shards (HSDP)
+  int64_t replicate_size = 1;
+};
+
+class Gather {
+ public:
+  // Starts the all-gather of unit `unit`: its block of `local` (this rank's
+  // shard) cast to `dtype` into a send buffer, every rank's block into the
+  // receive buffer, in one all_gather over the shard group.
+  Gather(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* local,
+         Dtype dtype, MemoryMeter& meter);
+
+  bool done();
+  // Waits, then makes `full` hold the unit's full parameters widened to
+  // float32: its parameters in index order, each whole, no gaps.
+  void finish(Buffer& full);
+
+ private:
+  const UnitPlace* unit_;
+  int64_t ranks_;
+  Dtype dtype_;
+  std::string what_;
+  int64_t send_numel_;
+  int64_t recv_numel_;
+  Buffer send_;
+  Buffer recv_;
+  strategies::Request request_;  // after the buffers: destroyed first
+};
+
+class Reduction {
+ public:
+  // Starts the reduction of unit `unit`'s gradients `gradients` (float32,
+  // laid out as its full buffer): they are cast to `dtype` into a send
+  // buffer laid out rank by rank (each rank's padded chunks, padding zero)
+  // and reduce-scattered (average) over the shard group.
+  Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* gradients,
+            Dtype dtype, MemoryMeter& meter);
+
+  // True while the average over the replicate group (HSDP) is still to be
+  // started.
+  bool awaits_replication() const;
+  // Waits for the reduce-scatter and starts the all-reduce (average) of its
+  // result over the replicate group.
+  void replicate();
+  // True once the whole reduction is complete.
+  bool done();
+  // Waits, then adds the result to the unit's block of `local_gradients`
+  // (the local shard's gradients).
+  void finish(float* local_gradients);
+
+ private:
+  const Groups* groups_;
+  const UnitPlace* unit_;
+  Dtype dtype_;
+  std::string unit_name_;
+  bool replicated_;
+  std::string what_;  // the operation in flight
+  int64_t send_numel_;
+  int64_t recv_numel_;
+  Buffer send_;
+  Buffer recv_;
+  strategies::Request request_;  // after the buffers: destroyed first
+};
+
+}  // namespace meshrun::fsdp2
