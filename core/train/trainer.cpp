@@ -116,19 +116,29 @@ void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
 }
 
 // DESIGN.md's val_loss: the windows are shared out over the data-parallel
-// ranks and the token losses summed over them.
+// ranks and the token losses summed over them. Under a sharded strategy a
+// forward is collective (it gathers units), so a rank with fewer windows
+// runs forwards of window 0 whose loss it drops, until every rank has run
+// as many forwards as the rank with the most.
 std::optional<double> Trainer::validate() {
   const int64_t windows = ctx_.data.val_windows();
   if (windows == 0) return std::nullopt;
   const int64_t ranks = ctx_.data_parallel.size(), rank = ctx_.data_parallel.rank();
   const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
-  const int64_t seq_len = ctx_.data.seq_len();
+  const int64_t seq_len = ctx_.data.seq_len(), micro = ctx_.config.train.micro_batch_size;
+  const int64_t most_windows = (windows + ranks - 1) / ranks;
+  const int64_t forwards = ctx_.strategy.sharded() ? (most_windows + micro - 1) / micro : 0;
   double sum = 0.0;
-  for (int64_t first = begin; first < end; first += ctx_.config.train.micro_batch_size) {
-    const int64_t count = std::min(ctx_.config.train.micro_batch_size, end - first);
+  int64_t done = 0;
+  for (int64_t first = begin; first < end; first += micro, ++done) {
+    const int64_t count = std::min(micro, end - first);
     ctx_.data.validation_batch(first, count, tokens_, targets_);
     sum += double(ctx_.model.forward(tokens_.data(), targets_.data(), count, seq_len)) *
            double(count * seq_len);
+  }
+  for (; done < forwards; ++done) {
+    ctx_.data.validation_batch(0, 1, tokens_, targets_);
+    ctx_.model.forward(tokens_.data(), targets_.data(), 1, seq_len);
   }
   return all_reduce(sum, ReduceOp::sum) / double(windows * seq_len);
 }

@@ -619,8 +619,8 @@ TEST_CASE("config: [distributed.mp_policy] is FSDP2's MixedPrecisionPolicy", "[c
   CHECK(mp.cast_forward_inputs);
   const Config pure = parse("", {"distributed.mp_policy.param_dtype=float32"});
   CHECK(pure.distributed.mp_policy.param_dtype == "float32");
-  const Config set = parse(
-      "[distributed.mp_policy]\nreduce_dtype = \"bfloat16\"\ncast_forward_inputs = false\n");
+  const Config set =
+      parse("[distributed.mp_policy]\nreduce_dtype = \"bfloat16\"\ncast_forward_inputs = false\n");
   CHECK(set.distributed.mp_policy.reduce_dtype == "bfloat16");
   CHECK_FALSE(set.distributed.mp_policy.cast_forward_inputs);
   expect_rejected(failure_in("distributed.mp_policy", "param_dtype = \"float64\""),

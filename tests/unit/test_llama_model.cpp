@@ -311,7 +311,7 @@ class UnitStorageHooks : public ModuleHooks {
     storage_.erase(unit);
   }
 
-  std::vector<float> grads;  // per unit in backward order, parameters in index order
+  std::vector<float> grads;  // per unit in post_backward order, parameters in index order
 
  private:
   struct Storage {
@@ -362,7 +362,7 @@ TEST_CASE("llama computes the same with its storage released and units bound by 
   CHECK(forward_backward(bound, batch) == expected);
 
   std::vector<float> expected_grads;
-  for (int unit : {kRootUnit, 1, 0}) {
+  for (int unit : {1, 0, kRootUnit}) {  // post_backward order: the root encloses the layers
     const std::vector<float> unit_grads = unit_gradients(owning, unit);
     expected_grads.insert(expected_grads.end(), unit_grads.begin(), unit_grads.end());
   }
