@@ -136,7 +136,8 @@ StrategyMemory Strategy::memory() {
   memory.struct_size = sizeof(meshrun_strategy_memory);
   call(api().memory(instance_.handle(), &memory), "memory");
   // A strategy of ABI 1.2 leaves the peak unwritten (zero).
-  return {memory.buffers, std::max(memory.buffers, memory.buffers_peak)};
+  return {memory.buffers, std::max(memory.buffers, memory.buffers_peak),
+          std::max(memory.buffers, memory.buffers_reserved)};
 }
 
 void Strategy::pre_forward(int32_t unit) {

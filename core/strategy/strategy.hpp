@@ -48,6 +48,7 @@ struct FloatView {
 struct StrategyMemory {
   int64_t buffers = 0;
   int64_t buffers_peak = 0;
+  int64_t buffers_reserved = 0;  // buffers plus what is kept for reuse
 };
 
 // True when `library` is a strategy whose table has every training entry

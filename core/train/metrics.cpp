@@ -34,6 +34,7 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"optimizer", m.mem.optimizer},
                  {"buffers", m.mem.buffers},
                  {"buffers_peak", m.mem.buffers_peak},
+                 {"buffers_reserved", m.mem.buffers_reserved},
                  {"peak_rss", m.mem.peak_rss}};
   out_ << line.dump() << "\n";
   out_.flush();

@@ -14,8 +14,9 @@ struct MemoryUse {
   int64_t params = 0;
   int64_t grads = 0;
   int64_t optimizer = 0;
-  int64_t buffers = 0;       // the strategy's communication and gathered buffers
-  int64_t buffers_peak = 0;  // the most `buffers` has been so far
+  int64_t buffers = 0;           // the strategy's communication and gathered buffers
+  int64_t buffers_peak = 0;      // the most `buffers` has been so far
+  int64_t buffers_reserved = 0;  // `buffers` plus the strategy's cache for reuse
   int64_t peak_rss = 0;
 };
 

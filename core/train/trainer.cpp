@@ -153,7 +153,12 @@ void Trainer::save_checkpoint(int64_t step) {
 MemoryUse Trainer::memory_use() {
   const int64_t bytes = local_.numel * int64_t(sizeof(float));
   const StrategyMemory strategy = ctx_.strategy.memory();
-  return {bytes,           bytes, optimizer_.state_bytes(), strategy.buffers, strategy.buffers_peak,
+  return {bytes,
+          bytes,
+          optimizer_.state_bytes(),
+          strategy.buffers,
+          strategy.buffers_peak,
+          strategy.buffers_reserved,
           peak_rss_bytes()};
 }
 

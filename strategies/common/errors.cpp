@@ -14,13 +14,16 @@ void throw_if_error(meshrun_error* error, const std::string& context) {
   throw Error(code, context + ": " + message);
 }
 
-void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak) {
+void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak, int64_t reserved) {
   if (out == nullptr) invalid("memory: out is NULL");
   if (!MESHRUN_HAS_FIELD(meshrun_strategy_memory, out, buffers)) {
     invalid("memory: out->struct_size " + std::to_string(out->struct_size) + " is too small");
   }
   out->buffers = buffers;
   if (MESHRUN_HAS_FIELD(meshrun_strategy_memory, out, buffers_peak)) out->buffers_peak = peak;
+  if (MESHRUN_HAS_FIELD(meshrun_strategy_memory, out, buffers_reserved)) {
+    out->buffers_reserved = reserved;
+  }
 }
 
 }  // namespace meshrun::strategies

@@ -21,9 +21,9 @@ using meshrun::plugin::Error;
 // own destroy (the backend made it). Does nothing for NULL.
 void throw_if_error(meshrun_error* error, const std::string& context);
 
-// Writes the strategy's memory into *out, `peak` only where the caller's
-// struct (ABI 1.3) has room for it.
-void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak);
+// Writes the strategy's memory into *out, `peak` and `reserved` only where
+// the caller's struct (ABI 1.3) has room for them.
+void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak, int64_t reserved);
 
 // Runs `body` and turns whatever it throws into an error whose message
 // begins with "<strategy>: ", so that every message names the strategy

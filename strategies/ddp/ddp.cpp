@@ -169,7 +169,7 @@ class Ddp {
 
   void memory(meshrun_strategy_memory* out) const {
     // Buckets are views of the host's gradient buffer: no staging copies.
-    meshrun::strategies::write_memory(out, 0, 0);
+    meshrun::strategies::write_memory(out, 0, 0, 0);
   }
 
  private:

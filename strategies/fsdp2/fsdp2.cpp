@@ -192,7 +192,7 @@ void Fsdp2::finish_gradients() {
 }
 
 void Fsdp2::memory(meshrun_strategy_memory* out) const {
-  strategies::write_memory(out, meter_.now(), meter_.peak());
+  strategies::write_memory(out, meter_.now(), meter_.peak(), meter_.reserved());
 }
 
 // ---- the hooks ----

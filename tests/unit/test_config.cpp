@@ -791,12 +791,13 @@ TEST_CASE("config: every example in examples/ parses", "[config][examples]") {
   CHECK(count >= 5);
   const Config tiny = meshrun::load_config(MESHRUN_SOURCE_DIR "/examples/llama-tiny.toml");
   CHECK(tiny.distributed.strategy == "fsdp2");
-  CHECK(tiny.distributed.mp_policy.param_dtype == "bfloat16");
   CHECK(tiny.model.num_key_value_heads == 4);
   CHECK(tiny.data.path == "/usr/share/common-licenses/GPL-3");
   const Config hsdp = meshrun::load_config(MESHRUN_SOURCE_DIR "/examples/fsdp2-hsdp.toml");
   CHECK(hsdp.distributed.dp_replicate_size == 2);
   CHECK(hsdp.distributed.tp_size == 2);
+  CHECK(hsdp.distributed.mp_policy.param_dtype == "bfloat16");
+  CHECK(hsdp.positions.count("distributed.mp_policy.cast_forward_inputs") == 1);
   const Config pipeline = meshrun::load_config(MESHRUN_SOURCE_DIR "/examples/pipeline-1f1b.toml");
   CHECK(pipeline.distributed.pp_size == 2);
   CHECK(pipeline.distributed.pipeline.present);

@@ -85,7 +85,8 @@ typedef struct meshrun_strategy_memory {
   size_t struct_size;
   int64_t buffers; /* communication buffers and gathered parameters, now */
   /* ---- ABI 1.3 ---- */
-  int64_t buffers_peak; /* the most `buffers` has been since setup */
+  int64_t buffers_peak;     /* the most `buffers` has been since setup */
+  int64_t buffers_reserved; /* `buffers` plus memory kept for reuse (a cache) */
 } meshrun_strategy_memory;
 
 /* A piece of a sharded strategy's local shard: `count` elements that are
@@ -185,8 +186,7 @@ struct meshrun_strategy_api {
 #define MESHRUN_STRATEGY_API_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, gather_parameters)
 /* The size of the ABI 1.2 and 1.3 setup structs. */
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, extensions)
-#define MESHRUN_STRATEGY_SETUP_SIZE_1_3 \
-  MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
+#define MESHRUN_STRATEGY_SETUP_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
 
 #ifdef __cplusplus
 } /* extern "C" */
