@@ -10,9 +10,13 @@ unit in backward holds float32 gradients until its reduction starts, which
 holds the padded unit and a block in reduce_dtype until it completes.
 Gathers start for the unit and its prefetch depth at each pre-hook.
 
-`asap` says when communication completes: at the first poll after it started
-(the strategy polls at every hook; on this tiny model collectives finish
-well within a layer's compute), or only when waited for (an upper bound).
+`progress` says when communication completes, as the strategy sees it at
+its polls (every hook polls):
+- "asap": at the first poll after it started (a lower bound);
+- "serial": once a later-started operation has been waited for; the comm
+  backend runs collectives one at a time in the order they were started,
+  so that much progress is certain (the prediction);
+- "waited": only when waited for itself (an upper bound).
 """
 
 
@@ -36,12 +40,14 @@ def unit_sizes(plan, ranks):
 
 
 class _Step:
-    def __init__(self, sizes, ranks, param_bytes, reduce_bytes, asap):
+    def __init__(self, sizes, ranks, param_bytes, reduce_bytes, progress):
         self.full = {name: f for name, f, _ in sizes}
         self.block = {name: b for name, _, b in sizes}
-        self.ranks, self.pb, self.rb, self.asap = ranks, param_bytes, reduce_bytes, asap
+        self.ranks, self.pb, self.rb, self.progress = ranks, param_bytes, reduce_bytes, progress
         self.now = self.peak = 0
-        self.gathered, self.gathers, self.grads, self.reductions = set(), [], set(), []
+        self.gathered, self.grads = set(), set()
+        self.gathers, self.reductions = {}, []  # with the order they were started in
+        self.started = self.waited = 0
 
     def add(self, n):
         self.now += n
@@ -53,16 +59,23 @@ class _Step:
     def reduction_buffers(self, u):
         return (self.ranks + 1) * self.block[u] * self.rb
 
+    def start(self):
+        self.started += 1
+        return self.started
+
+    def complete(self, started):
+        return {"asap": True, "serial": started <= self.waited, "waited": False}[self.progress]
+
     def start_gather(self, u):
         if u not in self.gathered and u not in self.gathers:
             self.add(self.gather_buffers(u))
-            self.gathers.append(u)
+            self.gathers[u] = self.start()
 
     def complete_gather(self, u):
         if u in self.gathers:
+            self.waited = max(self.waited, self.gathers.pop(u))
             self.add(4 * self.full[u])
             self.add(-self.gather_buffers(u))
-            self.gathers.remove(u)
             self.gathered.add(u)
 
     def reshard(self, u):
@@ -71,12 +84,16 @@ class _Step:
             self.add(-4 * self.full[u])
 
     def poll(self):
-        if not self.asap:
-            return
-        for u in sorted(self.gathers, key=list(self.full).index):
-            self.complete_gather(u)
-        while self.reductions:
-            self.add(-self.reduction_buffers(self.reductions.pop(0)))
+        for u in [u for u in self.full if u in self.gathers]:
+            if self.complete(self.gathers[u]):
+                self.complete_gather(u)
+        while self.reductions and self.complete(self.reductions[0][1]):
+            self.finish_reduction()
+
+    def finish_reduction(self):
+        u, started = self.reductions.pop(0)
+        self.waited = max(self.waited, started)
+        self.add(-self.reduction_buffers(u))
 
     def enter(self, u, prefetch):
         self.poll()
@@ -87,7 +104,7 @@ class _Step:
 
     def start_reduction(self, u):
         self.add(self.reduction_buffers(u))
-        self.reductions.append(u)
+        self.reductions.append((u, self.start()))
         self.grads.remove(u)
         self.add(-4 * self.full[u])
 
@@ -104,10 +121,10 @@ class _Step:
 
 
 def predicted_peak_buffers(sizes, ranks, param_bytes, reduce_bytes, forward_depth,
-                           backward_depth, asap=True):
+                           backward_depth, progress="serial"):
     """The most bytes the buffers hold at once in a training step with the
     default resharding heuristic (no pipeline)."""
-    s = _Step(sizes, ranks, param_bytes, reduce_bytes, asap)
+    s = _Step(sizes, ranks, param_bytes, reduce_bytes, progress)
     root = "root"
     layers = [name for name, _, _ in sizes if name != root]
     backward = layers[::-1]
@@ -131,6 +148,6 @@ def predicted_peak_buffers(sizes, ranks, param_bytes, reduce_bytes, forward_dept
             s.start_reduction(u)
             s.reshard(u)
         while s.reductions:  # finish_gradients
-            s.add(-s.reduction_buffers(s.reductions.pop(0)))
+            s.finish_reduction()
         s.reshard_all()
     return s.peak

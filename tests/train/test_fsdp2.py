@@ -153,9 +153,11 @@ class Memory(Fsdp2Test):
             [MESHRUN, "plan", self.runs.config, "--world-size", "4", "--json", *FSDP2],
             check=True, capture_output=True, text=True).stdout)
         sizes = unit_sizes(plan, 4)
-        # Between the schedule with every collective done at the next hook
-        # and the one with none done before it is waited for.
-        low, high = (predicted_peak_buffers(sizes, 4, 4, 4, 1, 2, asap) for asap in (True, False))
+        # At most what the schedule holds when collectives complete no sooner
+        # than the comm backend's one-at-a-time order makes certain; at
+        # least what it holds when each completes by the next hook.
+        low, high = (predicted_peak_buffers(sizes, 4, 4, 4, 1, 2, progress)
+                     for progress in ("asap", "serial"))
         self.assertLessEqual(low, mem["buffers_peak"])
         self.assertLessEqual(mem["buffers_peak"], high)
 
