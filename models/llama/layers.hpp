@@ -57,11 +57,19 @@ void linear_forward(Real* y, const Real* x, const Real* weight, int64_t rows, in
   gemm(false, true, rows, out, in, Real(1), x, in, weight, in, Real(0), y, out);
 }
 
-// dx[N, in] = dy[N, out] W[out, in];  dW[out, in] += dy^T x
+// The backward comes in two parts that need different inputs, so a pipeline
+// can run the weight part later (zero-bubble schedules' I and W):
+//   input:  dx[N, in] = dy[N, out] W[out, in]
+//   weight: dW[out, in] += dy^T x
 template <typename Real>
-void linear_backward(Real* dx, Real* d_weight, const Real* dy, const Real* x, const Real* weight,
-                     int64_t rows, int64_t in, int64_t out) {
+void linear_backward_input(Real* dx, const Real* dy, const Real* weight, int64_t rows, int64_t in,
+                           int64_t out) {
   gemm(false, false, rows, in, out, Real(1), dy, out, weight, in, Real(0), dx, in);
+}
+
+template <typename Real>
+void linear_backward_weight(Real* d_weight, const Real* dy, const Real* x, int64_t rows, int64_t in,
+                            int64_t out) {
   gemm(true, false, out, in, rows, Real(1), dy, out, x, in, Real(1), d_weight, in);
 }
 
@@ -358,14 +366,17 @@ double cross_entropy_forward(Real* logits, const int32_t* targets, int64_t rows,
   return total / double(rows);
 }
 
-// dL/dz_rv = (p_rv - [v == target_r]) / N, in place over the probabilities.
+// The gradient of scale * L: dz_rv = scale * (p_rv - [v == target_r]) / N,
+// in place over the probabilities. scale is d(objective)/dL: 1 for one
+// batch, 1/m for one of m microbatches whose mean losses are averaged.
 template <typename Real>
-void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, int64_t vocab) {
-  const Real inv_rows = Real(1) / Real(rows);
+void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, int64_t vocab,
+                            Real scale) {
+  const Real factor = scale / Real(rows);
   for (int64_t r = 0; r < rows; ++r) {
     Real* p = probs + r * vocab;
     p[targets[r]] -= Real(1);
-    for (int64_t v = 0; v < vocab; ++v) p[v] *= inv_rows;
+    for (int64_t v = 0; v < vocab; ++v) p[v] *= factor;
   }
 }
 

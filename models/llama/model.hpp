@@ -2,7 +2,8 @@
 // LlamaForCausalLM (embedding; per layer h = x + o_proj(attn(rmsnorm(x))),
 // out = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h))); final rmsnorm;
 // lm_head; mean cross-entropy), float32 compute through OpenBLAS, kernels in
-// layers.hpp.
+// layers.hpp, wired into layers in decoder.hpp (shared with LlamaStage, a
+// pipeline stage of the model).
 //
 // Parameters live in one contiguous float32 buffer, gradients in another of
 // the same layout, in Hugging Face's names and order, so data-parallel
@@ -121,24 +122,14 @@ class LlamaModel {
   void set_hooks(ModuleHooks* hooks);
 
  private:
-  // A decoder layer's tensors, in buffer order. q, k, v are adjacent, so
-  // they act as one fused [q+2kv, H] projection; gate and up likewise as
-  // one [2I, H].
-  enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTensorsPerLayer };
   static constexpr int kEmbedIndex = 0;
   struct Activations;
+  class HookedGradients;
 
-  void add_parameter(std::string name, std::vector<int64_t> shape);
-  ParameterView& layer_tensor(int64_t layer, LayerTensor tensor) {
-    return parameters_[kEmbedIndex + 1 + layer * kTensorsPerLayer + tensor];
-  }
-  // gradient_ready for the layer's tensors last down to first.
-  void layer_gradients_ready(int64_t layer, LayerTensor first, LayerTensor last);
-  void layer_forward(int64_t layer);
-  void layer_backward(int64_t layer);
+  // The first of decoder layer `layer`'s views; the others follow it.
+  const ParameterView* layer_views(int64_t layer) const;
 
   LlamaConfig config_;
-  int64_t head_dim_ = 0;
   std::vector<float> params_;
   std::vector<float> grads_;
   int64_t num_parameters_ = 0;

@@ -1,0 +1,222 @@
+#include "llama/decoder.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <stdexcept>
+#include <utility>
+
+namespace meshrun::llama {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument("llama: " + message);
+}
+
+void check_config(const LlamaConfig& c) {
+  require(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
+              c.num_hidden_layers > 0 && c.num_attention_heads > 0 && c.num_key_value_heads > 0,
+          "vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+          "num_attention_heads and num_key_value_heads must be positive");
+  require(c.hidden_size % c.num_attention_heads == 0,
+          "hidden_size must be divisible by num_attention_heads");
+  require(c.num_attention_heads % c.num_key_value_heads == 0,
+          "num_attention_heads must be divisible by num_key_value_heads");
+  require((c.hidden_size / c.num_attention_heads) % 2 == 0,
+          "the head dimension hidden_size / num_attention_heads must be even for rotary "
+          "embeddings");
+}
+
+void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, const char* what) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab_size) {
+      throw std::out_of_range("llama: " + std::string(what) + "[" + std::to_string(i) +
+                              "] = " + std::to_string(tokens[i]) + " is outside [0, vocab_size " +
+                              std::to_string(vocab_size) + ")");
+    }
+  }
+}
+
+void use_one_blas_thread_by_default() {
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+}
+
+namespace {
+
+void add_parameter(std::vector<ParameterView>& views, std::string name,
+                   std::vector<int64_t> shape) {
+  int64_t numel = 1;
+  for (int64_t size : shape) numel *= size;
+  views.push_back({std::move(name), std::move(shape), nullptr, nullptr, numel});
+}
+
+}  // namespace
+
+void add_embedding_parameters(std::vector<ParameterView>& views, const LlamaConfig& config) {
+  add_parameter(views, "model.embed_tokens.weight", {config.vocab_size, config.hidden_size});
+}
+
+void add_layer_parameters(std::vector<ParameterView>& views, const LlamaConfig& config,
+                          int64_t layer) {
+  const int64_t H = config.hidden_size, I = config.intermediate_size;
+  const int64_t head_dim = H / config.num_attention_heads;
+  const int64_t q_dim = config.num_attention_heads * head_dim;
+  const int64_t kv_dim = config.num_key_value_heads * head_dim;
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";  // LayerTensor order
+  add_parameter(views, prefix + "input_layernorm.weight", {H});
+  add_parameter(views, prefix + "self_attn.q_proj.weight", {q_dim, H});
+  add_parameter(views, prefix + "self_attn.k_proj.weight", {kv_dim, H});
+  add_parameter(views, prefix + "self_attn.v_proj.weight", {kv_dim, H});
+  add_parameter(views, prefix + "self_attn.o_proj.weight", {H, q_dim});
+  add_parameter(views, prefix + "post_attention_layernorm.weight", {H});
+  add_parameter(views, prefix + "mlp.gate_proj.weight", {I, H});
+  add_parameter(views, prefix + "mlp.up_proj.weight", {I, H});
+  add_parameter(views, prefix + "mlp.down_proj.weight", {H, I});
+}
+
+void add_head_parameters(std::vector<ParameterView>& views, const LlamaConfig& config) {
+  add_parameter(views, "model.norm.weight", {config.hidden_size});
+  if (!config.tie_word_embeddings) {
+    add_parameter(views, "lm_head.weight", {config.vocab_size, config.hidden_size});
+  }
+}
+
+void bind_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
+                     std::vector<float>& grads) {
+  int64_t total = 0;
+  for (const ParameterView& view : views) total += view.numel;
+  params.assign(total, 0.0f);
+  grads.assign(total, 0.0f);
+  int64_t offset = 0;
+  for (ParameterView& view : views) {
+    view.data = params.data() + offset;
+    view.grad = grads.data() + offset;
+    offset += view.numel;
+  }
+}
+
+DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len)
+    : attention{batch, seq_len, c.num_attention_heads, c.num_key_value_heads,
+                c.hidden_size / c.num_attention_heads},
+      hidden(c.hidden_size),
+      intermediate(c.intermediate_size),
+      vocab(c.vocab_size),
+      eps(c.rms_norm_eps),
+      rotary(attention.head_dim, seq_len, c.rope_theta),
+      projection(rows() * hidden),
+      d_residual(rows() * hidden),
+      d_norm(rows() * hidden),
+      d_qkv(rows() * attention.qkv_dim()),
+      d_attention(rows() * attention.q_dim()),
+      d_scores(attention.d_scores_size()),
+      d_gate_up(rows() * 2 * intermediate),
+      d_mlp(rows() * intermediate) {}
+
+LayerActivations::LayerActivations(const DecoderPass& pass)
+    : norm1(pass.rows() * pass.hidden),
+      rstd1(pass.rows()),
+      qkv(pass.rows() * pass.attention.qkv_dim()),
+      probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
+            pass.attention.seq_len),
+      attention(pass.rows() * pass.attention.q_dim()),
+      h(pass.rows() * pass.hidden),
+      norm2(pass.rows() * pass.hidden),
+      rstd2(pass.rows()),
+      gate_up(pass.rows() * 2 * pass.intermediate),
+      mlp(pass.rows() * pass.intermediate) {}
+
+int64_t LayerActivations::bytes() const {
+  return bytes_of(norm1, rstd1, qkv, probs, attention, h, norm2, rstd2, gate_up, mlp);
+}
+
+HeadActivations::HeadActivations(const DecoderPass& pass)
+    : final_norm(pass.rows() * pass.hidden),
+      final_rstd(pass.rows()),
+      logits(pass.rows() * pass.vocab) {}
+
+int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
+
+void ImmediateWeightGradients::linear(const ParameterView* first, const ParameterView* last,
+                                      const float* dy, std::vector<float>& x, int64_t rows,
+                                      int64_t in, int64_t out) {
+  linear_backward_weight(first->grad, dy, x.data(), rows, in, out);
+  for (const ParameterView* view = last; view >= first; --view) ready(*view);
+}
+
+void layer_forward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                   LayerActivations& saved, float* out) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
+
+  rmsnorm_forward(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm].data, N, H,
+                  pass.eps);
+  linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
+  rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                 shape.heads + shape.kv_heads, shape.qkv_dim());
+  attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), shape);
+  linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
+                 H);
+  residual_forward(saved.h.data(), x, pass.projection.data(), N * H);
+
+  rmsnorm_forward(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm].data, N,
+                  H, pass.eps);
+  linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
+  swiglu_forward(saved.mlp.data(), saved.gate_up.data(), N, I);
+  linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
+  residual_forward(out, saved.h.data(), pass.projection.data(), N * H);
+}
+
+// Each residual add passes its gradient through, so the norms' backward
+// accumulates into d_residual. Every linear's input gradient comes first and
+// its weight gradient goes to `gradients` right after, while dy is at hand.
+void layer_backward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                    LayerActivations& saved, WeightGradients& gradients) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, Q = shape.q_dim();
+  float* d_residual = pass.d_residual.data();
+
+  linear_backward_input(pass.d_mlp.data(), d_residual, layer[kDown].data, N, I, H);
+  gradients.linear(&layer[kDown], &layer[kDown], d_residual, saved.mlp, N, I, H);
+  swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
+  linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
+  gradients.linear(&layer[kGate], &layer[kUp], pass.d_gate_up.data(), saved.norm2, N, H, 2 * I);
+  rmsnorm_backward(d_residual, layer[kPostNorm].grad, pass.d_norm.data(), saved.h.data(),
+                   layer[kPostNorm].data, saved.rstd2.data(), N, H);
+  gradients.norm_ready(layer[kPostNorm]);
+
+  linear_backward_input(pass.d_attention.data(), d_residual, layer[kO].data, N, Q, H);
+  gradients.linear(&layer[kO], &layer[kO], d_residual, saved.attention, N, Q, H);
+  attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
+                     saved.qkv.data(), saved.probs.data(), shape);
+  rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                  shape.heads + shape.kv_heads, shape.qkv_dim());
+  linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
+                        shape.qkv_dim());
+  gradients.linear(&layer[kQ], &layer[kV], pass.d_qkv.data(), saved.norm1, N, H, shape.qkv_dim());
+  rmsnorm_backward(d_residual, layer[kInputNorm].grad, pass.d_norm.data(), x,
+                   layer[kInputNorm].data, saved.rstd1.data(), N, H);
+  gradients.norm_ready(layer[kInputNorm]);
+}
+
+double head_forward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
+                    const float* x, const int32_t* targets, HeadActivations& saved) {
+  const int64_t N = pass.rows(), H = pass.hidden, V = pass.vocab;
+  rmsnorm_forward(saved.final_norm.data(), saved.final_rstd.data(), x, norm.data, N, H, pass.eps);
+  linear_forward(saved.logits.data(), saved.final_norm.data(), lm_head.data, N, H, V);
+  return cross_entropy_forward(saved.logits.data(), targets, N, V);
+}
+
+void head_backward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
+                   const float* x, const int32_t* targets, float loss_scale, HeadActivations& saved,
+                   WeightGradients& gradients) {
+  const int64_t N = pass.rows(), H = pass.hidden, V = pass.vocab;
+  cross_entropy_backward(saved.logits.data(), targets, N, V, loss_scale);
+  linear_backward_input(pass.d_norm.data(), saved.logits.data(), lm_head.data, N, H, V);
+  gradients.linear(&lm_head, &lm_head, saved.logits.data(), saved.final_norm, N, H, V);
+  std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
+  rmsnorm_backward(pass.d_residual.data(), norm.grad, pass.d_norm.data(), x, norm.data,
+                   saved.final_rstd.data(), N, H);
+  gradients.norm_ready(norm);
+}
+
+}  // namespace meshrun::llama
