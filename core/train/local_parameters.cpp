@@ -36,10 +36,11 @@ LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group
   return local;
 }
 
-std::vector<uint8_t> decay_mask(const LocalParameters& local, const llama::LlamaModel& model) {
+std::vector<uint8_t> decay_mask(const LocalParameters& local,
+                                const std::vector<llama::ParameterView>& parameters) {
   std::vector<uint8_t> mask(size_t(local.numel), 0);
   for (size_t k = 0; k < local.held.size(); ++k) {
-    const auto& view = model.parameters()[size_t(local.held_parameter[k])];
+    const auto& view = parameters[size_t(local.held_parameter[k])];
     const HeldRange& range = local.held[k];
     std::fill_n(mask.begin() + range.local_begin, range.count, uint8_t(view.shape.size() > 1));
   }

@@ -40,6 +40,7 @@ LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group
 // 1 for the elements that get weight decay: every matrix, none of the 1-D
 // norm weights (GPT-2 / nanoGPT practice: decaying a norm's scale towards 0
 // only hurts), and no padding.
-std::vector<uint8_t> decay_mask(const LocalParameters& local, const llama::LlamaModel& model);
+std::vector<uint8_t> decay_mask(const LocalParameters& local,
+                                const std::vector<llama::ParameterView>& parameters);
 
 }  // namespace meshrun::train

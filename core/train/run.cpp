@@ -12,6 +12,7 @@
 #include "launch/launch.hpp"
 #include "strategy/strategy.hpp"
 #include "train/input_error.hpp"
+#include "train/pipeline_trainer.hpp"
 #include "train/trainer.hpp"
 
 namespace meshrun::train {
@@ -75,22 +76,44 @@ std::string strategy_options(const DistributedConfig& d) {
   return options.dump();
 }
 
-// The trainer runs the reference model whole on every rank: it has no
-// tensor, context, pipeline or expert parallel execution yet (the plan
-// shows those layouts; `meshrun plan` prints them).
+// The trainer runs data and pipeline parallelism: the reference model has
+// no tensor, context or expert parallel execution yet (the plan shows those
+// layouts; `meshrun plan` prints them).
 void check_parallel_sizes(const Config& config) {
   const DistributedConfig& d = config.distributed;
   for (const auto& [key, size] : {std::pair{"distributed.tp_size", d.tp_size},
                                   {"distributed.cp_size", d.cp_size},
-                                  {"distributed.pp_size", d.pp_size},
                                   {"distributed.ep_size", d.ep_size}}) {
     if (size != 1) {
       throw config_error(config, key,
-                         fmt::format("{} > 1: meshrun train runs data parallel only so far "
-                                     "(ddp, fsdp2 with dp_replicate_size and dp_shard); set it "
-                                     "to 1, or see the layout with `meshrun plan`",
+                         fmt::format("{} > 1: meshrun train runs data and pipeline parallelism "
+                                     "only so far (ddp; fsdp2 with dp_replicate_size, dp_shard "
+                                     "and pp_size); set it to 1, or see the layout with "
+                                     "`meshrun plan`",
                                      size));
     }
+  }
+}
+
+// With pp > 1: the microbatches fit the batch and the schedule is valid.
+void check_pipeline(const Config& config, const Plan& plan) {
+  const int64_t dp = plan.mesh.axis_size(Axis::dp);
+  const int64_t share = config.train.global_batch_size / dp;
+  const int64_t micro = config.distributed.pipeline.pp_microbatch_size;
+  if (share % micro != 0) {
+    throw config_error(config, "distributed.pipeline.pp_microbatch_size",
+                       fmt::format("{} does not divide a data-parallel rank's share of the batch "
+                                   "(train.global_batch_size {} / dp {} = {})",
+                                   micro, config.train.global_batch_size, dp, share));
+  }
+  const bool from_csv = !config.distributed.pipeline.pp_schedule_csv.empty();
+  const char* key =
+      from_csv ? "distributed.pipeline.pp_schedule_csv" : "distributed.pipeline.pp_schedule";
+  try {
+    pipeline_schedule(config, plan, config.distributed.pp_size,
+                      int64_t(plan.model.at("pipeline").size()), pipeline_microbatches(config, dp));
+  } catch (const Error& error) {
+    throw config_error(config, key, error.what());
   }
 }
 
@@ -123,6 +146,16 @@ void start_weights(const Config& config, llama::LlamaModel& model) {
   }
 }
 
+void announce(const Config& config, Communicator& world, const llama::LlamaModel& model,
+              const std::string& output_dir) {
+  if (world.rank() != 0) return;
+  std::printf("meshrun train: %lld ranks, strategy %s, pp %lld, %lld parameters, output %s\n",
+              static_cast<long long>(world.size()), config.distributed.strategy.c_str(),
+              static_cast<long long>(config.distributed.pp_size),
+              static_cast<long long>(model.num_parameters()), output_dir.c_str());
+  std::fflush(stdout);
+}
+
 void train_in_world(const Config& config, const std::optional<std::string>& output,
                     Communicator& world) {
   const PluginLoader loader = PluginLoader::from_environment();
@@ -136,6 +169,17 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
   const TokenData data(config);
   llama::LlamaModel model = make_model(config);
   start_weights(config, model);
+  if (plan.mesh.axis_size(Axis::pp) > 1) {
+    PipelineTrainer trainer({config, data, plan, model, world, axes.axis(Axis::pp), data_parallel,
+                             shard_group, replicate_group, strategy_options(config.distributed),
+                             output_dir});
+    if (!config.checkpoint.resume_from.empty()) {
+      trainer.resume(read_index(config, model.num_parameters()));
+    }
+    announce(config, world, model, output_dir);
+    trainer.run();
+    return;
+  }
   // A sidecar of ABI 1.0 plans no units: only a replicated strategy can train.
   StrategyUnits units =
       plan.model.is_null() ? StrategyUnits{} : model_units(plan.model.at("units"), model);
@@ -151,12 +195,7 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
     trainer.resume(read_index(config, model.num_parameters()));
   }
   strategy.broadcast_parameters();
-  if (world.rank() == 0) {
-    std::printf("meshrun train: %lld ranks, strategy %s, %lld parameters, output %s\n",
-                static_cast<long long>(world.size()), config.distributed.strategy.c_str(),
-                static_cast<long long>(model.num_parameters()), output_dir.c_str());
-    std::fflush(stdout);
-  }
+  announce(config, world, model, output_dir);
   trainer.run();
 }
 
@@ -167,6 +206,7 @@ void check_training_input(const Config& config, const Plan& plan) {
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
   check_strategy_trains(config, *plan.strategy);
+  if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);
   llama::LlamaModel model = make_model(config);
   if (!config.model.checkpoint.empty()) read_consolidated(config, model, false);
   if (!config.checkpoint.resume_from.empty()) read_index(config, model.num_parameters());

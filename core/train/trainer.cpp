@@ -34,7 +34,7 @@ Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
       hooks_(make_hooks(ctx_)),
       local_(local_parameters(ctx_)),
-      optimizer_(ctx_.config.train, decay_mask(local_, ctx_.model)) {
+      optimizer_(ctx_.config.train, decay_mask(local_, ctx_.model.parameters())) {
   ctx_.model.set_hooks(hooks_.get());
 }
 
@@ -55,10 +55,6 @@ double Trainer::all_reduce(double value, ReduceOp op) {
   FlatTensor tensor(&single, dtype_float32(), 1);
   ctx_.data_parallel.all_reduce(tensor.get(), op).wait();
   return single;
-}
-
-bool Trainer::due(int64_t every, int64_t step) const {
-  return step == ctx_.config.train.steps || (every > 0 && step % every == 0);
 }
 
 // Forward and backward over this rank's share of the global batch: the loss
@@ -179,36 +175,8 @@ void Trainer::export_weights() {
 }
 
 void Trainer::run() {
-  const TrainConfig& train = ctx_.config.train;
-  const bool writer = ctx_.world.rank() == 0;
-  std::optional<MetricsLog> log;
-  if (writer) log.emplace((std::filesystem::path(ctx_.output_dir) / "metrics.jsonl").string());
-  const double tokens_per_step = double(train.global_batch_size * ctx_.data.seq_len());
-  const int64_t first_step = next_step_;
-  double train_seconds = 0.0;
-  for (; next_step_ < train.steps; ++next_step_) {
-    const auto start = Clock::now();
-    StepMetrics metrics;
-    metrics.step = next_step_ + 1;
-    train_step(next_step_, metrics);
-    optimizer_step(next_step_, metrics);
-    metrics.step_time_s = seconds_since(start);
-    metrics.tokens_per_s = tokens_per_step / metrics.step_time_s;
-    train_seconds += metrics.step_time_s;
-    if (due(train.val_every, metrics.step)) metrics.val_loss = validate();
-    metrics.mem = memory_use();
-    const int64_t save_every = ctx_.config.checkpoint.save_every;
-    if (save_every > 0 && metrics.step % save_every == 0) save_checkpoint(metrics.step);
-    if (!writer) continue;
-    log->write(metrics);
-    if (due(train.log_every, metrics.step) || metrics.val_loss) {
-      const double eta =
-          train_seconds / double(metrics.step - first_step) * double(train.steps - metrics.step);
-      std::printf("%s\n", progress_line(metrics, train.steps, eta).c_str());
-      std::fflush(stdout);
-    }
-  }
-  export_weights();
+  run_training(ctx_.config, ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
+               ctx_.output_dir, next_step_, *this);
 }
 
 }  // namespace meshrun::train

@@ -18,6 +18,7 @@
 #include "train/data.hpp"
 #include "train/hooks.hpp"
 #include "train/local_parameters.hpp"
+#include "train/loop.hpp"
 #include "train/metrics.hpp"
 #include "train/optimizer.hpp"
 
@@ -37,7 +38,7 @@ struct TrainContext {
   std::string output_dir;
 };
 
-class Trainer {
+class Trainer : public TrainingRank {
  public:
   explicit Trainer(TrainContext context);
 
@@ -48,17 +49,17 @@ class Trainer {
   // the consolidated checkpoint.
   void run();
 
+  // TrainingRank: sets metrics.loss, grad_sync_wait_s and comm_wait_s.
+  void train_step(int64_t step, StepMetrics& metrics) override;
+  void optimizer_step(int64_t step, StepMetrics& metrics) override;
+  std::optional<double> validate() override;
+  MemoryUse memory_use() override;
+  void save_checkpoint(int64_t step) override;
+  void export_weights() override;
+
  private:
-  // Sets metrics.loss and metrics.grad_sync_wait_s.
-  void train_step(int64_t step, StepMetrics& metrics);
-  void optimizer_step(int64_t step, StepMetrics& metrics);
-  std::optional<double> validate();
-  bool due(int64_t every, int64_t step) const;
   double all_reduce(double value, ReduceOp op);
-  void save_checkpoint(int64_t step);
-  MemoryUse memory_use();
   std::vector<FlatBuffer> checkpoint_buffers();
-  void export_weights();
 
   TrainContext ctx_;
   std::unique_ptr<StrategyHooks> hooks_;

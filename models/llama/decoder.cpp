@@ -81,6 +81,13 @@ void add_head_parameters(std::vector<ParameterView>& views, const LlamaConfig& c
   }
 }
 
+void release_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
+                        std::vector<float>& grads) {
+  std::vector<float>().swap(params);
+  std::vector<float>().swap(grads);
+  for (ParameterView& view : views) view.data = view.grad = nullptr;
+}
+
 void bind_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
                      std::vector<float>& grads) {
   int64_t total = 0;

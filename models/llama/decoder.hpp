@@ -44,6 +44,10 @@ void add_head_parameters(std::vector<ParameterView>& views, const LlamaConfig& c
 // Sizes both buffers to all views and points the views into them in order.
 void bind_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
                      std::vector<float>& grads);
+// Frees both buffers and nulls the views (a sharded strategy holds the
+// storage from then on).
+void release_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
+                        std::vector<float>& grads);
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes, the
 // rotary table, and scratch that holds nothing from one layer to the next.

@@ -116,11 +116,7 @@ void LlamaModel::init_weights(uint64_t seed) {
 
 void LlamaModel::zero_grad() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
 
-void LlamaModel::release_storage() {
-  std::vector<float>().swap(params_);
-  std::vector<float>().swap(grads_);
-  for (ParameterView& view : parameters_) view.data = view.grad = nullptr;
-}
+void LlamaModel::release_storage() { release_parameters(parameters_, params_, grads_); }
 
 float* LlamaModel::hidden_states(int64_t layer) {
   require(layer >= 0 && layer <= config_.num_hidden_layers, "hidden_states: layer out of range");

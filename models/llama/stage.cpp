@@ -114,6 +114,7 @@ LlamaStage::LlamaStage(LlamaConfig config, StageLayout layout) : config_(config)
   if (layout_.head) add_head_parameters(parameters_, config_);
   lm_head_index_ = config_.tie_word_embeddings ? 0 : norm_index_ + 1;
   bind_parameters(parameters_, params_, grads_);
+  num_parameters_ = int64_t(params_.size());
 }
 
 LlamaStage::~LlamaStage() = default;
@@ -121,6 +122,8 @@ LlamaStage::LlamaStage(LlamaStage&&) noexcept = default;
 LlamaStage& LlamaStage::operator=(LlamaStage&&) noexcept = default;
 
 void LlamaStage::zero_grad() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+void LlamaStage::release_storage() { release_parameters(parameters_, params_, grads_); }
 
 const ParameterView* LlamaStage::layer_views(int64_t layer) const {
   const int64_t first = layout_.embedding ? 1 : 0;
@@ -226,6 +229,12 @@ void LlamaStage::backward_weight(int32_t mb) {
                            linear.in, linear.out);
   }
   microbatches_.erase(found);
+}
+
+void LlamaStage::discard(int32_t mb) {
+  if (microbatches_.erase(mb) == 0) {
+    throw std::logic_error(microbatch_name(mb) + ": discard of a microbatch not in flight");
+  }
 }
 
 // The forward in reverse through pass_->d_residual, the gradient of the

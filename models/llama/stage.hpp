@@ -61,8 +61,12 @@ class LlamaStage {
   const std::vector<ParameterView>& parameters() const { return parameters_; }
   float* param_buffer() { return params_.data(); }
   float* grad_buffer() { return grads_.data(); }
-  int64_t num_parameters() const { return int64_t(params_.size()); }
+  int64_t num_parameters() const { return num_parameters_; }
   void zero_grad();
+  // Frees the parameter and gradient buffers and nulls the views: a sharded
+  // strategy owns the storage from now on and the caller points the views
+  // at it before each use (as LlamaModel::release_storage).
+  void release_storage();
 
   // The microbatch shape [batch, seq_len] of the forwards to come; throws
   // std::logic_error to change it while microbatches are in flight.
@@ -94,6 +98,9 @@ class LlamaStage {
   // backward_input kept, then frees mb's state.
   void backward_weight(int32_t mb);
 
+  // Drops what mb's forward kept, without a backward: a forward that only
+  // evaluates. Throws std::logic_error when mb is not in flight.
+  void discard(int32_t mb);
   // Bytes of the state kept for the microbatches in flight: 0 once each
   // has finished its backward.
   int64_t activation_bytes() const;
@@ -111,6 +118,7 @@ class LlamaStage {
   StageLayout layout_;
   std::vector<float> params_;
   std::vector<float> grads_;
+  int64_t num_parameters_ = 0;
   std::vector<ParameterView> parameters_;
   int norm_index_ = 0;
   int lm_head_index_ = 0;

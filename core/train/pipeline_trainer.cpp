@@ -1,0 +1,365 @@
+#include "train/pipeline_trainer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include "errors.hpp"
+
+namespace meshrun::train {
+
+struct PipelineTrainer::Held {
+  int64_t index = 0;  // the global stage
+  llama::LlamaStage stage;
+  StrategyUnits units;
+  std::unique_ptr<Strategy> strategy;
+  std::unique_ptr<PipelineStage> work;
+  LocalParameters local;
+  std::unique_ptr<AdamW> optimizer;
+  // Each stage parameter's offset in the full model's flat layout and in
+  // the stage's own.
+  std::vector<int64_t> full_offset, stage_offset;
+};
+
+namespace {
+
+// A stage's layout from the sidecar's module list.
+llama::StageLayout stage_layout(const nlohmann::ordered_json& modules) {
+  llama::StageLayout layout{-1, -1, false, false};
+  const std::string prefix = "model.layers.";
+  for (const auto& module : modules) {
+    const auto name = module.get<std::string>();
+    layout.embedding = layout.embedding || name == "model.embed_tokens";
+    layout.head = layout.head || name == "lm_head";
+    if (name.rfind(prefix, 0) != 0) continue;
+    const int64_t layer = std::stoll(name.substr(prefix.size()));
+    if (layout.first_layer < 0) layout.first_layer = layer;
+    layout.end_layer = layer + 1;
+  }
+  if (layout.first_layer < 0) layout.first_layer = layout.end_layer = 0;
+  return layout;
+}
+
+std::map<std::string, int64_t> flat_offsets(const std::vector<llama::ParameterView>& views) {
+  std::map<std::string, int64_t> offsets;
+  int64_t offset = 0;
+  for (const auto& view : views) {
+    offsets[view.name] = offset;
+    offset += view.numel;
+  }
+  return offsets;
+}
+
+}  // namespace
+
+int64_t pipeline_microbatches(const Config& config, int64_t dp) {
+  return config.train.global_batch_size / dp / config.distributed.pipeline.pp_microbatch_size;
+}
+
+schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int64_t pp,
+                                     int64_t stages, int64_t microbatches) {
+  const PipelineConfig& p = config.distributed.pipeline;
+  const int64_t per_rank = stages / pp;
+  schedule::Schedule lowered =
+      p.pp_schedule_csv.empty()
+          ? schedule::lower(schedule::generate(*plan.schedule, pp, per_rank, microbatches))
+          : schedule::read_csv(p.pp_schedule_csv, pp, per_rank, microbatches);
+  schedule::Schedule sharded = schedule::add_sharding_actions(lowered);
+  schedule::validate(sharded);
+  return sharded;
+}
+
+PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(context)) {
+  microbatches_ = pipeline_microbatches(ctx_.config, ctx_.data_parallel.size());
+  build_stages();
+  const auto& split = ctx_.plan.model.at("pipeline");
+  schedule::Schedule schedule = pipeline_schedule(ctx_.config, ctx_.plan, ctx_.pipeline.size(),
+                                                  int64_t(split.size()), microbatches_);
+  for (const auto& stage : split) {
+    const auto index = stage.at("stage").get<size_t>();
+    if (schedule.stage_rank.at(index) != stage.at("rank").get<int64_t>()) {
+      throw invalid_argument(fmt::format(
+          "schedule {} places stage {} on rank {}, the sidecar's split on rank {}", schedule.name,
+          index, schedule.stage_rank.at(index), stage.at("rank").get<int64_t>()));
+    }
+  }
+  std::map<int64_t, pipeline::HeldStage> stages;
+  for (auto& held : held_)
+    stages.emplace(held->index, pipeline::HeldStage{*held->work, held->work.get()});
+  executor_.emplace(std::move(schedule), ctx_.pipeline.rank(), ctx_.pipeline, std::move(stages));
+  ctx_.model.release_storage();
+}
+
+PipelineTrainer::~PipelineTrainer() = default;
+
+// The stages of this rank: weights copied in by name from the full model,
+// then handed to a strategy instance each, which shards them.
+void PipelineTrainer::build_stages() {
+  const auto full = flat_offsets(ctx_.model.parameters());
+  const llama::LlamaConfig llama = ctx_.model.config();
+  const bool scale_in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
+  for (const auto& split : ctx_.plan.model.at("pipeline")) {
+    if (split.at("rank").get<int64_t>() != ctx_.pipeline.rank()) continue;
+    auto held =
+        std::make_unique<Held>(Held{split.at("stage").get<int64_t>(),
+                                    llama::LlamaStage(llama, stage_layout(split.at("modules"))),
+                                    {},
+                                    nullptr,
+                                    nullptr,
+                                    {},
+                                    nullptr,
+                                    {},
+                                    {}});
+    StrategyBuffers buffers{held->stage.param_buffer(),
+                            held->stage.grad_buffer(),
+                            held->stage.num_parameters(),
+                            {0},
+                            {}};
+    for (auto& view : held->stage.parameters()) {
+      const int64_t at = full.at(view.name);
+      std::copy_n(ctx_.model.param_buffer() + at, view.numel, view.data);
+      held->full_offset.push_back(at);
+      held->stage_offset.push_back(buffers.parameter_offsets.back());
+      buffers.parameter_offsets.push_back(buffers.parameter_offsets.back() + view.numel);
+      buffers.parameter_names.push_back(view.name);
+    }
+    held->units = stage_units(held->stage);
+    held->units.shard_group = &ctx_.shard_group;
+    held->units.replicate_group = &ctx_.replicate_group;
+    held->strategy =
+        std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel, std::move(buffers),
+                                   ctx_.strategy_options, &held->units);
+    if (!held->strategy->sharded()) {
+      throw invalid_argument(
+          fmt::format("strategy {} does not shard; pipeline training needs "
+                      "fsdp2 on the data-parallel axis",
+                      held->strategy->library().name()));
+    }
+    held->stage.release_storage();
+    held->local = sharded_parameters(*held->strategy, ctx_.shard_group, ctx_.replicate_group);
+    held->optimizer = std::make_unique<AdamW>(ctx_.config.train,
+                                              decay_mask(held->local, held->stage.parameters()));
+    held->work = std::make_unique<PipelineStage>(
+        held->stage, *held->strategy, held->units,
+        scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
+    held_.push_back(std::move(held));
+  }
+}
+
+double PipelineTrainer::all_reduce(double value, ReduceOp op, Communicator& over) {
+  auto single = float(value);
+  FlatTensor tensor(&single, dtype_float32(), 1);
+  over.all_reduce(tensor.get(), op).wait();
+  return single;
+}
+
+void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
+  const TrainConfig& train = ctx_.config.train;
+  const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
+  const int64_t micro = ctx_.config.distributed.pipeline.pp_microbatch_size;
+  const int64_t seq_len = ctx_.data.seq_len();
+  ctx_.data.training_batch(uint64_t(train.seed), step, ctx_.data_parallel.rank() * share, share,
+                           tokens_, targets_);
+  for (auto& held : held_) {
+    held->stage.set_shape(micro, seq_len);
+    held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
+    std::fill_n(held->local.grads, held->local.numel, 0.0f);
+  }
+  const pipeline::StepTimes times = executor_->run_step();
+  const auto sync_start = std::chrono::steady_clock::now();
+  for (auto& held : held_) held->strategy->finish_gradients();
+  metrics.grad_sync_wait_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
+  metrics.comm_wait_s = metrics.grad_sync_wait_s + times.wait_s + times.sharding_s;
+  // The objective is the mean over the microbatches: without
+  // scale_grads_in_schedule the last stage seeded each with 1, so the
+  // accumulated gradients are scaled here.
+  if (!ctx_.config.distributed.pipeline.scale_grads_in_schedule) {
+    const auto scale = float(1.0 / double(microbatches_));
+    for (auto& held : held_) {
+      for (int64_t i = 0; i < held->local.numel; ++i) held->local.grads[i] *= scale;
+    }
+  }
+  double loss = 0;
+  for (auto& held : held_) loss += held->work->take_loss_sum() / double(microbatches_);
+  metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
+}
+
+void PipelineTrainer::optimizer_step(int64_t step, StepMetrics& metrics) {
+  // The shards of a stage partition it over the shard group and the stages
+  // partition the model over the pipeline; replicas hold equal shards.
+  double squared = 0;
+  for (auto& held : held_) squared += squared_norm(held->local.grads, held->local.numel);
+  squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
+  squared = all_reduce(squared, ReduceOp::sum, ctx_.pipeline);
+  metrics.grad_norm = std::sqrt(squared);
+  metrics.lr = learning_rate(ctx_.config.train, step);
+  for (auto& held : held_) {
+    LocalParameters& local = held->local;
+    clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
+    held->optimizer->step(local.params, local.grads, metrics.lr);
+    if (ctx_.config.model.torch_dtype == "bfloat16") {
+      llama::round_to_bfloat16(local.params, local.numel);
+    }
+  }
+}
+
+// One evaluation batch of `count` sequences (in tokens_/targets_) through
+// the stages in order, activations passed on as they are made; the summed
+// token losses on the rank of the last stage, else 0.
+double PipelineTrainer::forward_for_evaluation(int64_t count) {
+  const auto& split = ctx_.plan.model.at("pipeline");
+  const int64_t seq_len = ctx_.data.seq_len(), me = ctx_.pipeline.rank();
+  std::vector<float> input, output;
+  double sum = 0;
+  auto held = held_.begin();
+  for (size_t s = 0; s < split.size(); ++s) {
+    if (split[s].at("rank").get<int64_t>() != me) continue;
+    llama::LlamaStage& stage = (*held++)->stage;
+    stage.set_shape(count, seq_len);
+    input.resize(size_t(stage.input_numel()));
+    const bool previous_here = s > 0 && split[s - 1].at("rank").get<int64_t>() == me;
+    if (s > 0 && !previous_here) {
+      FlatTensor tensor(input.data(), dtype_float32(), int64_t(input.size()));
+      ctx_.pipeline.recv(tensor.get(), split[s - 1].at("rank").get<int64_t>(), int64_t(s)).wait();
+    }
+    if (previous_here) input.swap(output);
+    output.resize(size_t(stage.output_numel()));
+    const float loss =
+        stage.forward(0, tokens_.data(), targets_.data(), input.data(), output.data());
+    stage.discard(0);
+    if (s + 1 == split.size()) sum = double(loss) * double(count * seq_len);
+    if (s + 1 < split.size() && split[s + 1].at("rank").get<int64_t>() != me) {
+      FlatTensor tensor(output.data(), dtype_float32(), int64_t(output.size()));
+      ctx_.pipeline.send(tensor.get(), split[s + 1].at("rank").get<int64_t>(), int64_t(s + 1))
+          .wait();
+    }
+  }
+  return sum;
+}
+
+std::optional<double> PipelineTrainer::validate() {
+  const int64_t windows = ctx_.data.val_windows();
+  if (windows == 0) return std::nullopt;
+  const int64_t ranks = ctx_.data_parallel.size(), rank = ctx_.data_parallel.rank();
+  const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
+  const int64_t micro = ctx_.config.distributed.pipeline.pp_microbatch_size;
+  for (auto& held : held_) held->work->gather_for_evaluation();
+  double sum = 0;
+  for (int64_t first = begin; first < end; first += micro) {
+    const int64_t count = std::min(micro, end - first);
+    ctx_.data.validation_batch(first, count, tokens_, targets_);
+    sum += forward_for_evaluation(count);
+  }
+  return all_reduce(sum, ReduceOp::sum, ctx_.world) / double(windows * ctx_.data.seq_len());
+}
+
+MemoryUse PipelineTrainer::memory_use() {
+  MemoryUse use;
+  for (auto& held : held_) {
+    const int64_t bytes = held->local.numel * int64_t(sizeof(float));
+    const StrategyMemory strategy = held->strategy->memory();
+    use.params += bytes;
+    use.grads += bytes;
+    use.optimizer += held->optimizer->state_bytes();
+    use.buffers += strategy.buffers;
+    use.buffers_peak += strategy.buffers_peak;
+    use.buffers_reserved += strategy.buffers_reserved;
+  }
+  use.buffers_peak += executor_->peak_buffer_bytes();
+  use.peak_rss = peak_rss_bytes();
+  return use;
+}
+
+std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {
+  std::vector<HeldRange> ranges;
+  if (saved && ctx_.replicate_group.rank() != 0) return ranges;
+  int64_t base = 0;
+  for (const auto& held : held_) {
+    for (size_t k = 0; k < held->local.held.size(); ++k) {
+      const HeldRange& piece = held->local.held[k];
+      const auto p = size_t(held->local.held_parameter[k]);
+      ranges.push_back({held->full_offset[p] + (piece.global_begin - held->stage_offset[p]),
+                        base + piece.local_begin, piece.count});
+    }
+    base += held->local.numel;
+  }
+  return ranges;
+}
+
+std::vector<std::vector<float>> PipelineTrainer::concatenated_state() {
+  std::vector<std::vector<float>> state(3);
+  for (auto& held : held_) {
+    const int64_t n = held->local.numel;
+    state[0].insert(state[0].end(), held->local.params, held->local.params + n);
+    for (int k = 1; k < 3; ++k) {
+      auto& moment = k == 1 ? held->optimizer->exp_avg() : held->optimizer->exp_avg_sq();
+      state[size_t(k)].insert(state[size_t(k)].end(), moment.begin(), moment.end());
+    }
+  }
+  return state;
+}
+
+void PipelineTrainer::scatter_state(const std::vector<std::vector<float>>& state) {
+  size_t base = 0;
+  for (auto& held : held_) {
+    const auto n = size_t(held->local.numel);
+    std::copy_n(state[0].begin() + long(base), n, held->local.params);
+    std::copy_n(state[1].begin() + long(base), n, held->optimizer->exp_avg().begin());
+    std::copy_n(state[2].begin() + long(base), n, held->optimizer->exp_avg_sq().begin());
+    base += n;
+  }
+}
+
+void PipelineTrainer::save_checkpoint(int64_t step) {
+  auto state = concatenated_state();
+  const auto dir =
+      std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
+  save_sharded(
+      dir.string(), ctx_.config, step, ctx_.model.num_parameters(), rank_ranges(true),
+      {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}},
+      ctx_.world);
+}
+
+void PipelineTrainer::resume(const CheckpointIndex& index) {
+  auto state = concatenated_state();
+  load_sharded(
+      index, rank_ranges(false),
+      {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}});
+  scatter_state(state);
+  for (auto& held : held_) held->optimizer->restore(index.step);
+  next_step_ = index.step;
+}
+
+// Every stage gathered, copied into the full layout by data-parallel rank 0
+// of its pipeline rank, and summed over the world: each element has one
+// writer, so the sum is exact.
+void PipelineTrainer::export_weights() {
+  if (!ctx_.config.checkpoint.export_consolidated) return;
+  std::vector<float> full(size_t(ctx_.model.num_parameters()), 0.0f);
+  for (auto& held : held_) {
+    std::vector<float> stage(size_t(held->stage.num_parameters()));
+    held->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
+    if (ctx_.data_parallel.rank() != 0) continue;
+    for (size_t p = 0; p < held->full_offset.size(); ++p) {
+      std::copy_n(stage.begin() + held->stage_offset[p], held->stage.parameters()[p].numel,
+                  full.begin() + held->full_offset[p]);
+    }
+  }
+  FlatTensor tensor(full.data(), dtype_float32(), int64_t(full.size()));
+  ctx_.world.all_reduce(tensor.get(), ReduceOp::sum).wait();
+  if (ctx_.world.rank() == 0) {
+    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model, full.data());
+  }
+}
+
+void PipelineTrainer::run() {
+  for (auto& held : held_) held->strategy->broadcast_parameters();
+  run_training(ctx_.config, ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
+               ctx_.output_dir, next_step_, *this);
+}
+
+}  // namespace meshrun::train

@@ -1,0 +1,91 @@
+// The training of one rank of a pipeline-parallel run (pp > 1): the stages
+// the sidecar's split puts on this rank, each an FSDP2-sharded Llama stage
+// over the data-parallel axis, run by the executor through the schedule
+// (a schedule plugin or pp_schedule_csv, lowered and validated), with AdamW
+// on each stage's local shard.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "llama/model.hpp"
+#include "llama/stage.hpp"
+#include "pipeline/executor.hpp"
+#include "plan/plan.hpp"
+#include "schedule/schedule.hpp"
+#include "strategy/strategy.hpp"
+#include "train/checkpoint.hpp"
+#include "train/data.hpp"
+#include "train/local_parameters.hpp"
+#include "train/loop.hpp"
+#include "train/optimizer.hpp"
+#include "train/pipeline_stage.hpp"
+
+namespace meshrun::train {
+
+struct PipelineContext {
+  const Config& config;
+  const TokenData& data;
+  const Plan& plan;
+  // The full model with the starting weights; its storage is released once
+  // the stages hold their parts (its names and shapes serve the export).
+  llama::LlamaModel& model;
+  Communicator& world;
+  Communicator& pipeline;         // pp
+  Communicator& data_parallel;    // dp
+  Communicator& shard_group;      // dp_shard_cp
+  Communicator& replicate_group;  // dp_replicate
+  std::string strategy_options;   // the strategy's JSON options
+  std::string output_dir;
+};
+
+// The microbatches of one pipeline step: this rank's share of the global
+// batch in pp_microbatch_size pieces.
+int64_t pipeline_microbatches(const Config& config, int64_t dp);
+
+// The schedule the config asks for on `pp` ranks with `stages` stages and
+// `microbatches` microbatches, with communication and FSDP2's sharding
+// actions, validated.
+schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int64_t pp,
+                                     int64_t stages, int64_t microbatches);
+
+class PipelineTrainer : public TrainingRank {
+ public:
+  explicit PipelineTrainer(PipelineContext context);
+  ~PipelineTrainer() override;
+
+  void resume(const CheckpointIndex& index);
+  void run();
+
+  void train_step(int64_t step, StepMetrics& metrics) override;
+  void optimizer_step(int64_t step, StepMetrics& metrics) override;
+  std::optional<double> validate() override;
+  MemoryUse memory_use() override;
+  void save_checkpoint(int64_t step) override;
+  void export_weights() override;
+
+ private:
+  struct Held;
+  void build_stages();
+  double forward_for_evaluation(int64_t count);
+  double all_reduce(double value, ReduceOp op, Communicator& over);
+  // Elements [begin, end) of the stage's local shard in the full model's
+  // flat layout, and the rank's local shards and moments concatenated.
+  std::vector<HeldRange> rank_ranges(bool saved) const;
+  std::vector<std::vector<float>> concatenated_state();
+  void scatter_state(const std::vector<std::vector<float>>& state);
+
+  PipelineContext ctx_;
+  int64_t microbatches_ = 0;
+  std::vector<std::unique_ptr<Held>> held_;
+  std::optional<pipeline::Executor> executor_;
+  int64_t next_step_ = 0;
+  std::vector<int32_t> tokens_, targets_;
+};
+
+}  // namespace meshrun::train
