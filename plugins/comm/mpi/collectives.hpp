@@ -4,7 +4,9 @@
 //   - pipeline (all_reduce only): every rank on this node, and at least
 //     MESHRUN_MPI_SHM_MIN_BYTES and MESHRUN_MPI_PIPELINE_MIN_BYTES (default
 //     4 MiB) in the operation: ranks stream their buffers through a POSIX
-//     shared-memory segment in cache-sized pieces (pipeline.cpp);
+//     shared-memory segment in cache-sized pieces (pipeline.cpp), writing
+//     results into recv with non-temporal stores from
+//     MESHRUN_MPI_STREAM_MIN_BYTES (default 32 MiB);
 //   - shared memory: every rank on this node and cross-memory attach
 //     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
 //     16 KiB) in the operation: ranks read and write each other's buffers
@@ -13,7 +15,7 @@
 //     (default 4 MiB) so that no message is large enough to hit Open MPI's
 //     slow large-message algorithms, and 16-bit reductions need only a
 //     piece-sized float32 buffer.
-// Both variables must be the same on every rank.
+// All but MESHRUN_MPI_STREAM_MIN_BYTES must be the same on every rank.
 #pragma once
 
 #include <cstddef>

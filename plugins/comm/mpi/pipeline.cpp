@@ -20,7 +20,8 @@
 // Every result is computed once, by its owner, so every rank gets the same
 // bits. A rank's slots form a ring of kSlots; before copying into a slot it
 // waits until every rank's `done` shows the piece that last used it
-// consumed.
+// consumed. Results of buffers of at least MESHRUN_MPI_STREAM_MIN_BYTES go
+// into recv with non-temporal stores (see kDefaultStreamMinBytes).
 //
 // Memory ordering: each counter has one writer, which stores the piece's
 // sequence number with release after its plain stores into its slot (for
@@ -41,6 +42,10 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -108,6 +113,68 @@ std::string seconds_text(double seconds) {
   char text[32];
   std::snprintf(text, sizeof text, "%g", seconds);
   return text;
+}
+
+// Buffers this large are written into recv with non-temporal stores. Plain
+// stores first read every line of recv from memory (a read for ownership),
+// so a rank moved three bytes through DRAM per byte of its buffer (send
+// read, recv read and written back) instead of two. Measured on 2 ranks
+// here: 64 and 256 MiB all_reduces 20-30% faster; at 16 MiB no difference
+// beyond the noise, and a smaller recv may still be in the caches when the
+// caller reads it, which streaming would forfeit. Only this rank's stores
+// depend on it, so ranks may differ.
+constexpr size_t kDefaultStreamMinBytes = size_t{32} << 20;
+
+size_t stream_min_bytes() {
+  static const size_t bytes =
+      bytes_from_environment("MESHRUN_MPI_STREAM_MIN_BYTES", kDefaultStreamMinBytes);
+  return bytes;
+}
+
+#if defined(__x86_64__)
+// Copies whole cache lines, `dst` aligned to a line, one line per store:
+// each fills a write-combining buffer at once (10.0 against 8.7 GB/s with
+// four 16-byte stores, for a 256 MiB copy on one core here).
+__attribute__((target("avx512f"))) void stream_lines_avx512(std::byte* dst, const std::byte* src,
+                                                            size_t lines) {
+  for (size_t i = 0; i < lines * kLine; i += kLine) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  }
+}
+
+// The same with SSE2, which every x86-64 has.
+void stream_lines_sse2(std::byte* dst, const std::byte* src, size_t lines) {
+  for (size_t i = 0; i < lines * kLine; i += kLine) {
+    for (size_t part = 0; part < kLine; part += 16) {
+      const __m128i value = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + part));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + part), value);
+    }
+  }
+}
+#endif
+
+// memcpy with non-temporal stores where the CPU has them. The stores are
+// weakly ordered: stream_fence() must follow before anyone else may read
+// `dst`.
+void stream_copy(std::byte* dst, const std::byte* src, size_t bytes) {
+#if defined(__x86_64__)
+  static const auto stream_lines =
+      __builtin_cpu_supports("avx512f") ? &stream_lines_avx512 : &stream_lines_sse2;
+  const size_t head = std::min(bytes, (kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine);
+  std::memcpy(dst, src, head);
+  const size_t lines = (bytes - head) / kLine;
+  stream_lines(dst + head, src + head, lines);
+  const size_t done = head + lines * kLine;
+  std::memcpy(dst + done, src + done, bytes - done);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+void stream_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 void relax() {
@@ -296,6 +363,14 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
     }
     mine.in.value.store(sequence + 1, std::memory_order_release);
   };
+  const bool stream = buffers.count * element >= stream_min_bytes();
+  const auto copy_out = [&](std::byte* dst, const std::byte* src, size_t bytes) {
+    if (stream) {
+      stream_copy(dst, src, bytes);
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
+  };
   std::byte* acc = sized(scratch.accumulator, share * accumulator_bytes(dtype));
   copy_in(0);
   for (uint64_t p = 0; p < pieces; ++p) {
@@ -311,18 +386,20 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
     reduce(dtype, op, ranks, buffers.send + own.first * element, peer_input, acc, result,
            own.count);
     mine.out.value.store(sequence + 1, std::memory_order_release);
-    std::memcpy(buffers.recv + own.first * element, result, own.count * element);
+    copy_out(buffers.recv + own.first * element, result, own.count * element);
     if (p + 1 < pieces) copy_in(p + 1);
     for (int step = 1; step < ranks; ++step) {
       const int q = peer_at(comm, step);
       const Range theirs = range(p, q);
       waiter.await(q, &Published::out, sequence + 1);
-      std::memcpy(buffers.recv + theirs.first * element,
-                  segment.slot(q, sequence) + static_cast<size_t>(q) * share_bytes,
-                  theirs.count * element);
+      copy_out(buffers.recv + theirs.first * element,
+               segment.slot(q, sequence) + static_cast<size_t>(q) * share_bytes,
+               theirs.count * element);
     }
     mine.done.value.store(sequence + 1, std::memory_order_release);
   }
+  // The caller may read recv as soon as the engine reports completion.
+  if (stream) stream_fence();
 }
 
 }  // namespace meshrun::mpi::pipeline
