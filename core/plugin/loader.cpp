@@ -496,10 +496,6 @@ const meshrun_extension& require_extension(const PluginLibrary& library,
            ")");
 }
 
-namespace {
-
-// Turns an error a plugin returned into a meshrun::Error carrying its code and
-// message, and releases it through the plugin's own destroy.
 Error take_plugin_error(const PluginLibrary& library, const std::string& what,
                         meshrun_error* error) {
   const std::string prefix = "plugin " + library.path() + ": " + what + ": ";
@@ -513,8 +509,6 @@ Error take_plugin_error(const PluginLibrary& library, const std::string& what,
   meshrun_error_release(error);
   return Error(code, prefix + message);
 }
-
-}  // namespace
 
 PluginInstance::PluginInstance(std::shared_ptr<PluginLibrary> library,
                                const meshrun_host_services& host)

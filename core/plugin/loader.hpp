@@ -117,6 +117,14 @@ const meshrun_extension& require_extension(const PluginLibrary& library,
                                            const meshrun_extension* list, int32_t type,
                                            std::string_view feature);
 
+class Error;
+
+// Turns an error a plugin returned into a meshrun::Error carrying its code
+// and the message prefixed with "plugin <file>: <what>: ", and releases it
+// through the plugin's own destroy.
+Error take_plugin_error(const PluginLibrary& library, const std::string& what,
+                        meshrun_error* error);
+
 // A live plugin instance: create() on construction, destroy() on
 // destruction. Throws meshrun::Error carrying the plugin's error (code and
 // message, prefixed with the plugin file) when create fails.

@@ -321,6 +321,41 @@ TEST_CASE("instances can be created and destroyed repeatedly", "[conformance]") 
   }
 }
 
+TEST_CASE("a schedule's generate refuses bad arguments and returns actions the host frees",
+          "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (api.schedule == nullptr || !MESHRUN_HAS_FIELD(meshrun_schedule_api, api.schedule, generate) ||
+      api.schedule->generate == nullptr) {
+    SUCCEED("no generate entry (a schedule table before ABI 1.4, or another kind)");
+    return;
+  }
+  const meshrun_schedule_api& schedule = *api.schedule;
+  const meshrun_host_services& host = meshrun::host_services();
+  meshrun_plugin_instance* instance = nullptr;
+  REQUIRE(api.create(&host, &instance) == nullptr);
+  char* const sentinel = reinterpret_cast<char*>(&plugin_path);
+  char* out = sentinel;
+  const int64_t v = schedule.stages_per_rank;
+  check_and_release_error(schedule.generate(nullptr, 2, v, 8, "{}", &out),
+                          MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(schedule.generate(instance, 2, v, 8, "{}", nullptr),
+                          MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(schedule.generate(instance, 0, v, 8, "{}", &out),
+                          MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(schedule.generate(instance, 2, v, 8, "[", &out),
+                          MESHRUN_INVALID_ARGUMENT);
+  CHECK(out == sentinel);
+  // Its own defaults, with 8 microbatches (a multiple of pp, at least 2 pp).
+  meshrun_error* error = schedule.generate(instance, 2, v, 8, nullptr, &out);
+  INFO((error != nullptr && error->message != nullptr ? error->message : ""));
+  REQUIRE(error == nullptr);
+  REQUIRE(out != sentinel);
+  REQUIRE(out != nullptr);
+  CHECK(std::string(out).rfind("{", 0) == 0);
+  host.deallocate(host.context, out);
+  api.destroy(instance);
+}
+
 TEST_CASE("an unknown extension is absent, and the host reports UNIMPLEMENTED", "[conformance]") {
   const meshrun_plugin_api& api = callable_api();
   check_extension_list(api.extensions, "plugin table");

@@ -61,8 +61,9 @@ static void plain_destroy(meshrun_plugin_instance* instance) {
   if (instance != NULL) instance->host->deallocate(instance->host->context, instance);
 }
 
-static const meshrun_schedule_api plain_schedule = {sizeof(meshrun_schedule_api), 1,
-                                                    MESHRUN_PLACEMENT_LOOP, 0, NULL};
+/* No generate entry: the host reports UNIMPLEMENTED when asked for actions. */
+static const meshrun_schedule_api plain_schedule = {
+    sizeof(meshrun_schedule_api), 1, MESHRUN_PLACEMENT_LOOP, 0, NULL, NULL};
 
 static const meshrun_plugin_api plain_api = {
     sizeof(meshrun_plugin_api),

@@ -85,19 +85,8 @@ typedef struct meshrun_host_services {
 /* Strategy-specific table: see meshrun/strategy.h. */
 typedef struct meshrun_strategy_api meshrun_strategy_api;
 
-/* Pipeline stage placement (meshrun_schedule_api.placement). */
-#define MESHRUN_PLACEMENT_LOOP 1 /* stage s on rank s mod pp */
-#define MESHRUN_PLACEMENT_V 2    /* stages r and 2pp-1-r on rank r */
-
-/* Schedule-specific table. 1.0 carries the facts the pipeline split needs;
- * later minors append action generation. */
-typedef struct meshrun_schedule_api {
-  size_t struct_size;
-  int32_t stages_per_rank; /* default virtual stages per rank (1 or 2) */
-  int32_t placement;       /* MESHRUN_PLACEMENT_* */
-  int32_t splits_backward; /* 1 when backward runs as separate I and W actions */
-  const meshrun_extension* extensions;
-} meshrun_schedule_api;
+/* Schedule table: see meshrun/schedule.h. */
+typedef struct meshrun_schedule_api meshrun_schedule_api;
 
 /* Model sidecar ("ModelParallelizer") table: see meshrun/sidecar.h. */
 typedef struct meshrun_sidecar_api meshrun_sidecar_api;
@@ -151,6 +140,7 @@ MESHRUN_PLUGIN_EXPORT const meshrun_plugin_api* meshrun_plugin_get_api(void);
 /* The kind tables that need more than this header; after the plugin table so
  * that any of the headers can be included first. */
 #include "meshrun/comm.h"
+#include "meshrun/schedule.h"
 #include "meshrun/sidecar.h"
 #include "meshrun/strategy.h"
 
