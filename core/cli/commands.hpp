@@ -15,5 +15,6 @@ int run_plugins(const Args& args);
 int run_bench(const Args& args);
 int run_launch(const Args& args);
 int run_train(const Args& args);
+int run_schedule(const Args& args);
 
 }  // namespace meshrun::cli

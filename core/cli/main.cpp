@@ -20,7 +20,7 @@ const std::map<std::string, Command>& commands() {
   static const std::map<std::string, Command> table = {
       {"plan", meshrun::cli::run_plan},   {"plugins", meshrun::cli::run_plugins},
       {"bench", meshrun::cli::run_bench}, {"launch", meshrun::cli::run_launch},
-      {"train", meshrun::cli::run_train},
+      {"train", meshrun::cli::run_train}, {"schedule", meshrun::cli::run_schedule},
   };
   return table;
 }
@@ -40,6 +40,9 @@ void print_usage() {
       "                   the mesh, plugins and rank layout a run would use\n"
       "  plugins [--kind strategy|schedule|sidecar|comm] [--json]\n"
       "                   the plugins on the search path (MESHRUN_PLUGIN_PATH adds folders)\n"
+      "  schedule NAME --pp P --microbatches M [--stages-per-rank V] [--json] [--svg FILE]\n"
+      "                   [--costs F=1,B=1,I=0.5,W=0.5]; --csv FILE in place of NAME reads one\n"
+      "                   a pipeline schedule's actions, makespan, bubble and peak activations\n"
       "  launch --nproc-per-node N [--hostfile FILE] [--timeout SECONDS] -- COMMAND [ARGS...]\n"
       "                   run COMMAND as N ranks per node through mpirun\n"
       "  bench comm [--nproc N] [--ops ...] [--sizes ...] [--dtype D] [--json]\n"
