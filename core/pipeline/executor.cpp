@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -130,6 +129,7 @@ StepTimes Executor::run_step() {
   // What a failed step left in flight is waited for and dropped here, so
   // that one step's error does not leak into the next.
   sends_.clear();
+  sent_.clear();
   receives_.clear();
   buffers_.clear();
   buffers_.reset_peak();
@@ -242,15 +242,15 @@ void Executor::send(size_t step, const Action& action) {
   const bool backward = is_backward_transfer(action.type);
   const BufferKey key{backward ? BufferKind::grad_input : BufferKind::output, action.stage,
                       action.microbatch};
+  // Checked before the buffer is looked up: the first send may have
+  // completed and freed it, or still be in flight with it.
+  if (!sent_.insert(key).second) {
+    throw invalid_argument(fmt::format("the {} is sent twice", describe(key)));
+  }
   float* data = buffers_.find(key);
   if (data == nullptr) {
     throw invalid_argument(
         fmt::format("the {} is sent before the compute that produces it", describe(key)));
-  }
-  // A second send of a buffer in flight would free it under the first.
-  if (std::any_of(sends_.begin(), sends_.end(),
-                  [&](const InFlight& s) { return s.buffer == key; })) {
-    throw invalid_argument(fmt::format("the {} is sent twice", describe(key)));
   }
   const StageWork& stage = work(action.stage);
   const int64_t numel = backward ? stage.input_numel() : stage.output_numel();

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,7 @@ class Executor {
   ActivationBuffers buffers_;
   std::map<BufferKey, InFlight> receives_;
   std::vector<InFlight> sends_;
+  std::set<BufferKey> sent_;  // this step's, to refuse a second send
 };
 
 }  // namespace meshrun::pipeline
