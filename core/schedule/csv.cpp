@@ -3,6 +3,7 @@
 // step, an empty cell idle. Every error names the file, row and column.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -25,7 +26,7 @@ std::string trim(std::string_view text) {
   return cell;
 }
 
-// The file's rows of trimmed cells; a final newline ends the last row.
+// The file's rows of trimmed cells.
 std::vector<std::vector<std::string>> read_rows(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -44,6 +45,12 @@ std::vector<std::vector<std::string>> read_rows(const std::string& path) {
     cells.push_back(trim(std::string_view(line).substr(begin)));
     rows.push_back(std::move(cells));
   }
+  // Blank lines at the end are no ranks: every rank has actions to run.
+  const auto blank = [](const std::vector<std::string>& row) {
+    return std::all_of(row.begin(), row.end(),
+                       [](const std::string& cell) { return cell.empty(); });
+  };
+  while (!rows.empty() && blank(rows.back())) rows.pop_back();
   return rows;
 }
 

@@ -145,6 +145,12 @@ TEST_CASE("schedule plugins: small schedules in PyTorch's order", "[schedule][pl
              "3F2", "3I2", "3W2", "0I1", "0W1", "3F3", "3I3", "3W3", "0I2", "0W2", "0I3", "0W3"},
             {"1F0", "2F0", "1F1", "2F1", "2I0", "2W0", "1F2", "1I0", "1W0", "2F2", "2I1", "2W1",
              "1F3", "1I1", "1W1", "2F3", "2I2", "2W2", "1I2", "2I3", "1I3", "1W2", "2W3", "1W3"}});
+  // PyTorch's OVERLAP_F_B pairs written out as F then B.
+  CHECK(strings_of(generate(shipped_schedule("dualpipev"), 2, 2, 4)) ==
+        Strings{{"0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "0F3", "3B1", "3F2", "0B0", "3B2",
+                 "3F3", "0B1", "3B3", "0I2", "0W2", "0I3", "0W3"},
+                {"1F0", "2F0", "1F1", "2F1", "1F2", "2B0", "2F2", "1B0", "1F3", "2B1", "2F3", "1B1",
+                 "2B2", "1B2", "2I3", "1I3", "2W3", "1W3"}});
 }
 
 TEST_CASE("schedule lowering: sends after the producer, receives placed with their send",
