@@ -19,7 +19,8 @@ nlohmann::ordered_json request_of(const Config& config, const MeshContext& mesh,
       {"placement",
        schedule && schedule->api().schedule->placement == MESHRUN_PLACEMENT_V ? "v" : "loop"},
       {"layers_per_stage", d.pipeline.layers_per_stage},
-      {"round_virtual_stages_to_pp_multiple", d.pipeline.round_virtual_stages_to_pp_multiple}};
+      {"round_virtual_stages_to_pp_multiple", d.pipeline.round_virtual_stages_to_pp_multiple},
+      {"module_fqns_per_model_part", d.pipeline.module_fqns_per_model_part}};
   return {{"model",
            {{"model_type", m.model_type},
             {"vocab_size", m.vocab_size},

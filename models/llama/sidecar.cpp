@@ -131,27 +131,78 @@ int64_t stage_count(const Model& model, const Mesh& mesh, const json& pipeline) 
              "; set round_virtual_stages_to_pp_multiple = \"up\" or \"down\"");
 }
 
-// Layers split evenly over the stages, the remainder to the first stages;
-// stage s runs on rank s mod pp, or for V schedules on ranks r and 2pp-1-r.
-json pipeline_split(const Model& model, const Mesh& mesh, const json& pipeline) {
-  const int64_t stages = stage_count(model, mesh, pipeline);
+// The modules of each stage: layers split evenly over the stages, the
+// remainder to the first stages, the embedding on the first and the final
+// norm and lm_head on the last.
+json even_parts(const Model& model, int64_t stages) {
   if (stages > model.layers) {
     reject("model.num_hidden_layers", std::to_string(model.layers) + " layers cannot fill " +
                                           std::to_string(stages) + " pipeline stages");
   }
-  const bool v_shape = pipeline.value("placement", "loop") == "v";
-  json split = json::array();
+  json parts = json::array();
   int64_t first = 0;
   for (int64_t s = 0; s < stages; ++s) {
     const int64_t count = model.layers / stages + (s < model.layers % stages ? 1 : 0);
-    const int64_t rank = v_shape && s >= mesh.pp ? 2 * mesh.pp - 1 - s : s % mesh.pp;
     json modules = json::array();
     if (s == 0) modules.push_back("model.embed_tokens");
     for (int64_t l = first; l < first + count; ++l)
       modules.push_back("model.layers." + std::to_string(l));
     if (s == stages - 1) modules.insert(modules.end(), {"model.norm", "lm_head"});
-    split.push_back({{"stage", s}, {"rank", rank}, {"modules", std::move(modules)}});
+    parts.push_back(std::move(modules));
     first += count;
+  }
+  return parts;
+}
+
+// module_fqns_per_model_part as given: every module of the model once, in
+// model order, no part empty, the final norm with lm_head (the loss needs
+// both), and as many parts as the placement gives the ranks.
+json explicit_parts(const Model& model, const Mesh& mesh, const json& parts) {
+  const std::string key = "distributed.pipeline.module_fqns_per_model_part";
+  std::vector<std::string> expected = {"model.embed_tokens"};
+  for (int64_t l = 0; l < model.layers; ++l)
+    expected.push_back("model.layers." + std::to_string(l));
+  expected.insert(expected.end(), {"model.norm", "lm_head"});
+  size_t next = 0;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    if (parts[p].empty()) reject(key, "part " + std::to_string(p) + " holds no module");
+    for (const auto& module : parts[p]) {
+      const auto name = module.get<std::string>();
+      if (next >= expected.size() || name != expected[next]) {
+        reject(key, "part " + std::to_string(p) + " has '" + name + "' where the model's next " +
+                        "module is " +
+                        (next < expected.size() ? "'" + expected[next] + "'" : "none") +
+                        " (every module once, in model order: model.embed_tokens, "
+                        "model.layers.0.." +
+                        std::to_string(model.layers - 1) + ", model.norm, lm_head)");
+      }
+      if (name == "lm_head" && parts[p].front() == "lm_head") {
+        reject(key,
+               "model.norm and lm_head must be in one part (the last stage computes the "
+               "loss from both)");
+      }
+      ++next;
+    }
+  }
+  if (next != expected.size()) reject(key, "'" + expected[next] + "' is in no part");
+  if (int64_t(parts.size()) % mesh.pp != 0) {
+    reject(key,
+           std::to_string(parts.size()) +
+               " parts are not a multiple of distributed.pp_size = " + std::to_string(mesh.pp));
+  }
+  return parts;
+}
+
+// Stage s runs on rank s mod pp, or for V schedules on ranks r and 2pp-1-r.
+json pipeline_split(const Model& model, const Mesh& mesh, const json& pipeline) {
+  const json fqns = pipeline.value("module_fqns_per_model_part", json::array());
+  const json parts = fqns.empty() ? even_parts(model, stage_count(model, mesh, pipeline))
+                                  : explicit_parts(model, mesh, fqns);
+  const bool v_shape = pipeline.value("placement", "loop") == "v";
+  json split = json::array();
+  for (int64_t s = 0; s < int64_t(parts.size()); ++s) {
+    const int64_t rank = v_shape && s >= mesh.pp ? 2 * mesh.pp - 1 - s : s % mesh.pp;
+    split.push_back({{"stage", s}, {"rank", rank}, {"modules", parts[size_t(s)]}});
   }
   return split;
 }

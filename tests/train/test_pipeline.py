@@ -59,6 +59,13 @@ class Equivalence(PipelineTest):
                                  "distributed.pipeline.scale_grads_in_schedule=true")
         self.assert_close(losses(self.reference), losses(inside))
 
+    def test_explicit_module_split(self):
+        parts = ('[["model.embed_tokens", "model.layers.0"], '
+                 '["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]')
+        output = self.runs.train("parts", 2, *PP2,
+                                 f"distributed.pipeline.module_fqns_per_model_part={parts}")
+        self.assert_close(losses(self.reference), losses(output))
+
     def test_csv_schedule(self):
         path = os.path.join(self.runs.root, "1f1b.csv")
         with open(path, "w") as f:
@@ -98,6 +105,10 @@ class BadInput(PipelineTest, InputErrorAssertions):
         self.assert_refused("distributed.pipeline.pp_schedule", *PP2,
                             "distributed.pipeline.pp_schedule=1f1b",
                             "distributed.pipeline.layers_per_stage=1")
+        self.assert_refused("distributed.pipeline.module_fqns_per_model_part", *PP2,
+                            'distributed.pipeline.module_fqns_per_model_part=[["model.embed_tokens",'
+                            ' "model.layers.0", "model.layers.1", "model.layers.2", '
+                            '"model.layers.3", "model.norm"], ["lm_head"]]')
         path = os.path.join(self.runs.root, "bad.csv")
         with open(path, "w") as f:
             f.write(CSV_1F1B.replace("1B2", "1X2"))
