@@ -94,15 +94,20 @@ ShardedHooks::ShardedHooks(Strategy& strategy, llama::LlamaModel& model, const S
   }
 }
 
-void ShardedHooks::bind(int32_t unit, bool gradients) {
-  const auto [params, grads] = strategy_.unit_views(unit);
+void bind_unit(Strategy& strategy, int32_t unit, const std::vector<int>& parameters,
+               std::vector<llama::ParameterView>& views, bool gradients) {
+  const auto [params, grads] = strategy.unit_views(unit);
   int64_t offset = 0;
-  for (const int p : unit_parameters_[size_t(unit)]) {
-    llama::ParameterView& view = model_.parameters()[size_t(p)];
+  for (const int p : parameters) {
+    llama::ParameterView& view = views[size_t(p)];
     view.data = params.data + offset;
     view.grad = gradients ? grads.data + offset : nullptr;
     offset += view.numel;
   }
+}
+
+void ShardedHooks::bind(int32_t unit, bool gradients) {
+  bind_unit(strategy_, unit, unit_parameters_[size_t(unit)], model_.parameters(), gradients);
 }
 
 void ShardedHooks::round_hidden_states(int64_t layer, const std::string& dtype) {

@@ -64,6 +64,12 @@ class StrategyHooks : public llama::ModuleHooks {
 // the plan's units are not the model's layers and root, naming the unit.
 StrategyUnits model_units(const nlohmann::ordered_json& plan_units, const llama::LlamaModel& model);
 
+// Points the views of a sharded strategy's unit (`parameters`: indices into
+// `views`, in index order) at the strategy's gathered storage, and at its
+// gradient buffer when `gradients`, else nowhere.
+void bind_unit(Strategy& strategy, int32_t unit, const std::vector<int>& parameters,
+               std::vector<llama::ParameterView>& views, bool gradients);
+
 class ShardedHooks : public StrategyHooks {
  public:
   ShardedHooks(Strategy& strategy, llama::LlamaModel& model, const StrategyUnits& units,

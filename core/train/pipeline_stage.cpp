@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "train/hooks.hpp"
+
 namespace meshrun::train {
 
 StrategyUnits stage_units(const llama::LlamaStage& stage) {
@@ -43,14 +45,7 @@ void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int
 double PipelineStage::take_loss_sum() { return std::exchange(loss_sum_, 0.0); }
 
 void PipelineStage::bind(int32_t unit, bool gradients) {
-  const auto [params, grads] = strategy_.unit_views(unit);
-  int64_t offset = 0;
-  for (const int p : unit_parameters_[size_t(unit)]) {
-    llama::ParameterView& view = stage_.parameters()[size_t(p)];
-    view.data = params.data + offset;
-    view.grad = gradients ? grads.data + offset : nullptr;
-    offset += view.numel;
-  }
+  bind_unit(strategy_, unit, unit_parameters_[size_t(unit)], stage_.parameters(), gradients);
 }
 
 void PipelineStage::gather_for_evaluation() {
