@@ -6,7 +6,7 @@
 //     4 MiB) in the operation: ranks stream their buffers through a POSIX
 //     shared-memory segment in cache-sized pieces (pipeline.cpp), writing
 //     results into recv with non-temporal stores from
-//     MESHRUN_MPI_STREAM_MIN_BYTES (default 32 MiB);
+//     MESHRUN_MPI_STREAM_MIN_BYTES (default 4 MiB);
 //   - shared memory: every rank on this node and cross-memory attach
 //     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
 //     16 KiB) in the operation: ranks read and write each other's buffers

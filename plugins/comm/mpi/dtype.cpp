@@ -1,6 +1,9 @@
 #include "dtype.hpp"
 
+#include <cstring>
 #include <type_traits>
+
+#include "nontemporal.hpp"
 
 #include "tensor/elements.hpp"
 
@@ -92,6 +95,34 @@ void with_combiner(ReduceOp op, Body&& body) {
   }
 }
 
+// Writes value(i) for i < count into results.dst, and into results.copy
+// when there is one. Streamed copies are built a cache line at a time in a
+// local line, then stored to dst and streamed to the copy: in one loop with
+// the reduction the non-temporal stores overlap its loads (a separate
+// streaming pass, or one per 4 KiB block, ran 8-20% slower on 2 ranks here).
+// Each line is read before it is written, so dst may alias the inputs.
+template <class Storage, class Value>
+void write_results(const Results& results, size_t count, Value value) {
+  auto* dst = static_cast<Storage*>(results.dst);
+  auto* copy = static_cast<Storage*>(results.copy);
+  if (copy == nullptr) {
+    for (size_t i = 0; i < count; ++i) dst[i] = value(i);
+    return;
+  }
+  size_t i = 0;
+  if (results.stream) {
+    constexpr size_t per_line = kLineBytes / sizeof(Storage);
+    for (; i < count && !line_aligned(copy + i); ++i) dst[i] = copy[i] = value(i);
+    for (; i + per_line <= count; i += per_line) {
+      alignas(kLineBytes) Storage line[per_line];
+      for (size_t k = 0; k < per_line; ++k) line[k] = value(i + k);
+      std::memcpy(dst + i, line, kLineBytes);
+      stream_line(copy + i, line);
+    }
+  }
+  for (; i < count; ++i) dst[i] = copy[i] = value(i);
+}
+
 }  // namespace
 
 size_t element_bytes(Dtype dtype) {
@@ -155,39 +186,39 @@ void accumulate(Dtype dtype, ReduceOp op, void* acc, const void* src, size_t cou
   });
 }
 
-void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last, void* dst,
-            size_t count) {
+void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last,
+            const Results& results, size_t count) {
   with_element(dtype, [&]<class E>(E) {
     using Acc = typename E::Acc;
+    using Storage = typename E::Storage;
     const auto* in = static_cast<const Acc*>(acc);
-    const auto* tail = static_cast<const typename E::Storage*>(last);
-    auto* out = static_cast<typename E::Storage*>(dst);
+    const auto* tail = static_cast<const Storage*>(last);
     const auto divisor = static_cast<Acc>(ranks);
     const bool average = op == ReduceOp::avg;
     with_combiner(op, [&](auto combiner) {
+      const auto write = [&](auto value) { write_results<Storage>(results, count, value); };
       if (tail != nullptr && average) {
-        for (size_t i = 0; i < count; ++i) {
-          out[i] = E::narrow(combiner(in[i], E::widen(tail[i])) / divisor);
-        }
+        write([&](size_t i) { return E::narrow(combiner(in[i], E::widen(tail[i])) / divisor); });
       } else if (tail != nullptr) {
-        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(combiner(in[i], E::widen(tail[i])));
+        write([&](size_t i) { return E::narrow(combiner(in[i], E::widen(tail[i]))); });
       } else if (average) {
-        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(in[i] / divisor);
-      } else if (acc != dst) {
-        for (size_t i = 0; i < count; ++i) out[i] = E::narrow(in[i]);
+        write([&](size_t i) { return E::narrow(in[i] / divisor); });
+      } else if (acc != results.dst || results.copy != nullptr) {
+        write([&](size_t i) { return E::narrow(in[i]); });
       }
     });
   });
 }
 
 void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
-            const std::function<const void*(int)>& next, void* acc, void* dst, size_t count) {
+            const std::function<const void*(int)>& next, void* acc, const Results& results,
+            size_t count) {
   const bool native = accumulator_bytes(dtype) == element_bytes(dtype);
   const void* so_far = own;
   for (int step = 1; step < ranks; ++step) {
     const void* incoming = next(step);
     if (step == ranks - 1 && (native || so_far == acc)) {
-      finish(dtype, op, ranks, so_far, incoming, dst, count);
+      finish(dtype, op, ranks, so_far, incoming, results, count);
       return;
     }
     if (so_far == own) {
@@ -198,7 +229,7 @@ void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
     so_far = acc;
   }
   if (so_far == own) combine(dtype, op, own, nullptr, acc, count);
-  finish(dtype, op, ranks, acc, nullptr, dst, count);
+  finish(dtype, op, ranks, acc, nullptr, results, count);
 }
 
 }  // namespace meshrun::mpi

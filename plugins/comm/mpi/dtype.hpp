@@ -33,12 +33,24 @@ size_t accumulator_bytes(Dtype dtype);
 void combine(Dtype dtype, ReduceOp op, const void* a, const void* b, void* acc, size_t count);
 // acc[i] = acc[i] op src[i].
 void accumulate(Dtype dtype, ReduceOp op, void* acc, const void* src, size_t count);
-// dst[i] = acc[i] op last[i] (acc[i] when last is NULL), divided by `ranks`
-// for AVG (integer division for the integer types), narrowed to `dtype`
-// with round-to-nearest-even. Folding the last input in here saves a pass
-// over the data. `dst` may be the memory of `acc` or `last`.
-void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last, void* dst,
-            size_t count);
+// Where a reduction's results go: `dst`, and when `copy` is not NULL the
+// same values into `copy` as well, in the same pass, so that nobody reads
+// `dst` back to copy it. With `stream` the copy is written with
+// non-temporal stores, and the caller calls stream_fence() before anyone
+// reads it. `copy` must not overlap `dst`; like `dst`, it may be the memory
+// of an input, since every element is read before it is written.
+struct Results {
+  void* dst;
+  void* copy = nullptr;
+  bool stream = false;
+};
+
+// results[i] = acc[i] op last[i] (acc[i] when last is NULL), divided by
+// `ranks` for AVG (integer division for the integer types), narrowed to
+// `dtype` with round-to-nearest-even. Folding the last input in here saves a
+// pass over the data. `results.dst` may be the memory of `acc` or `last`.
+void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void* last,
+            const Results& results, size_t count);
 
 // dst = op over the `count` elements of `ranks` inputs: `own`, then
 // next(1), ..., next(ranks - 1) in that order, so that whoever reduces the
@@ -46,8 +58,10 @@ void finish(Dtype dtype, ReduceOp op, int64_t ranks, const void* acc, const void
 // until the following call. Float32 and the integers accumulate in their
 // own type, so `own` serves as the accumulator until an input is added, and
 // with two ranks the whole reduction is one pass (finish folds in the last
-// input). `acc` holds `count` accumulator elements; `dst` may be `own`.
+// input). `acc` holds `count` accumulator elements; `results.dst` may be
+// `own`.
 void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
-            const std::function<const void*(int)>& next, void* acc, void* dst, size_t count);
+            const std::function<const void*(int)>& next, void* acc, const Results& results,
+            size_t count);
 
 }  // namespace meshrun::mpi

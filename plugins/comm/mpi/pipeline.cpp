@@ -3,16 +3,17 @@
 // Cross-memory attach (shared_memory.cpp) copies through the kernel at about
 // half of memcpy's speed here and always touches user memory on both sides;
 // this path moves each byte with plain loads and stores through slots small
-// enough to stay in the caches, so only each rank's own send and recv go to
-// DRAM.
+// enough to stay in the caches (L2 and the shared L3), so only each rank's
+// own send and recv go to DRAM.
 //
-// The buffer is cut into pieces of `ranks` sub-ranges of `share` elements;
-// sub-range q of every piece is owned by rank q. Per piece, rank r:
+// The buffer is cut into pieces of `ranks` sub-ranges of `share` elements
+// (share_bytes() picks their size per call); sub-range q of every piece is
+// owned by rank q. Per piece, rank r:
 //   1. copies its input of every sub-range but its own into its slot
 //      (copy-in) and publishes `in`;
 //   2. once every peer's `in` covers the piece, reduces its own sub-range:
 //      its send, then each peer's slot in rotation, the result into its own
-//      slot, and publishes `out`; copies the result into its recv;
+//      slot and, in the same pass, into its recv, and publishes `out`;
 //   3. copies in the next piece, so that peers can reduce it while this rank
 //      still copies out, and
 //   4. copies each peer's result out of the peer's slot into its recv once
@@ -41,11 +42,8 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -60,19 +58,33 @@
 
 #include "collectives.hpp"
 #include "meshrun/plugin.hpp"
+#include "nontemporal.hpp"
 
 namespace meshrun::mpi::pipeline {
 namespace {
 
 using meshrun::plugin::Error;
 
-constexpr size_t kLine = 64;
 // Slots per rank: a rank may copy in up to kSlots - 1 pieces ahead of the
 // slowest peer's copy-out, which absorbs a peer being descheduled briefly.
 constexpr uint64_t kSlots = 4;
-// Bytes of one slot, split among the ranks: 4 slots of every rank (2 MiB
-// on 2 ranks) stay in this machine's 4 MiB L2 and easily in its L3.
-constexpr size_t kDefaultSlotBytes = size_t{256} << 10;
+// Bytes of one slot, split among the ranks: the largest piece. On 2 ranks
+// here 2 MiB pieces ran 64 and 256 MiB all_reduces 8-10% faster than 256 KiB
+// ones: fewer hand-overs, and a peer's result has mostly left the writer's
+// L2 for the shared L3 by the time it is read, which is cheaper than a
+// snoop. The slots of every rank (16 MiB on 2 ranks) still sit in the L3.
+constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
+// Every buffer is cut into at least this many pieces (unless a piece would
+// fall under kMinPieceBytes), so that one piece's copy-in overlaps another's
+// copy-out even in the smallest buffers the pipeline takes.
+constexpr size_t kMinPieces = 16;
+constexpr size_t kMinPieceBytes = size_t{256} << 10;
+// A segment takes at most this fraction of the free space of the file
+// system behind shm_open (/dev/shm): its pages are allocated as they are
+// first touched, and a touch beyond a full tmpfs kills the process with
+// SIGBUS, so small /dev/shm mounts (64 MiB in a default container) get
+// smaller slots instead.
+constexpr size_t kShmShareDivisor = 16;
 // Pause-spins before a waiting rank starts yielding its core: long enough to
 // catch a peer that is a few microseconds behind, short enough that ranks
 // oversubscribing the cores hand them over quickly.
@@ -84,7 +96,7 @@ constexpr uint32_t kCheckEvery = 1024;
 // no store of another counter disturbs the line. Lock-free atomics are
 // address-free, so they work between processes that map them at different
 // addresses.
-struct alignas(kLine) Counter {
+struct alignas(kLineBytes) Counter {
   std::atomic<uint64_t> value{0};
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
@@ -119,62 +131,17 @@ std::string seconds_text(double seconds) {
 // stores first read every line of recv from memory (a read for ownership),
 // so a rank moved three bytes through DRAM per byte of its buffer (send
 // read, recv read and written back) instead of two. Measured on 2 ranks
-// here: 64 and 256 MiB all_reduces 20-30% faster; at 16 MiB no difference
-// beyond the noise, and a smaller recv may still be in the caches when the
-// caller reads it, which streaming would forfeit. Only this rank's stores
-// depend on it, so ranks may differ.
-constexpr size_t kDefaultStreamMinBytes = size_t{32} << 20;
+// here, with the owner's result streamed in the same pass as its reduction:
+// 4 to 16 MiB all_reduces 15-25% faster, 64 and 256 MiB 20-30%. So the
+// default streams every buffer the pipeline takes; a caller that reads a
+// few MiB of results at once may do better with them left in the caches.
+// Only this rank's stores depend on it, so ranks may differ.
+constexpr size_t kDefaultStreamMinBytes = size_t{4} << 20;
 
 size_t stream_min_bytes() {
   static const size_t bytes =
       bytes_from_environment("MESHRUN_MPI_STREAM_MIN_BYTES", kDefaultStreamMinBytes);
   return bytes;
-}
-
-#if defined(__x86_64__)
-// Copies whole cache lines, `dst` aligned to a line, one line per store:
-// each fills a write-combining buffer at once (10.0 against 8.7 GB/s with
-// four 16-byte stores, for a 256 MiB copy on one core here).
-__attribute__((target("avx512f"))) void stream_lines_avx512(std::byte* dst, const std::byte* src,
-                                                            size_t lines) {
-  for (size_t i = 0; i < lines * kLine; i += kLine) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
-  }
-}
-
-// The same with SSE2, which every x86-64 has.
-void stream_lines_sse2(std::byte* dst, const std::byte* src, size_t lines) {
-  for (size_t i = 0; i < lines * kLine; i += kLine) {
-    for (size_t part = 0; part < kLine; part += 16) {
-      const __m128i value = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + part));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + part), value);
-    }
-  }
-}
-#endif
-
-// memcpy with non-temporal stores where the CPU has them. The stores are
-// weakly ordered: stream_fence() must follow before anyone else may read
-// `dst`.
-void stream_copy(std::byte* dst, const std::byte* src, size_t bytes) {
-#if defined(__x86_64__)
-  static const auto stream_lines =
-      __builtin_cpu_supports("avx512f") ? &stream_lines_avx512 : &stream_lines_sse2;
-  const size_t head = std::min(bytes, (kLine - reinterpret_cast<uintptr_t>(dst) % kLine) % kLine);
-  std::memcpy(dst, src, head);
-  const size_t lines = (bytes - head) / kLine;
-  stream_lines(dst + head, src + head, lines);
-  const size_t done = head + lines * kLine;
-  std::memcpy(dst + done, src + done, bytes - done);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-void stream_fence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
 }
 
 void relax() {
@@ -219,23 +186,42 @@ class Segment {
   std::vector<int> world_ranks_;
 };
 
+namespace {
+
+// The slot size for `ranks` ranks: MESHRUN_MPI_PIPELINE_SLOT_BYTES (default
+// kDefaultSlotBytes), halved until the segment fits its share of the free
+// space behind `fd`; every rank's share of a slot is whole cache lines.
+size_t fitting_slot_bytes(int fd, size_t ranks) {
+  size_t share =
+      std::max(bytes_from_environment("MESHRUN_MPI_PIPELINE_SLOT_BYTES", kDefaultSlotBytes) /
+                   (ranks * kLineBytes),
+               size_t{1});
+  struct statvfs space {};
+  if (fstatvfs(fd, &space) == 0) {
+    const size_t free_bytes = static_cast<size_t>(space.f_bavail) * space.f_frsize;
+    while (share > 1 &&
+           mapped_bytes(static_cast<int>(ranks), share * ranks * kLineBytes) * kShmShareDivisor >
+               free_bytes) {
+      share /= 2;
+    }
+  }
+  return share * ranks * kLineBytes;
+}
+
+}  // namespace
+
 std::shared_ptr<Segment> make_segment(const Comm& comm) {
   static unsigned made = 0;  // engine thread only
   Announcement announced{};
   const size_t ranks = static_cast<size_t>(comm.size);
   void* base = MAP_FAILED;
   if (comm.rank == 0) {
-    // Every rank's share of a slot whole cache lines.
-    const size_t slot_bytes =
-        std::max(bytes_from_environment("MESHRUN_MPI_PIPELINE_SLOT_BYTES", kDefaultSlotBytes) /
-                     (ranks * kLine),
-                 size_t{1}) *
-        ranks * kLine;
     std::snprintf(announced.name, sizeof announced.name, "/meshrun-%d-%u",
                   static_cast<int>(getpid()), made++);
+    const int fd = shm_open(announced.name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    const size_t slot_bytes = fd >= 0 ? fitting_slot_bytes(fd, ranks) : 0;
     announced.slot_bytes = slot_bytes;
     const size_t bytes = mapped_bytes(comm.size, slot_bytes);
-    const int fd = shm_open(announced.name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
       base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     }
@@ -318,6 +304,16 @@ class Waiter {
   Segment& segment_;
 };
 
+// Bytes of every rank's share of a piece, for a buffer of `bytes` and slots
+// of `slot_bytes`: pieces of a kMinPieces-th of the buffer, at least
+// kMinPieceBytes and at most a slot, shares in whole cache lines. The same
+// on every rank, since it depends only on what they share.
+size_t share_bytes(size_t bytes, size_t slot_bytes, int ranks) {
+  const size_t piece = std::min(std::max(bytes / kMinPieces, kMinPieceBytes), slot_bytes);
+  const size_t share = piece / static_cast<size_t>(ranks);
+  return std::max(share / kLineBytes, size_t{1}) * kLineBytes;
+}
+
 // Elements [first, first + count) of the buffer.
 struct Range {
   size_t first;
@@ -337,8 +333,9 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
   const size_t element = element_bytes(dtype);
   const int ranks = comm.size;
   const int me = comm.rank;
-  const size_t share_bytes = segment.slot_bytes() / static_cast<size_t>(ranks);
-  const size_t share = share_bytes / element;
+  // Each owner's region of a slot, and the part of it this call's pieces use.
+  const size_t region_bytes = segment.slot_bytes() / static_cast<size_t>(ranks);
+  const size_t share = share_bytes(buffers.count * element, segment.slot_bytes(), ranks) / element;
   const size_t piece = share * static_cast<size_t>(ranks);
   const uint64_t pieces = (buffers.count + piece - 1) / piece;
   const uint64_t first_sequence = segment.next;
@@ -358,7 +355,7 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
     for (int q = 0; q < ranks; ++q) {
       const Range part = range(p, q);
       if (q == me || part.count == 0) continue;
-      std::memcpy(slot + static_cast<size_t>(q) * share_bytes, buffers.send + part.first * element,
+      std::memcpy(slot + static_cast<size_t>(q) * region_bytes, buffers.send + part.first * element,
                   part.count * element);
     }
     mine.in.value.store(sequence + 1, std::memory_order_release);
@@ -376,24 +373,23 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
   for (uint64_t p = 0; p < pieces; ++p) {
     const uint64_t sequence = first_sequence + p;
     const Range own = range(p, me);
-    std::byte* result = segment.slot(me, sequence) + static_cast<size_t>(me) * share_bytes;
+    std::byte* result = segment.slot(me, sequence) + static_cast<size_t>(me) * region_bytes;
     for (int step = 1; step < ranks; ++step) {
       waiter.await(peer_at(comm, step), &Published::in, sequence + 1);
     }
     const auto peer_input = [&](int step) -> const void* {
-      return segment.slot(peer_at(comm, step), sequence) + static_cast<size_t>(me) * share_bytes;
+      return segment.slot(peer_at(comm, step), sequence) + static_cast<size_t>(me) * region_bytes;
     };
-    reduce(dtype, op, ranks, buffers.send + own.first * element, peer_input, acc, result,
-           own.count);
+    reduce(dtype, op, ranks, buffers.send + own.first * element, peer_input, acc,
+           {result, buffers.recv + own.first * element, stream}, own.count);
     mine.out.value.store(sequence + 1, std::memory_order_release);
-    copy_out(buffers.recv + own.first * element, result, own.count * element);
     if (p + 1 < pieces) copy_in(p + 1);
     for (int step = 1; step < ranks; ++step) {
       const int q = peer_at(comm, step);
       const Range theirs = range(p, q);
       waiter.await(q, &Published::out, sequence + 1);
       copy_out(buffers.recv + theirs.first * element,
-               segment.slot(q, sequence) + static_cast<size_t>(q) * share_bytes,
+               segment.slot(q, sequence) + static_cast<size_t>(q) * region_bytes,
                theirs.count * element);
     }
     mine.done.value.store(sequence + 1, std::memory_order_release);

@@ -69,7 +69,7 @@ void reduce_piece(const Comm& comm, Scratch& scratch, const std::vector<Endpoint
     read_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].send + offset, incoming, bytes);
     return incoming;
   };
-  reduce(dtype, op, comm.size, buffers.send + offset, read_peer, acc, dst, count);
+  reduce(dtype, op, comm.size, buffers.send + offset, read_peer, acc, {dst}, count);
 }
 
 }  // namespace

@@ -79,7 +79,7 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
     check_mpi(MPI_Allreduce(source, acc, static_cast<int>(count), accumulator_type(buffers.dtype),
                             mpi_op(op), comm.comm),
               "MPI_Allreduce");
-    finish(buffers.dtype, op, comm.size, acc, nullptr, out, count);
+    finish(buffers.dtype, op, comm.size, acc, nullptr, {out}, count);
   }
 }
 
@@ -126,7 +126,7 @@ void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, 
     check_mpi(MPI_Reduce_scatter_block(packed, reduced, static_cast<int>(count),
                                        accumulator_type(buffers.dtype), mpi_op(op), comm.comm),
               "MPI_Reduce_scatter_block");
-    finish(buffers.dtype, op, comm.size, reduced, nullptr, dst + done * bytes, count);
+    finish(buffers.dtype, op, comm.size, reduced, nullptr, {dst + done * bytes}, count);
   }
   if (in_place) std::memcpy(buffers.recv, dst, buffers.count * bytes);
 }
