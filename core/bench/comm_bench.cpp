@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "errors.hpp"
@@ -37,14 +40,43 @@ double tolerance(DLDataType dtype) {
   return 0.0;
 }
 
+// Zeroed bytes aligned to a cache line, as PyTorch's CPU allocator aligns
+// tensors (64 bytes): the peers in tests/bench/ move buffers aligned like
+// these, and backends may take faster paths for whole lines.
+class LineAlignedBytes {
+ public:
+  static constexpr size_t kAlignment = 64;
+
+  LineAlignedBytes() = default;
+  explicit LineAlignedBytes(size_t bytes)
+      : data_(static_cast<unsigned char*>(std::aligned_alloc(
+            kAlignment,
+            (bytes + kAlignment - 1) / kAlignment * kAlignment + (bytes == 0 ? kAlignment : 0)))),
+        size_(bytes) {
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::memset(data_.get(), 0, bytes);
+  }
+
+  unsigned char* data() { return data_.get(); }
+  const unsigned char* data() const { return data_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(unsigned char* bytes) const { std::free(bytes); }
+  };
+  std::unique_ptr<unsigned char[], Free> data_;
+  size_t size_ = 0;
+};
+
 // The buffers of one (op, size) case and the reference of its result.
 struct BenchCase {
   BenchOp op = BenchOp::all_reduce;
   DLDataType dtype{};
   int64_t send_count = 0;
   int64_t recv_count = 0;
-  std::vector<unsigned char> send;
-  std::vector<unsigned char> recv;
+  LineAlignedBytes send;
+  LineAlignedBytes recv;
 };
 
 BenchCase make_case(BenchOp op, DLDataType dtype, int64_t bytes, int64_t nproc, int64_t rank) {
@@ -67,8 +99,8 @@ BenchCase make_case(BenchOp op, DLDataType dtype, int64_t bytes, int64_t nproc, 
       c.recv_count = per_rank;
       break;
   }
-  c.send.resize(c.send_count * dtype_bytes(dtype));
-  c.recv.resize(c.recv_count * dtype_bytes(dtype));
+  c.send = LineAlignedBytes(c.send_count * dtype_bytes(dtype));
+  c.recv = LineAlignedBytes(c.recv_count * dtype_bytes(dtype));
   for (int64_t i = 0; i < c.send_count; ++i) {
     store_element(c.send.data(), dtype, i, input_value(rank, i));
   }
