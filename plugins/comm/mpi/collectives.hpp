@@ -4,9 +4,11 @@
 //   - pipeline (all_reduce only): every rank on this node, and at least
 //     MESHRUN_MPI_SHM_MIN_BYTES and MESHRUN_MPI_PIPELINE_MIN_BYTES (default
 //     4 MiB) in the operation: ranks stream their buffers through a POSIX
-//     shared-memory segment in cache-sized pieces (pipeline.cpp), writing
-//     results into recv with non-temporal stores from
-//     MESHRUN_MPI_STREAM_MIN_BYTES (default 4 MiB);
+//     shared-memory segment in cache-sized pieces of at most
+//     MESHRUN_MPI_PIPELINE_SLOT_BYTES (default 2 MiB, less where /dev/shm
+//     is small; rank 0's value holds) (pipeline.cpp), writing results into
+//     recv with non-temporal stores from MESHRUN_MPI_STREAM_MIN_BYTES
+//     (default 4 MiB);
 //   - shared memory: every rank on this node and cross-memory attach
 //     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
 //     16 KiB) in the operation: ranks read and write each other's buffers
