@@ -20,7 +20,9 @@ void run_training(const Config& config, int64_t tokens_per_step, Communicator& w
   const TrainConfig& train = config.train;
   const bool writer = world.rank() == 0;
   std::optional<MetricsLog> log;
-  if (writer) log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string());
+  if (writer) {
+    log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string(), first_step);
+  }
   double train_seconds = 0.0;
   for (int64_t step = first_step; step < train.steps; ++step) {
     const auto start = Clock::now();

@@ -3,6 +3,10 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include <fstream>
+#include <string>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "errors.hpp"
@@ -15,8 +19,32 @@ int64_t peak_rss_bytes() {
   return int64_t(usage.ru_maxrss) * 1024;  // Linux reports kilobytes
 }
 
-MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::trunc) {
+namespace {
+
+// The lines of `path` whose step is at most `last_step`; none when the file
+// does not exist.
+std::vector<std::string> lines_through(const std::string& path, int64_t last_step) {
+  std::vector<std::string> kept;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_object() || !parsed.contains("step") || !parsed["step"].is_number_integer()) {
+      continue;
+    }
+    if (parsed["step"].get<int64_t>() <= last_step) kept.push_back(line);
+  }
+  return kept;
+}
+
+}  // namespace
+
+MetricsLog::MetricsLog(const std::string& path, int64_t first_step) {
+  const std::vector<std::string> kept =
+      first_step > 0 ? lines_through(path, first_step) : std::vector<std::string>{};
+  out_.open(path, std::ios::trunc);
   if (!out_) throw Error(MESHRUN_INTERNAL, "cannot write " + path);
+  for (const std::string& line : kept) out_ << line << "\n";
+  out_.flush();
 }
 
 void MetricsLog::write(const StepMetrics& m) {

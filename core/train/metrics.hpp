@@ -42,8 +42,11 @@ int64_t peak_rss_bytes();
 
 class MetricsLog {
  public:
-  // Creates (truncates) `path`.
-  explicit MetricsLog(const std::string& path);
+  // Opens `path` for the steps after `first_step`. The lines of steps up to
+  // `first_step` already in it are kept, so a run resumed into its own
+  // output folder continues its log; every other line (a later step the
+  // resumed run redoes, a line that is not JSON) is dropped.
+  MetricsLog(const std::string& path, int64_t first_step);
   // Appends one line and flushes it, so a crashed run keeps its metrics.
   void write(const StepMetrics& metrics);
 

@@ -152,6 +152,14 @@ class Checkpoints(TrainTest):
         return self.runs.train(name, nproc, "checkpoint.save_every=2",
                                f"checkpoint.resume_from={self.step2}")
 
+    def test_resume_into_its_own_folder_continues_the_metrics(self):
+        own = os.path.join(self.runs.root, "own2")
+        shutil.copytree(self.full, own)
+        self.runs.train("own2", 2,
+                        f"checkpoint.resume_from={os.path.join(own, 'checkpoints', 'step_2')}")
+        self.assertEqual([m["step"] for m in metrics(own)], [1, 2, 3, 4])
+        self.assertEqual(losses(self.full), losses(own))
+
     def test_resume_is_exact_on_the_same_world_size(self):
         resumed = self.resume("resume2", 2)
         self.assertEqual([m["step"] for m in metrics(resumed)], [3, 4])
