@@ -17,7 +17,7 @@ size_t shared_memory_min_bytes() {
 }
 
 bool use_shared_memory(const Comm& comm, size_t bytes) {
-  return comm.shared_memory && comm.size > 1 && bytes >= shared_memory_min_bytes();
+  return comm.shared_memory && comm.segment != nullptr && bytes >= shared_memory_min_bytes();
 }
 
 // Cross-memory attach reaches ~10 GB/s at 1 MiB on 2 ranks but its kernel

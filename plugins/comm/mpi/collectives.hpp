@@ -9,10 +9,10 @@
 //     is small; rank 0's value holds) (pipeline.cpp), writing results into
 //     recv with non-temporal stores from MESHRUN_MPI_STREAM_MIN_BYTES
 //     (default 4 MiB);
-//   - shared memory: every rank on this node and cross-memory attach
-//     working between them, and at least MESHRUN_MPI_SHM_MIN_BYTES (default
-//     16 KiB) in the operation: ranks read and write each other's buffers
-//     directly;
+//   - shared memory: every rank on this node, cross-memory attach working
+//     between them and the segment mapped (segment.hpp), and at least
+//     MESHRUN_MPI_SHM_MIN_BYTES (default 16 KiB) in the operation: ranks
+//     meet in the segment and read and write each other's buffers directly;
 //   - MPI: everything else, in pieces of at most MESHRUN_MPI_PIECE_BYTES
 //     (default 4 MiB) so that no message is large enough to hit Open MPI's
 //     slow large-message algorithms, and 16-bit reductions need only a

@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "engine.hpp"
-#include "pipeline.hpp"
 #include "remote_memory.hpp"
+#include "segment.hpp"
 
 namespace meshrun::mpi {
 namespace {
@@ -69,7 +69,7 @@ void find_shared_memory(Comm& comm) {
   check_mpi(MPI_Allgather(&pid, 1, MPI_INT, comm.pids.data(), 1, MPI_INT, comm.comm),
             "MPI_Allgather");
   comm.shared_memory = peers_reachable(comm);
-  if (comm.size > 1) comm.segment = pipeline::make_segment(comm);
+  if (comm.size > 1) comm.segment = make_segment(comm);
 }
 
 // Takes ownership of `handle` and learns what the collectives need.

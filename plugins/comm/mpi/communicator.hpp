@@ -12,9 +12,7 @@
 
 namespace meshrun::mpi {
 
-namespace pipeline {
 class Segment;
-}  // namespace pipeline
 
 struct Comm {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -28,10 +26,10 @@ struct Comm {
   // (process_vm_readv / _writev): the collectives' shared-memory path.
   bool shared_memory = false;
   std::vector<pid_t> pids;  // by rank, when every rank is on this node
-  // The POSIX shared memory of the pipelined all_reduce (pipeline.hpp), when
-  // every rank is on this node; null otherwise. Only the engine thread uses
-  // it.
-  std::shared_ptr<pipeline::Segment> segment;
+  // The POSIX shared memory through which the ranks meet (segment.hpp),
+  // when every rank is on this node; null otherwise. Only the engine thread
+  // uses it.
+  std::shared_ptr<Segment> segment;
 };
 
 // These run on the engine thread and are collective over the parent.

@@ -37,96 +37,26 @@
 // every rank because ranks issue a communicator's collectives in the same
 // order), so no reset is needed between calls and a rank may return as soon
 // as its recv is complete; nobody ever touches another rank's user memory.
-#include "pipeline.hpp"
-
-#include <fcntl.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/statvfs.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <new>
-#include <string>
 #include <vector>
 
 #include "collectives.hpp"
 #include "meshrun/plugin.hpp"
 #include "nontemporal.hpp"
+#include "segment.hpp"
 
 namespace meshrun::mpi::pipeline {
 namespace {
 
 using meshrun::plugin::Error;
 
-// Slots per rank: a rank may copy in up to kSlots - 1 pieces ahead of the
-// slowest peer's copy-out, which absorbs a peer being descheduled briefly.
-constexpr uint64_t kSlots = 4;
-// Bytes of one slot, split among the ranks: the largest piece. On 2 ranks
-// here 2 MiB pieces ran 64 and 256 MiB all_reduces 8-10% faster than 256 KiB
-// ones: fewer hand-overs, and a peer's result has mostly left the writer's
-// L2 for the shared L3 by the time it is read, which is cheaper than a
-// snoop. The slots of every rank (16 MiB on 2 ranks) still sit in the L3.
-constexpr size_t kDefaultSlotBytes = size_t{2} << 20;
 // Every buffer is cut into at least this many pieces (unless a piece would
 // fall under kMinPieceBytes), so that one piece's copy-in overlaps another's
 // copy-out even in the smallest buffers the pipeline takes.
 constexpr size_t kMinPieces = 16;
 constexpr size_t kMinPieceBytes = size_t{256} << 10;
-// A segment takes at most this fraction of the free space of the file
-// system behind shm_open (/dev/shm): its pages are allocated as they are
-// first touched, and a touch beyond a full tmpfs kills the process with
-// SIGBUS, so small /dev/shm mounts (64 MiB in a default container) get
-// smaller slots instead.
-constexpr size_t kShmShareDivisor = 16;
-// Pause-spins before a waiting rank starts yielding its core: long enough to
-// catch a peer that is a few microseconds behind, short enough that ranks
-// oversubscribing the cores hand them over quickly.
-constexpr uint32_t kSpins = 512;
-// Waits look at the clock (and at whether the peer still lives) this often.
-constexpr uint32_t kCheckEvery = 1024;
-
-// A counter alone on its cache line: one rank stores, the others poll, and
-// no store of another counter disturbs the line. Lock-free atomics are
-// address-free, so they work between processes that map them at different
-// addresses.
-struct alignas(kLineBytes) Counter {
-  std::atomic<uint64_t> value{0};
-};
-static_assert(std::atomic<uint64_t>::is_always_lock_free);
-
-// What one rank publishes: the sequence number + 1 of the last piece whose
-// inputs (`in`) or result (`out`) are in its slot, and of the last piece it
-// has finished reading from every slot (`done`).
-struct Published {
-  Counter in;
-  Counter out;
-  Counter done;
-};
-
-// What rank 0 tells the others about the segment.
-struct Announcement {
-  char name[64];  // empty: rank 0 could not make it
-  uint64_t slot_bytes;
-};
-
-size_t mapped_bytes(int ranks, size_t slot_bytes) {
-  const size_t header = (sizeof(Published) * static_cast<size_t>(ranks) + 4095) & ~size_t{4095};
-  return header + static_cast<size_t>(ranks) * kSlots * slot_bytes;
-}
-
-std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", seconds);
-  return text;
-}
 
 // Buffers this large are written into recv with non-temporal stores. Plain
 // stores first read every line of recv from memory (a read for ownership),
@@ -144,166 +74,6 @@ size_t stream_min_bytes() {
       bytes_from_environment("MESHRUN_MPI_STREAM_MIN_BYTES", kDefaultStreamMinBytes);
   return bytes;
 }
-
-void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
-}  // namespace
-
-// A mapped segment: rank r's counters, then its kSlots slots.
-class Segment {
- public:
-  Segment(void* base, int ranks, size_t slot_bytes, std::vector<int> world_ranks)
-      : base_(static_cast<std::byte*>(base)),
-        bytes_(mapped_bytes(ranks, slot_bytes)),
-        slots_(base_ + bytes_ - static_cast<size_t>(ranks) * kSlots * slot_bytes),
-        slot_bytes_(slot_bytes),
-        world_ranks_(std::move(world_ranks)) {}
-  ~Segment() { munmap(base_, bytes_); }
-  Segment(const Segment&) = delete;
-  Segment& operator=(const Segment&) = delete;
-
-  Published& of(int rank) { return reinterpret_cast<Published*>(base_)[rank]; }
-  std::byte* slot(int rank, uint64_t sequence) {
-    return slots_ + (static_cast<size_t>(rank) * kSlots + sequence % kSlots) * slot_bytes_;
-  }
-  size_t slot_bytes() const { return slot_bytes_; }
-  int world_rank(int rank) const { return world_ranks_[static_cast<size_t>(rank)]; }
-
-  // The sequence number of the next piece.
-  uint64_t next = 0;
-  // Set when a call gave up midway: the ranks' counters no longer agree on
-  // where the next call starts.
-  bool broken = false;
-
- private:
-  std::byte* base_;
-  size_t bytes_;
-  std::byte* slots_;
-  size_t slot_bytes_;
-  std::vector<int> world_ranks_;
-};
-
-namespace {
-
-// The slot size for `ranks` ranks: MESHRUN_MPI_PIPELINE_SLOT_BYTES (default
-// kDefaultSlotBytes), halved until the segment fits its share of the free
-// space behind `fd`; every rank's share of a slot is whole cache lines.
-size_t fitting_slot_bytes(int fd, size_t ranks) {
-  size_t share =
-      std::max(bytes_from_environment("MESHRUN_MPI_PIPELINE_SLOT_BYTES", kDefaultSlotBytes) /
-                   (ranks * kLineBytes),
-               size_t{1});
-  struct statvfs space {};
-  if (fstatvfs(fd, &space) == 0) {
-    const size_t free_bytes = static_cast<size_t>(space.f_bavail) * space.f_frsize;
-    while (share > 1 &&
-           mapped_bytes(static_cast<int>(ranks), share * ranks * kLineBytes) * kShmShareDivisor >
-               free_bytes) {
-      share /= 2;
-    }
-  }
-  return share * ranks * kLineBytes;
-}
-
-}  // namespace
-
-std::shared_ptr<Segment> make_segment(const Comm& comm) {
-  static unsigned made = 0;  // engine thread only
-  Announcement announced{};
-  const size_t ranks = static_cast<size_t>(comm.size);
-  void* base = MAP_FAILED;
-  if (comm.rank == 0) {
-    std::snprintf(announced.name, sizeof announced.name, "/meshrun-%d-%u",
-                  static_cast<int>(getpid()), made++);
-    const int fd = shm_open(announced.name, O_CREAT | O_EXCL | O_RDWR, 0600);
-    const size_t slot_bytes = fd >= 0 ? fitting_slot_bytes(fd, ranks) : 0;
-    announced.slot_bytes = slot_bytes;
-    const size_t bytes = mapped_bytes(comm.size, slot_bytes);
-    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
-      base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    }
-    if (fd >= 0) close(fd);
-    if (base == MAP_FAILED) {
-      if (fd >= 0) shm_unlink(announced.name);
-      announced.name[0] = '\0';
-    } else {
-      new (base) Published[ranks];
-    }
-  }
-  check_mpi(MPI_Bcast(&announced, sizeof announced, MPI_BYTE, 0, comm.comm), "MPI_Bcast");
-  if (comm.rank != 0 && announced.name[0] != '\0') {
-    const int fd = shm_open(announced.name, O_RDWR, 0);
-    if (fd >= 0) {
-      base = mmap(nullptr, mapped_bytes(comm.size, announced.slot_bytes), PROT_READ | PROT_WRITE,
-                  MAP_SHARED, fd, 0);
-      close(fd);
-    }
-  }
-  int mapped = base == MAP_FAILED ? 0 : 1;
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &mapped, 1, MPI_INT, MPI_MIN, comm.comm), "MPI_Allreduce");
-  // Every rank has opened the object (or given up) once past the reduction:
-  // the name is no longer needed, and the memory lives until the last unmap.
-  if (comm.rank == 0 && announced.name[0] != '\0') shm_unlink(announced.name);
-  std::vector<int> world_ranks(ranks);
-  check_mpi(MPI_Allgather(&comm.world_rank, 1, MPI_INT, world_ranks.data(), 1, MPI_INT, comm.comm),
-            "MPI_Allgather");
-  if (mapped == 0) {
-    if (base != MAP_FAILED) munmap(base, mapped_bytes(comm.size, announced.slot_bytes));
-    return nullptr;
-  }
-  return std::make_shared<Segment>(base, comm.size, announced.slot_bytes, std::move(world_ranks));
-}
-
-namespace {
-
-// Waits for peers' counters, within the communicator's timeout.
-class Waiter {
- public:
-  Waiter(const Comm& comm, Segment& segment) : comm_(comm), segment_(segment) {}
-
-  // Returns once `rank`'s `counter` (of segment.of(rank)) reaches `target`.
-  void await(int rank, Counter Published::*counter, uint64_t target) {
-    const std::atomic<uint64_t>& value = (segment_.of(rank).*counter).value;
-    if (value.load(std::memory_order_acquire) >= target) return;
-    const auto start = std::chrono::steady_clock::now();
-    for (uint32_t polls = 1;; ++polls) {
-      if (polls < kSpins) {
-        relax();
-      } else {
-        sched_yield();
-      }
-      if (value.load(std::memory_order_acquire) >= target) return;
-      if (polls % kCheckEvery == 0) check(rank, start);
-    }
-  }
-
- private:
-  void check(int rank, std::chrono::steady_clock::time_point start) {
-    const pid_t pid = comm_.pids[static_cast<size_t>(rank)];
-    const std::string peer = "rank " + std::to_string(rank) + " (world rank " +
-                             std::to_string(segment_.world_rank(rank));
-    if (kill(pid, 0) != 0 && errno == ESRCH) {
-      segment_.broken = true;
-      throw Error(MESHRUN_UNAVAILABLE, peer + ", pid " + std::to_string(pid) +
-                                           ") exited in the middle of the shared-memory pipeline");
-    }
-    const double limit = comm_.timeout_seconds;
-    const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
-    if (limit > 0 && waited.count() > limit) {
-      segment_.broken = true;
-      throw Error(MESHRUN_DEADLINE_EXCEEDED,
-                  peer + ") did not arrive within " + seconds_text(limit) +
-                      " s (the world's timeout) in the shared-memory pipeline");
-    }
-  }
-
-  const Comm& comm_;
-  Segment& segment_;
-};
 
 // Bytes of every rank's share of a piece, for a buffer of `bytes` and slots
 // of `slot_bytes`: pieces of a kMinPieces-th of the buffer, at least
@@ -336,7 +106,7 @@ class Call {
         share_(share_bytes(buffers.count * element_, segment.slot_bytes(), comm.size) / element_),
         piece_(share_ * static_cast<size_t>(comm.size)),
         pieces_((buffers.count + piece_ - 1) / piece_),
-        first_sequence_(segment.next),
+        first_sequence_(segment.next_piece),
         stream_(buffers.count * element_ >= stream_min_bytes()),
         // Every sub-range starts a whole number of lines into recv, so one
         // test covers the non-temporal stores of every step. A misaligned
@@ -346,13 +116,13 @@ class Call {
         fused_(!stream_ || line_aligned(buffers.recv)),
         acc_(sized(scratch.accumulator, share_ * accumulator_bytes(buffers.dtype))),
         waiter_(comm, segment) {
-    segment.next += pieces_;
+    segment.next_piece += pieces_;
   }
 
   void run() {
     await_slot(0);
     copy_in(0);
-    published().in.value.store(sequence(0) + 1, std::memory_order_release);
+    publish(&Published::in, sequence(0) + 1);
     for (uint64_t p = 0; p <= pieces_; ++p) step(p);
     // The caller may read recv as soon as the engine reports completion.
     if (stream_) stream_fence();
@@ -385,9 +155,9 @@ class Call {
     const size_t lines = fused_lines(own);
     if (lines > 0) reduce_fused(p, own, lines);
     do_apart(p, own, lines * kLineBytes);
-    if (reducing) published().out.value.store(sequence(p) + 1, std::memory_order_release);
-    if (copying_in) published().in.value.store(sequence(p + 1) + 1, std::memory_order_release);
-    if (copying_out) published().done.value.store(sequence(p - 1) + 1, std::memory_order_release);
+    if (reducing) publish(&Published::out, sequence(p) + 1);
+    if (copying_in) publish(&Published::in, sequence(p + 1) + 1);
+    if (copying_out) publish(&Published::done, sequence(p - 1) + 1);
   }
 
   // The whole lines that the reduction and every copy of the step have.
@@ -497,7 +267,9 @@ class Call {
     return segment_.slot(rank, sequence(p)) + static_cast<size_t>(owner) * region_bytes_;
   }
 
-  Published& published() { return segment_.of(comm_.rank); }
+  void publish(Counter Published::*counter, uint64_t value) {
+    segment_.publish(comm_.rank, counter, value);
+  }
 
   const Comm& comm_;
   Segment& segment_;

@@ -1,13 +1,16 @@
 // The shared-memory path: every rank of the communicator is on this node, so
 // ranks read and write each other's buffers directly with process_vm_readv
-// and process_vm_writev (one copy, no staging through MPI), and MPI only
-// exchanges the buffers' addresses and ends each collective with a barrier.
+// and process_vm_writev (one copy, no staging through MPI). The ranks meet
+// in the communicator's segment (segment.hpp): each publishes its buffers'
+// addresses as it enters a collective (`arrive`) and says when it is done
+// with the others' (`leave`); a late peer is waited for asleep, not spinning.
 //
 // The rule that makes this safe: a rank touches a peer's buffer only while
-// the peer is inside the same collective (the address exchange is the
-// entry), each region of a buffer has one writer and is not read while it
+// the peer is inside the same collective (between its arrival and its
+// leaving), each region of a buffer has one writer and is not read while it
 // is written, and no rank returns (and may reuse or free its buffers) before
-// every peer is done with them, which the closing barrier guarantees.
+// every peer has left, which also keeps a peer from publishing the next
+// collective's addresses while this one's are still read.
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,7 +19,9 @@
 #include <vector>
 
 #include "collectives.hpp"
+#include "meshrun/plugin.hpp"
 #include "remote_memory.hpp"
+#include "segment.hpp"
 
 namespace meshrun::mpi::shared_memory {
 namespace {
@@ -31,13 +36,65 @@ struct Endpoint {
   uint64_t recv;
 };
 
-std::vector<Endpoint> exchange(const Comm& comm, const void* send, const void* recv) {
-  const Endpoint mine{reinterpret_cast<uint64_t>(send), reinterpret_cast<uint64_t>(recv)};
-  std::vector<Endpoint> all(static_cast<size_t>(comm.size));
-  check_mpi(MPI_Allgather(&mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, comm.comm),
-            "MPI_Allgather");
-  return all;
-}
+// One collective's meeting in the segment: entered on construction, left
+// with leave(), which waits for every peer to leave too.
+class Meeting {
+ public:
+  // Publishes this rank's buffers and waits for every peer's.
+  Meeting(const Comm& comm, const void* send, const void* recv)
+      : comm_(comm), segment_(usable_segment(comm)), waiter_(comm, segment_) {
+    number_ = ++segment_.last_collective;
+    Published& mine = segment_.of(comm.rank);
+    mine.addresses.send.store(reinterpret_cast<uint64_t>(send), std::memory_order_relaxed);
+    mine.addresses.recv.store(reinterpret_cast<uint64_t>(recv), std::memory_order_relaxed);
+    segment_.publish(comm.rank, &Published::arrive, number_);
+    peers_.resize(static_cast<size_t>(comm.size));
+    for (int q = 0; q < comm.size; ++q) {
+      if (q != comm.rank) waiter_.await(q, &Published::arrive, number_);
+      const Published& theirs = segment_.of(q);
+      peers_[static_cast<size_t>(q)] = {theirs.addresses.send.load(std::memory_order_relaxed),
+                                        theirs.addresses.recv.load(std::memory_order_relaxed)};
+    }
+  }
+
+  // A meeting not left (an error midway) leaves the ranks' counters out of
+  // step for good.
+  ~Meeting() {
+    if (!left_) segment_.broken = true;
+  }
+  Meeting(const Meeting&) = delete;
+  Meeting& operator=(const Meeting&) = delete;
+
+  const std::vector<Endpoint>& peers() const { return peers_; }
+
+  // Says this rank is done with the peers' buffers and waits until every
+  // peer is done with this rank's.
+  void leave() {
+    segment_.publish(comm_.rank, &Published::leave, number_);
+    for (int q = 0; q < comm_.size; ++q) {
+      if (q != comm_.rank) waiter_.await(q, &Published::leave, number_);
+    }
+    left_ = true;
+  }
+
+ private:
+  static Segment& usable_segment(const Comm& comm) {
+    if (comm.segment->broken) {
+      throw meshrun::plugin::Error(
+          MESHRUN_FAILED_PRECONDITION,
+          "an earlier collective on this communicator failed midway, leaving its ranks out of "
+          "step; its shared-memory collectives cannot be used any more");
+    }
+    return *comm.segment;
+  }
+
+  const Comm& comm_;
+  Segment& segment_;
+  Waiter waiter_;
+  uint64_t number_ = 0;
+  std::vector<Endpoint> peers_;
+  bool left_ = false;
+};
 
 pid_t pid_of(const Comm& comm, int rank) { return comm.pids[static_cast<size_t>(rank)]; }
 
@@ -77,14 +134,15 @@ void reduce_piece(const Comm& comm, Scratch& scratch, const std::vector<Endpoint
 // Rank r owns chunk r of the elements: piece by piece, it reads chunk r of
 // every peer's send, reduces it into its own recv, and writes the result
 // into every peer's recv. Each rank reads every input once and writes every
-// output once; a barrier ends the collective.
+// output once; leaving the meeting ends the collective.
 //
 // In place (send == recv on every rank) this is safe because chunk r of any
 // rank's buffer is touched by rank r alone: it reads a piece of it from
 // every rank before it writes that piece's result to any of them.
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
   const size_t bytes = element_bytes(buffers.dtype);
-  const std::vector<Endpoint> peers = exchange(comm, buffers.send, buffers.recv);
+  Meeting meeting(comm, buffers.send, buffers.recv);
+  const std::vector<Endpoint>& peers = meeting.peers();
   const Range mine = owned(buffers.count, comm.size, comm.rank);
   const size_t piece = kPieceBytes / accumulator_bytes(buffers.dtype);
   for (size_t done = 0; done < mine.count; done += piece) {
@@ -98,7 +156,7 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
                    count * bytes);
     }
   }
-  barrier(comm);
+  meeting.leave();
 }
 
 // Every rank copies every peer's send into its recv slot. A send that
@@ -113,19 +171,20 @@ void all_gather(const Comm& comm, const Buffers& buffers) {
     staged.assign(send, send + bytes);
     send = staged.data();
   }
-  const std::vector<Endpoint> peers = exchange(comm, send, buffers.recv);
+  Meeting meeting(comm, send, buffers.recv);
+  const std::vector<Endpoint>& peers = meeting.peers();
   std::memcpy(buffers.recv + static_cast<size_t>(comm.rank) * bytes, send, bytes);
   for (int step = 1; step < comm.size; ++step) {
     const int q = peer_at(comm, step);
     read_remote(pid_of(comm, q), peers[static_cast<size_t>(q)].send,
                 buffers.recv + static_cast<size_t>(q) * bytes, bytes);
   }
-  barrier(comm);
+  meeting.leave();
 }
 
 // Rank r reduces chunk r of everyone's send. A recv that overlaps the send
-// (in place) is written only after the barrier, once no peer reads the send
-// any more; otherwise the barrier only keeps the send alive for the peers.
+// (in place) is written only after leaving, once no peer reads the send any
+// more; otherwise leaving only keeps the send alive for the peers.
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
   const size_t bytes = element_bytes(buffers.dtype);
   const size_t chunk_bytes = buffers.count * bytes;
@@ -133,25 +192,27 @@ void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, 
                                  buffers.recv, chunk_bytes);
   std::vector<std::byte> staged(in_place ? chunk_bytes : 0);
   std::byte* dst = in_place ? staged.data() : buffers.recv;
-  const std::vector<Endpoint> peers = exchange(comm, buffers.send, buffers.recv);
+  Meeting meeting(comm, buffers.send, buffers.recv);
+  const std::vector<Endpoint>& peers = meeting.peers();
   const size_t first = static_cast<size_t>(comm.rank) * buffers.count;
   const size_t piece = kPieceBytes / accumulator_bytes(buffers.dtype);
   for (size_t done = 0; done < buffers.count; done += piece) {
     const size_t count = std::min(piece, buffers.count - done);
     reduce_piece(comm, scratch, peers, buffers, first + done, count, op, dst + done * bytes);
   }
-  barrier(comm);
+  meeting.leave();
   if (in_place) std::memcpy(buffers.recv, dst, chunk_bytes);
 }
 
 // Every rank but the root copies the root's tensor.
 void broadcast(const Comm& comm, const Buffers& buffers, int root) {
-  const std::vector<Endpoint> peers = exchange(comm, buffers.recv, buffers.recv);
+  Meeting meeting(comm, buffers.recv, buffers.recv);
+  const std::vector<Endpoint>& peers = meeting.peers();
   if (comm.rank != root) {
     read_remote(pid_of(comm, root), peers[static_cast<size_t>(root)].recv, buffers.recv,
                 buffers.count * element_bytes(buffers.dtype));
   }
-  barrier(comm);
+  meeting.leave();
 }
 
 }  // namespace meshrun::mpi::shared_memory
