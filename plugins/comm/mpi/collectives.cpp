@@ -1,7 +1,10 @@
 #include "collectives.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+
+#include "segment.hpp"
 
 namespace meshrun::mpi {
 namespace {
@@ -32,6 +35,15 @@ bool use_pipeline(const Comm& comm, size_t bytes) {
   return comm.segment != nullptr && bytes >= shared_memory_min_bytes() && bytes >= min_bytes;
 }
 
+// Below a few KiB an all_reduce is all latency: one meeting in the segment
+// beats MPI_Allreduce's rounds through Open MPI's shared-memory transport,
+// and its waits sleep rather than spin.
+bool use_mailboxes(const Comm& comm, size_t bytes) {
+  static const size_t max_bytes = std::min(
+      bytes_from_environment("MESHRUN_MPI_MAILBOX_MAX_BYTES", kMailboxBytes), kMailboxBytes);
+  return comm.segment != nullptr && bytes <= max_bytes;
+}
+
 }  // namespace
 
 size_t bytes_from_environment(const char* name, size_t fallback) {
@@ -55,6 +67,8 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
   const size_t bytes = buffers.count * element_bytes(buffers.dtype);
   if (use_pipeline(comm, bytes)) {
     pipeline::all_reduce(comm, scratch, buffers, op);
+  } else if (use_mailboxes(comm, bytes)) {
+    shared_memory::all_reduce_small(comm, scratch, buffers, op);
   } else if (use_shared_memory(comm, bytes)) {
     shared_memory::all_reduce(comm, scratch, buffers, op);
   } else {

@@ -9,6 +9,10 @@
 //     is small; rank 0's value holds) (pipeline.cpp), writing results into
 //     recv with non-temporal stores from MESHRUN_MPI_STREAM_MIN_BYTES
 //     (default 4 MiB);
+//   - mailboxes (all_reduce only): every rank on this node, and at most
+//     MESHRUN_MPI_MAILBOX_MAX_BYTES (default and largest 16 KiB) in the
+//     operation: each rank copies its send into the segment and reduces
+//     everyone's (shared_memory.cpp);
 //   - shared memory: every rank on this node, cross-memory attach working
 //     between them and the segment mapped (segment.hpp), and at least
 //     MESHRUN_MPI_SHM_MIN_BYTES (default 16 KiB) in the operation: ranks
@@ -58,6 +62,7 @@ int peer_at(const Comm& comm, int step);
 
 // The paths. Called with count > 0.
 namespace shared_memory {
+void all_reduce_small(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void all_gather(const Comm& comm, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);

@@ -55,9 +55,13 @@ struct Announcement {
   uint64_t slot_bytes;
 };
 
+size_t header_bytes(int ranks) {
+  return (sizeof(Published) * static_cast<size_t>(ranks) + 4095) & ~size_t{4095};
+}
+
 size_t mapped_bytes(int ranks, size_t slot_bytes) {
-  const size_t header = (sizeof(Published) * static_cast<size_t>(ranks) + 4095) & ~size_t{4095};
-  return header + static_cast<size_t>(ranks) * kSlots * slot_bytes;
+  return header_bytes(ranks) +
+         static_cast<size_t>(ranks) * (2 * kMailboxBytes + kSlots * slot_bytes);
 }
 
 // The slot size for `ranks` ranks: MESHRUN_MPI_PIPELINE_SLOT_BYTES (default
@@ -111,6 +115,7 @@ void futex_wake_all(std::atomic<uint32_t>& word) {
 Segment::Segment(void* base, int ranks, size_t slot_bytes, std::vector<int> world_ranks)
     : base_(static_cast<std::byte*>(base)),
       bytes_(mapped_bytes(ranks, slot_bytes)),
+      mailboxes_(base_ + header_bytes(ranks)),
       slots_(base_ + bytes_ - static_cast<size_t>(ranks) * kSlots * slot_bytes),
       slot_bytes_(slot_bytes),
       world_ranks_(std::move(world_ranks)) {}

@@ -63,8 +63,12 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 // slowest peer's copy-out, which absorbs a peer being descheduled briefly.
 constexpr uint64_t kSlots = 4;
 
-// A mapped segment: every rank's Published, then every rank's kSlots slots.
-// Only the engine thread uses it.
+// Bytes of a mailbox: the largest all_reduce that goes through mailboxes
+// (shared_memory.cpp). Each rank has two, used by alternate collectives.
+constexpr size_t kMailboxBytes = size_t{16} << 10;
+
+// A mapped segment: every rank's Published, then every rank's two
+// mailboxes, then every rank's kSlots slots. Only the engine thread uses it.
 class Segment {
  public:
   Segment(void* base, int ranks, size_t slot_bytes, std::vector<int> world_ranks);
@@ -77,6 +81,10 @@ class Segment {
     return slots_ + (static_cast<size_t>(rank) * kSlots + sequence % kSlots) * slot_bytes_;
   }
   size_t slot_bytes() const { return slot_bytes_; }
+  // `rank`'s mailbox for the collective numbered `number`.
+  std::byte* mailbox(int rank, uint64_t number) {
+    return mailboxes_ + (static_cast<size_t>(rank) * 2 + number % 2) * kMailboxBytes;
+  }
   int world_rank(int rank) const { return world_ranks_[static_cast<size_t>(rank)]; }
 
   // Stores `value` into `rank`'s `counter` with release and wakes whoever
@@ -94,6 +102,7 @@ class Segment {
  private:
   std::byte* base_;
   size_t bytes_;
+  std::byte* mailboxes_;
   std::byte* slots_;
   size_t slot_bytes_;
   std::vector<int> world_ranks_;

@@ -36,6 +36,17 @@ struct Endpoint {
   uint64_t recv;
 };
 
+// The communicator's segment, unless an earlier collective broke it.
+Segment& usable_segment(const Comm& comm) {
+  if (comm.segment->broken) {
+    throw meshrun::plugin::Error(
+        MESHRUN_FAILED_PRECONDITION,
+        "an earlier collective on this communicator failed midway, leaving its ranks out of "
+        "step; its shared-memory collectives cannot be used any more");
+  }
+  return *comm.segment;
+}
+
 // One collective's meeting in the segment: entered on construction, left
 // with leave(), which waits for every peer to leave too.
 class Meeting {
@@ -78,16 +89,6 @@ class Meeting {
   }
 
  private:
-  static Segment& usable_segment(const Comm& comm) {
-    if (comm.segment->broken) {
-      throw meshrun::plugin::Error(
-          MESHRUN_FAILED_PRECONDITION,
-          "an earlier collective on this communicator failed midway, leaving its ranks out of "
-          "step; its shared-memory collectives cannot be used any more");
-    }
-    return *comm.segment;
-  }
-
   const Comm& comm_;
   Segment& segment_;
   Waiter waiter_;
@@ -157,6 +158,28 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
     }
   }
   meeting.leave();
+}
+
+// Every rank copies its send into its mailbox and, once every rank has,
+// reduces all the mailboxes in rank order into its recv: every rank computes
+// the same bits, in one meeting without a departure. A rank reuses a
+// mailbox two collectives later, and by then every peer has entered the
+// collective in between, so has finished reading it.
+void all_reduce_small(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
+  Segment& segment = usable_segment(comm);
+  const uint64_t number = ++segment.last_collective;
+  std::memcpy(segment.mailbox(comm.rank, number), buffers.send,
+              buffers.count * element_bytes(buffers.dtype));
+  segment.publish(comm.rank, &Published::arrive, number);
+  Waiter waiter(comm, segment);
+  for (int q = 0; q < comm.size; ++q) {
+    if (q != comm.rank) waiter.await(q, &Published::arrive, number);
+  }
+  std::byte* acc = sized(scratch.accumulator, buffers.count * accumulator_bytes(buffers.dtype));
+  reduce(
+      buffers.dtype, op, comm.size, segment.mailbox(0, number),
+      [&](int q) -> const void* { return segment.mailbox(q, number); }, acc, {buffers.recv},
+      buffers.count);
 }
 
 // Every rank copies every peer's send into its recv slot. A send that
