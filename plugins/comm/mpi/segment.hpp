@@ -7,8 +7,9 @@
 // Every counter has one writer, its rank, which stores sequence numbers that
 // only grow (with release, through publish()); the others wait for it to
 // reach a value (with acquire, through Waiter). A waiter spins briefly, then
-// sleeps on a futex in the segment that the writer wakes: a rank waiting for
-// a late peer gives its core back, to its own compute thread or to the peer.
+// yields its core between looks, and after a long wait sleeps on a futex in
+// the segment that the writer wakes: a rank waiting for a late peer gives
+// its core back, to its own compute thread or to the peer.
 #pragma once
 
 #include <atomic>
