@@ -64,26 +64,23 @@ void reduce(Dtype dtype, ReduceOp op, int ranks, const void* own,
             const std::function<const void*(int)>& next, void* acc, const Results& results,
             size_t count);
 
-// A copy of whole cache lines that reduce_lines() makes in the same loop as
-// its reduction: line i of `src` into line i of `dst`, with a non-temporal
-// store when `stream`.
+// Whole cache lines to copy: line i of `src` into line i of `dst`.
 struct LineCopy {
   void* dst;
   const void* src;
-  bool stream;
 };
 
-// The reduction of reduce() over `lines` cache lines of elements, with every
-// peer's input at hand (`inputs[0]` to `inputs[ranks - 2]`, in the order of
-// next(1), ..., so the bits are reduce()'s), and in the same loop line i of
-// each of the `copy_count` copies after line i of the results. One loop
-// keeps the core's loads and stores of all of them in flight together: the
-// shared-memory pipeline's reduction, copy-in and copy-out ran 8-10% faster
-// on 2 ranks here than in three loops (no faster in calls per 4 KiB block).
-// Two ranks with one copy in and one streamed copy out take a kernel of
-// their own (see dtype.cpp). A streamed `results.copy` and a streamed copy's `dst` must
-// be line-aligned; nothing may overlap but `results.dst` and `own`.
-void reduce_lines(Dtype dtype, ReduceOp op, int ranks, const void* own, const void* const* inputs,
-                  const Results& results, size_t lines, const LineCopy* copies, size_t copy_count);
+// The step of the shared-memory pipeline on two ranks, in one loop over
+// `lines` cache lines: the reduction of `own` and then `input` (reduce()'s
+// order, so its bits) into `results`, and line i of `copy_in` (plain
+// stores) and of `copy_out` (streamed like the results when
+// `results.stream`) after line i of the results. One loop keeps the core's
+// loads and stores of all three in flight together: 8-10% faster on 2 ranks
+// here than three loops, and no faster in calls per 4 KiB block.
+// `results.copy` must not be NULL; when streamed, it and `copy_out.dst` must
+// be line-aligned. Nothing may overlap but `results.dst` and `own`.
+void reduce_two_lines(Dtype dtype, ReduceOp op, const void* own, const void* input,
+                      const Results& results, size_t lines, const LineCopy& copy_in,
+                      const LineCopy& copy_out);
 
 }  // namespace meshrun::mpi

@@ -12,10 +12,11 @@
 // own of piece 0 into its slot (copy-in) and publishes `in`. Then step p:
 //   1. waits until every peer's `in` covers piece p and its `out` piece
 //      p - 1, and until the slot of piece p + 1 is free;
-//   2. in one loop (reduce_lines): reduces its own sub-range of piece p,
-//      its send and then each peer's slot in rotation, into its own slot
-//      and into its recv; copies in piece p + 1; copies each peer's result
-//      of piece p - 1 out of the peer's slot into its recv;
+//   2. reduces its own sub-range of piece p, its send and then each peer's
+//      slot in rotation, into its own slot and into its recv; copies in
+//      piece p + 1; copies each peer's result of piece p - 1 out of the
+//      peer's slot into its recv (on two ranks all in one loop,
+//      reduce_two_lines);
 //   3. publishes `out` for piece p, `in` for piece p + 1 and `done` for
 //      piece p - 1.
 // So peers reduce a piece while this rank still copies the one before out.
@@ -93,7 +94,8 @@ struct Range {
 
 // One all_reduce through the segment. Step p reduces this rank's sub-range
 // of piece p, copies in piece p + 1 and copies out the peers' results of
-// piece p - 1, the three in one loop (reduce_lines) where the buffers allow.
+// piece p - 1: on two ranks in one loop (reduce_two_lines) where the
+// buffers allow, otherwise one after the other.
 class Call {
  public:
   Call(const Comm& comm, Segment& segment, Scratch& scratch, const Buffers& buffers, ReduceOp op)
@@ -160,9 +162,10 @@ class Call {
     if (copying_out) publish(&Published::done, sequence(p - 1) + 1);
   }
 
-  // The whole lines that the reduction and every copy of the step have.
+  // The whole lines that the reduction and both copies of a two-rank step
+  // (one in, one out) have; 0 for any other step.
   size_t fused_lines(Range own) const {
-    if (!fused_ || own.count == 0) return 0;
+    if (!fused_ || comm_.size != 2 || own.count == 0 || copies_.size() != 2) return 0;
     size_t lines = own.count * element_ / kLineBytes;
     for (const Copy& copy : copies_) lines = std::min(lines, copy.bytes / kLineBytes);
     return lines;
@@ -178,21 +181,14 @@ class Call {
     }
   }
 
-  // The first `lines` lines of this rank's result of piece p and of every
-  // copy, in one loop.
+  // The first `lines` lines of this rank's result of piece p, of its
+  // copy-in and of its copy-out, in one loop.
   void reduce_fused(uint64_t p, Range own, size_t lines) {
-    inputs_.clear();
-    line_copies_.clear();
-    for (int distance = 1; distance < comm_.size; ++distance) {
-      inputs_.push_back(region(peer_at(comm_, distance), p, comm_.rank));
-    }
-    for (const Copy& copy : copies_) {
-      line_copies_.push_back({copy.dst, copy.src, copy.stream});
-    }
     const size_t first = own.first * element_;
-    reduce_lines(buffers_.dtype, op_, comm_.size, buffers_.send + first, inputs_.data(),
-                 {region(comm_.rank, p, comm_.rank), buffers_.recv + first, stream_}, lines,
-                 line_copies_.data(), line_copies_.size());
+    reduce_two_lines(buffers_.dtype, op_, buffers_.send + first,
+                     region(peer_at(comm_, 1), p, comm_.rank),
+                     {region(comm_.rank, p, comm_.rank), buffers_.recv + first, stream_}, lines,
+                     {copies_[0].dst, copies_[0].src}, {copies_[1].dst, copies_[1].src});
   }
 
   // `count` elements of this rank's result of piece p from element `from` of
@@ -285,10 +281,8 @@ class Call {
   const bool fused_;
   std::byte* const acc_;
   Waiter waiter_;
-  // The step's work, kept to reuse their memory.
+  // The step's copies (copy-ins first), kept to reuse their memory.
   std::vector<Copy> copies_;
-  std::vector<const void*> inputs_;
-  std::vector<LineCopy> line_copies_;
 };
 
 }  // namespace
