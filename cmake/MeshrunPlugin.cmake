@@ -1,4 +1,4 @@
-# meshrun_add_plugin(<target> KIND <strategy|schedule|sidecar|comm> NAME <name>
+# meshrun_add_plugin(<target> KIND <strategy|schedule|sidecar|comm|model> NAME <name>
 #                    SOURCES <files...> [LINK <libraries...>])
 #
 # Builds a meshrun plugin: a MODULE library named meshrun_<kind>_<name>.so
@@ -8,8 +8,8 @@
 # by out-of-tree plugins after find_package(meshrun).
 function(meshrun_add_plugin target)
   cmake_parse_arguments(PARSE_ARGV 1 arg "" "KIND;NAME" "SOURCES;LINK")
-  if(NOT arg_KIND MATCHES "^(strategy|schedule|sidecar|comm)$")
-    message(FATAL_ERROR "meshrun_add_plugin(${target}): KIND must be strategy, schedule, sidecar or comm, not '${arg_KIND}'")
+  if(NOT arg_KIND MATCHES "^(strategy|schedule|sidecar|comm|model)$")
+    message(FATAL_ERROR "meshrun_add_plugin(${target}): KIND must be strategy, schedule, sidecar, comm or model, not '${arg_KIND}'")
   endif()
   if(NOT arg_NAME MATCHES "^[a-z0-9_]+$")
     message(FATAL_ERROR "meshrun_add_plugin(${target}): NAME must match [a-z0-9_]+, not '${arg_NAME}'")

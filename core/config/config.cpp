@@ -68,7 +68,8 @@ std::vector<std::string> split_key(const std::string& key, const std::string& te
   while (true) {
     const size_t dot = key.find('.', start);
     parts.push_back(key.substr(start, dot - start));
-    if (parts.back().empty()) fail_malformed(text, "empty part in key " + quoted(key));
+    if (parts.back().empty())
+      fail_malformed(text, "empty part in key " + config_detail::quoted(key));
     if (dot == std::string::npos) return parts;
     start = dot + 1;
   }
@@ -176,13 +177,18 @@ std::string suggestion(const FoundKey& found, const std::vector<std::string>& na
                                 ? "valid tables: "
                                 : "valid keys in [" + found.parent->path + "]: ";
   const std::string what = (found.entry.node->is_table() ? "unknown table " : "unknown key ") +
-                           quoted(found.entry.key) + suggestion(found, names) + "; " + valid +
-                           join_names(names);
+                           config_detail::quoted(found.entry.key) + suggestion(found, names) +
+                           "; " + valid + join_names(names);
   throw Error(MESHRUN_INVALID_ARGUMENT, one_line(found.entry.position.str() + ": " + what),
               found.entry.key);
 }
 
 void apply(const FoundKey& found, Config& config) {
+  if (found.field == nullptr && found.parent->other) {
+    found.parent->other(found.entry, config);
+    config.positions[found.entry.key] = found.entry.position;
+    return;
+  }
   if (found.field == nullptr) fail_unknown(found);
   if (const TableSchema* table = found.field->table) {
     if (!found.entry.node->is_table()) config_detail::fail_type(found.entry, "a table");
@@ -240,15 +246,20 @@ Config parse_config(std::string_view toml_text, const std::string& source_name,
   Config config;
   config.source = source_name;
   for (const FoundKey& item : found) apply(item, config);
-  if (config.positions.count("model.num_key_value_heads") == 0) {
-    config.model.num_key_value_heads = config.model.num_attention_heads;
-  }
   config_detail::check_cross_key_rules(config);
   return config;
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   return parse_config(read_file(path), path, overrides);
+}
+
+std::string misplaced_key_hint(std::string_view name, std::string_view table) {
+  const TableSchema& root = config_detail::root_schema();
+  const TableSchema* except = root.find(table) != nullptr ? root.find(table)->table : nullptr;
+  const TableSchema* home = table_with_key(root, std::string(name), except);
+  if (home == nullptr || home->path.empty()) return "";
+  return " (it belongs in [" + home->path + "])";
 }
 
 std::string canonical_strategy_name(std::string_view name) {

@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace meshrun {
 
 // Where a key's value came from.
@@ -27,21 +29,14 @@ struct SourcePosition {
   std::string str() const;
 };
 
-// [model]: Hugging Face config.json key names.
+// [model]: Hugging Face config.json key names. The core reads three; the
+// others describe the architecture and belong to the model plugin of
+// model_type, which checks them when the plan is made.
 struct ModelConfig {
-  std::string model_type = "llama";  // selects the sidecar plugin
-  int64_t vocab_size = 256;
-  int64_t hidden_size = 256;
-  int64_t intermediate_size = 768;
-  int64_t num_hidden_layers = 4;
-  int64_t num_attention_heads = 8;
-  int64_t num_key_value_heads = 8;  // defaults to num_attention_heads when absent
-  int64_t max_position_embeddings = 2048;
-  double rms_norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  bool tie_word_embeddings = false;
+  std::string model_type = "llama";     // selects the model and sidecar plugins
   std::string torch_dtype = "float32";  // parameter storage: float32 | bfloat16
   std::string checkpoint;               // directory with consolidated weights to start from
+  nlohmann::ordered_json architecture = nlohmann::ordered_json::object();  // the other keys
 };
 
 // [data]: byte-level text.
@@ -191,6 +186,10 @@ Config parse_config(std::string_view toml_text, const std::string& source_name,
 
 // Reads the file at `path` (NOT_FOUND when it cannot be read) and parses it.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// " (it belongs in [distributed])" when another table of the config has a
+// key called `name`, else "": for messages about a misplaced key.
+std::string misplaced_key_hint(std::string_view name, std::string_view table);
 
 // The canonical strategy name: "megatron-fsdp" and "mfsdp" become
 // "megatron_fsdp"; other names are returned as given.

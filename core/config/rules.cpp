@@ -37,29 +37,6 @@ std::string strategy_text(const Config& config) {
          (is_set(config, "distributed.strategy") ? "" : " (the default)");
 }
 
-void check_model(const Config& config) {
-  const ModelConfig& m = config.model;
-  if (m.hidden_size % m.num_attention_heads != 0) {
-    fail_rule(config, {"model.hidden_size", "model.num_attention_heads"},
-              fmt::format("model.hidden_size ({}) must be divisible by "
-                          "model.num_attention_heads ({})",
-                          m.hidden_size, m.num_attention_heads));
-  }
-  if (m.num_attention_heads % m.num_key_value_heads != 0) {
-    fail_rule(config, {"model.num_key_value_heads", "model.num_attention_heads"},
-              fmt::format("model.num_attention_heads ({}) must be divisible by "
-                          "model.num_key_value_heads ({})",
-                          m.num_attention_heads, m.num_key_value_heads));
-  }
-  const int64_t head_dim = m.hidden_size / m.num_attention_heads;
-  if (head_dim % 2 != 0) {
-    fail_rule(config, {"model.hidden_size", "model.num_attention_heads"},
-              fmt::format("the head dimension model.hidden_size / model.num_attention_heads = "
-                          "{} / {} = {} must be even (rotary embeddings rotate channel pairs)",
-                          m.hidden_size, m.num_attention_heads, head_dim));
-  }
-}
-
 void check_train(const Config& config) {
   if (config.train.min_lr > config.train.lr) {
     fail_rule(config, {"train.min_lr", "train.lr"},
@@ -143,19 +120,11 @@ void check_parallel_tables(Config& config) {
                           "{}); set ep_size or remove the table",
                           d.ep_size));
   }
-  if (config.model.tie_word_embeddings && d.pp_size > 1) {
-    fail_rule(config, {"model.tie_word_embeddings", "distributed.pp_size"},
-              fmt::format("tied embeddings are not supported with pipeline parallelism "
-                          "(distributed.pp_size = {}): the embedding and lm_head live on "
-                          "different stages",
-                          d.pp_size));
-  }
 }
 
 }  // namespace
 
 void check_cross_key_rules(Config& config) {
-  check_model(config);
   check_train(config);
   check_pipeline(config);
   check_strategy_keys(config);

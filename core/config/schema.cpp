@@ -67,19 +67,15 @@ void read_module_fqns(const Entry& entry, Config& config) {
 std::vector<Field> model_fields() {
   return TableBuilder<ModelConfig>([](Config& c) -> ModelConfig& { return c.model; })
       .name("model_type", &ModelConfig::model_type)
-      .integer("vocab_size", &ModelConfig::vocab_size, 1)
-      .integer("hidden_size", &ModelConfig::hidden_size, 1)
-      .integer("intermediate_size", &ModelConfig::intermediate_size, 1)
-      .integer("num_hidden_layers", &ModelConfig::num_hidden_layers, 1)
-      .integer("num_attention_heads", &ModelConfig::num_attention_heads, 1)
-      .integer("num_key_value_heads", &ModelConfig::num_key_value_heads, 1)
-      .integer("max_position_embeddings", &ModelConfig::max_position_embeddings, 1)
-      .number("rms_norm_eps", &ModelConfig::rms_norm_eps, kPositive)
-      .number("rope_theta", &ModelConfig::rope_theta, kPositive)
-      .boolean("tie_word_embeddings", &ModelConfig::tie_word_embeddings)
       .choice("torch_dtype", &ModelConfig::torch_dtype, kParameterDtypes)
       .string("checkpoint", &ModelConfig::checkpoint)
       .build();
+}
+
+// An architecture key: kept as JSON for the model plugin, which checks it.
+void read_architecture_key(const Entry& entry, Config& config) {
+  const std::string name = entry.key.substr(entry.key.find('.') + 1);
+  config.model.architecture[name] = to_json(*entry.node);
 }
 
 std::vector<Field> data_fields() {
@@ -214,25 +210,27 @@ Field table_field(std::string name, const TableSchema& schema) {
 }  // namespace
 
 const TableSchema& root_schema() {
-  static const TableSchema model{"model", nullptr, model_fields()};
-  static const TableSchema data{"data", nullptr, data_fields()};
-  static const TableSchema train{"train", nullptr, train_fields()};
-  static const TableSchema checkpoint{"checkpoint", nullptr, checkpoint_fields()};
-  static const TableSchema comm{"comm", nullptr, comm_fields()};
+  static const TableSchema model{"model", nullptr, model_fields(), read_architecture_key};
+  static const TableSchema data{"data", nullptr, data_fields(), {}};
+  static const TableSchema train{"train", nullptr, train_fields(), {}};
+  static const TableSchema checkpoint{"checkpoint", nullptr, checkpoint_fields(), {}};
+  static const TableSchema comm{"comm", nullptr, comm_fields(), {}};
   static const TableSchema pipeline{"distributed.pipeline",
                                     [](Config& c) { c.distributed.pipeline.present = true; },
-                                    pipeline_fields()};
-  static const TableSchema moe{"distributed.moe",
-                               [](Config& c) { c.distributed.moe.present = true; }, moe_fields()};
-  static const TableSchema mp_policy{"distributed.mp_policy", nullptr, mp_policy_fields()};
-  static const TableSchema distributed{"distributed", nullptr,
-                                       distributed_fields(pipeline, moe, mp_policy)};
+                                    pipeline_fields(),
+                                    {}};
+  static const TableSchema moe{
+      "distributed.moe", [](Config& c) { c.distributed.moe.present = true; }, moe_fields(), {}};
+  static const TableSchema mp_policy{"distributed.mp_policy", nullptr, mp_policy_fields(), {}};
+  static const TableSchema distributed{
+      "distributed", nullptr, distributed_fields(pipeline, moe, mp_policy), {}};
   static const TableSchema root{
       "",
       nullptr,
       {table_field("model", model), table_field("data", data), table_field("train", train),
        table_field("checkpoint", checkpoint), table_field("comm", comm),
-       table_field("distributed", distributed)}};
+       table_field("distributed", distributed)},
+      {}};
   return root;
 }
 

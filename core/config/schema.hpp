@@ -6,6 +6,8 @@
 
 #include <toml++/toml.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -60,6 +62,9 @@ inline constexpr NumberRange kFraction{0, true, 1, false};
 // The value of an integer or float node; nullopt for other types.
 std::optional<double> number_value(const toml::node& node);
 
+// The node's value as JSON (tables become objects, arrays arrays).
+nlohmann::ordered_json to_json(const toml::node& node);
+
 // Readers: check type and range, or fail with what would be valid.
 int64_t read_integer(const Entry& entry, int64_t min, int64_t max = kNoMax);
 double read_number(const Entry& entry, const NumberRange& range);  // integers accepted
@@ -86,6 +91,10 @@ struct TableSchema {
   std::string path;                         // dotted; "" for the document root
   void (*mark_present)(Config&) = nullptr;  // tables whose presence matters
   std::vector<Field> fields;
+  // An open table takes keys beyond `fields` through `other` ([model]: the
+  // architecture keys, which the model plugin checks); a closed one (null)
+  // refuses them.
+  Apply other;
 
   const Field* find(std::string_view name) const;
   std::vector<std::string> names() const;

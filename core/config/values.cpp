@@ -28,7 +28,7 @@ bool is_name_char(char c, bool allow_dash) {
 
 std::string quoted_list(const std::vector<std::string>& names) {
   std::vector<std::string> quoted_names;
-  for (const auto& name : names) quoted_names.push_back(quoted(name));
+  for (const auto& name : names) quoted_names.push_back(config_detail::quoted(name));
   return join_names(quoted_names);
 }
 
@@ -52,6 +52,31 @@ std::string one_line(std::string_view text) {
 }
 
 std::string quoted(std::string_view text) { return "'" + shortened(one_line(text)) + "'"; }
+
+nlohmann::ordered_json to_json(const toml::node& node) {
+  if (const auto* table = node.as_table()) {
+    nlohmann::ordered_json object = nlohmann::ordered_json::object();
+    for (auto&& [key, value] : *table) object[std::string(key.str())] = to_json(value);
+    return object;
+  }
+  if (const auto* array = node.as_array()) {
+    nlohmann::ordered_json list = nlohmann::ordered_json::array();
+    for (const toml::node& value : *array) list.push_back(to_json(value));
+    return list;
+  }
+  if (const auto* text = node.as_string()) return text->get();
+  if (const auto* integer = node.as_integer()) return integer->get();
+  if (const auto* number = node.as_floating_point()) {
+    // JSON has no infinity or NaN: their TOML spelling, for the plugin to refuse.
+    if (!std::isfinite(number->get())) return fmt::format("{}", number->get());
+    return number->get();
+  }
+  if (const auto* flag = node.as_boolean()) return flag->get();
+  // Dates and times: their TOML text.
+  std::ostringstream text;
+  node.visit([&](auto&& value) { text << value; });
+  return text.str();
+}
 
 namespace {
 
@@ -83,7 +108,7 @@ std::string type_name(toml::node_type type) {
 
 // The value as the user would write it, with floats in their shortest form.
 std::string render(const toml::node& node) {
-  if (const auto* text = node.as_string()) return quoted(text->get());
+  if (const auto* text = node.as_string()) return config_detail::quoted(text->get());
   if (const auto* integer = node.as_integer()) return std::to_string(integer->get());
   if (const auto* floating = node.as_floating_point()) return number_text(floating->get());
   if (const auto* flag = node.as_boolean()) return flag->get() ? "true" : "false";
@@ -191,7 +216,7 @@ std::string read_name(const Entry& entry, bool allow_dash) {
   const bool valid = !name.empty() && std::all_of(name.begin(), name.end(), [&](char c) {
     return is_name_char(c, allow_dash);
   });
-  if (!valid) fail(entry, "expected " + expected + ", got " + quoted(name));
+  if (!valid) fail(entry, "expected " + expected + ", got " + config_detail::quoted(name));
   return name;
 }
 
@@ -201,7 +226,8 @@ std::string read_choice(const Entry& entry, const std::vector<std::string>& choi
   if (value == nullptr) fail_type(entry, expected);
   const std::string& choice = value->get();
   if (std::find(choices.begin(), choices.end(), choice) == choices.end()) {
-    fail(entry, "expected " + expected + ", got " + quoted(choice) + did_you_mean(choice, choices));
+    fail(entry, "expected " + expected + ", got " + config_detail::quoted(choice) +
+                    did_you_mean(choice, choices));
   }
   return choice;
 }

@@ -27,6 +27,16 @@ std::shared_ptr<PluginLibrary> load_named(const Config& config, const PluginLoad
   }
 }
 
+std::shared_ptr<const Model> make_model(const Config& config, const PluginLoader& loader) {
+  auto library =
+      load_named(config, loader, PluginKind::model, config.model.model_type, "model.model_type");
+  try {
+    return std::make_shared<const Model>(std::move(library), config.model.architecture);
+  } catch (const Error& error) {
+    rethrow_at_key(config, error, "model.model_type");
+  }
+}
+
 MeshFamily mesh_family_of(const PluginLibrary& strategy) {
   const int32_t family = strategy.api().strategy->mesh_family;
   if (family < static_cast<int32_t>(MeshFamily::fsdp2) ||
@@ -82,14 +92,21 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   plan.config = &config;
   plan.strategy = load_strategy(config, loader);
   plan.mesh = resolve_config_mesh(config, world_size, *plan.strategy);
-  plan.sidecar =
-      load_named(config, loader, PluginKind::sidecar, config.model.model_type, "model.model_type");
+  plan.model = make_model(config, loader);
+  if (loader.find(PluginKind::sidecar, config.model.model_type)) {
+    plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
+                              "model.model_type");
+  }
   const auto& pipeline = config.distributed.pipeline;
   if (config.distributed.pp_size > 1 && pipeline.pp_schedule_csv.empty()) {
     plan.schedule = load_named(config, loader, PluginKind::schedule, pipeline.pp_schedule,
                                "distributed.pipeline.pp_schedule");
   }
-  plan.model = plan_model(config, plan.mesh, plan.sidecar, plan.schedule.get());
+  try {
+    plan.model_plan = plan_model(config, plan.mesh, *plan.model, plan.sidecar, plan.schedule.get());
+  } catch (const Error& error) {
+    rethrow_at_key(config, error, "model.model_type");
+  }
   return plan;
 }
 
@@ -117,13 +134,16 @@ int64_t default_world_size(const Config& config) {
 
 namespace {
 
-nlohmann::ordered_json plugin_json(const std::shared_ptr<PluginLibrary>& library) {
-  if (!library) return nullptr;
-  const auto& api = library->api();
+nlohmann::ordered_json plugin_json(const PluginLibrary& library) {
+  const auto& api = library.api();
   return {{"name", api.name},
-          {"file", library->path()},
+          {"file", library.path()},
           {"abi", fmt::format("{}.{}", api.abi_major, api.abi_minor)},
           {"version", api.version}};
+}
+
+nlohmann::ordered_json plugin_json(const std::shared_ptr<PluginLibrary>& library) {
+  return library ? plugin_json(*library) : nlohmann::ordered_json(nullptr);
 }
 
 std::vector<Axis> listed_axes(const MeshContext& mesh) {
@@ -157,10 +177,11 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
       {"moe", mesh.has_moe() ? sizes_json(mesh, kMoeAxes) : nlohmann::ordered_json(nullptr)},
       {"plugins",
        {{"strategy", plugin_json(plan.strategy)},
+        {"model", plugin_json(plan.model->library())},
         {"sidecar", plugin_json(plan.sidecar)},
         {"schedule", plugin_json(plan.schedule)}}},
       {"warnings", config.warnings},
-      {"model", plan.model},
+      {"model", plan.model_plan},
   };
   if (!all_ranks && mesh.world_size() > kJsonRankLimit) return json;
   const auto axes = listed_axes(mesh);
@@ -176,15 +197,21 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
 
 namespace {
 
-std::string plugin_line(std::string_view role, const std::shared_ptr<PluginLibrary>& library) {
-  const auto& api = library->api();
+std::string plugin_line(std::string_view role, const PluginLibrary& library) {
+  const auto& api = library.api();
   return fmt::format("{:<10}{:<24}ABI {}.{}  {}\n", role, api.name, api.abi_major, api.abi_minor,
-                     library->path());
+                     library.path());
+}
+
+std::string sidecar_line(const Plan& plan) {
+  if (plan.sidecar) return plugin_line("sidecar", *plan.sidecar);
+  return fmt::format("{:<10}none for model_type {} (the default plan)\n", "sidecar",
+                     plan.config->model.model_type);
 }
 
 std::string schedule_line(const Plan& plan) {
   const auto& d = plan.config->distributed;
-  if (plan.schedule) return plugin_line("schedule", plan.schedule);
+  if (plan.schedule) return plugin_line("schedule", *plan.schedule);
   if (d.pp_size > 1) return fmt::format("{:<10}CSV {}\n", "schedule", d.pipeline.pp_schedule_csv);
   return fmt::format("{:<10}none (pp_size 1: no pipeline)\n", "schedule");
 }
@@ -218,33 +245,36 @@ std::string rank_table(const MeshContext& mesh, bool all_ranks) {
   return table;
 }
 
-std::string model_lines(const nlohmann::ordered_json& model) {
-  if (model.is_null()) return fmt::format("{:<10}(the sidecar gives no plan)\n", "model");
-  int64_t elements = 0;
-  for (const auto& parameter : model["parameters"]) {
-    int64_t numel = 1;
-    for (const auto& extent : parameter["shape"]) numel *= extent.get<int64_t>();
-    elements += numel;
-  }
+// A field of a rule or stage a sidecar wrote, as text, whatever its type.
+std::string shown(const nlohmann::ordered_json& object, const char* name) {
+  if (!object.is_object() || !object.contains(name)) return "?";
+  const auto& value = object.at(name);
+  return value.is_string() ? value.get<std::string>() : value.dump();
+}
+
+// The plan's tp rules, stages and checkpointing; the plan check has made
+// sure the arrays are there.
+std::string model_lines(const ModelDescription& description, const nlohmann::ordered_json& model) {
   std::string text =
       fmt::format("{:<10}{} parameters in {} tensors, {} sharding units (root + layers)\n", "model",
-                  elements, model["parameters"].size(), model["units"].size());
-  for (const auto& rule : model["tensor_parallel"]) {
-    text += fmt::format("{:<10}{:<40}{:<18}{}\n", "tp", rule["module"].get<std::string>(),
-                        rule["style"].get<std::string>(), rule["activations"].get<std::string>());
+                  description.numel, description.parameters.size(), description.units.size());
+  for (const auto& rule : model.at("tensor_parallel")) {
+    text += fmt::format("{:<10}{:<40}{:<18}{}\n", "tp", shown(rule, "module"), shown(rule, "style"),
+                        shown(rule, "activations"));
   }
-  for (const auto& stage : model["pipeline"]) {
+  const auto pipeline = model.value("pipeline", nlohmann::ordered_json());
+  for (const auto& stage : pipeline.is_array() ? pipeline : nlohmann::ordered_json::array()) {
     std::string modules;
-    for (const auto& module : stage["modules"]) {
+    for (const auto& module : stage.at("modules")) {
       modules += (modules.empty() ? "" : ", ") + module.get<std::string>();
     }
-    text += fmt::format("{:<10}{} on rank {}: {}\n", "stage", stage["stage"].get<int64_t>(),
-                        stage["rank"].get<int64_t>(), modules);
+    text += fmt::format("{:<10}{} on rank {}: {}\n", "stage", shown(stage, "stage"),
+                        shown(stage, "rank"), modules);
   }
-  if (!model["activation_checkpointing"].empty()) {
-    text += fmt::format("{:<10}{} of {} decoder layers\n", "ac",
-                        model["activation_checkpointing"][0]["mode"].get<std::string>(),
-                        model["activation_checkpointing"].size());
+  const auto& checkpointed = model.at("activation_checkpointing");
+  if (!checkpointed.empty()) {
+    text += fmt::format("{:<10}{} of {} layer units\n", "ac", shown(checkpointed[0], "mode"),
+                        checkpointed.size());
   }
   return text;
 }
@@ -257,10 +287,11 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
       "meshrun plan: {}, world size {}, strategy {} ({} mesh)\n", plan.config->source,
       mesh.world_size(), plan.config->distributed.strategy, mesh_family_name(mesh.family()));
   for (const auto& warning : plan.config->warnings) text += "warning: " + warning + "\n";
-  text += plugin_line("strategy", plan.strategy);
-  text += plugin_line("sidecar", plan.sidecar);
+  text += plugin_line("strategy", *plan.strategy);
+  text += plugin_line("model", plan.model->library());
+  text += sidecar_line(plan);
   text += schedule_line(plan);
-  text += model_lines(plan.model);
+  text += model_lines(plan.model->description(), plan.model_plan);
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);
   text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)

@@ -12,6 +12,7 @@
 
 #include "config/config.hpp"
 #include "mesh/mesh.hpp"
+#include "model/model.hpp"
 #include "plugin/loader.hpp"
 
 namespace meshrun {
@@ -20,21 +21,24 @@ struct Plan {
   const Config* config = nullptr;
   MeshContext mesh;
   std::shared_ptr<PluginLibrary> strategy;
-  std::shared_ptr<PluginLibrary> sidecar;
+  std::shared_ptr<const Model> model;       // the model plugin, configured
+  std::shared_ptr<PluginLibrary> sidecar;   // null: the model has no sidecar installed
   std::shared_ptr<PluginLibrary> schedule;  // null without a pipeline (pp_size 1)
-  // The sidecar's plan of the model (meshrun/sidecar.h): units, parameter
-  // placement, pipeline split, checkpointing; null for a 1.0 sidecar.
-  nlohmann::ordered_json model;
+  // The plan of the model (docs/plan.md): units, parameter placement,
+  // pipeline split, checkpointing; the default plan, or the sidecar's.
+  nlohmann::ordered_json model_plan;
 };
 
-// Loads the strategy, sidecar and (with pp_size > 1) schedule plugins the
-// config names, and resolves the mesh with the strategy's mesh family.
-// Errors are prefixed with the position of the key they concern.
+// Loads the strategy, model, sidecar (when the model family has one) and
+// (with pp_size > 1) schedule plugins the config names, resolves the mesh
+// with the strategy's mesh family and plans the model. Errors are prefixed
+// with the position of the key they concern.
 Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader);
 
-// Asks `sidecar` for the model's plan on `mesh`; null when the sidecar's
-// table predates ABI 1.2. Errors point at the config key they concern.
-nlohmann::ordered_json plan_model(const Config& config, const MeshContext& mesh,
+// The plan of `model` on `mesh`: the default plan (units from the model's
+// description, AutoModel's pipeline split), or `sidecar`'s refinement of it,
+// checked against the description. Errors carry the config key they concern.
+nlohmann::ordered_json plan_model(const Config& config, const MeshContext& mesh, const Model& model,
                                   const std::shared_ptr<PluginLibrary>& sidecar,
                                   const PluginLibrary* schedule);
 

@@ -26,11 +26,12 @@ namespace {
 constexpr std::string_view kFilePrefix = "meshrun_";
 constexpr std::string_view kFileSuffix = ".so";
 
-constexpr std::array<std::pair<PluginKind, std::string_view>, 4> kKinds = {{
+constexpr std::array<std::pair<PluginKind, std::string_view>, 5> kKinds = {{
     {PluginKind::strategy, "strategy"},
     {PluginKind::schedule, "schedule"},
     {PluginKind::sidecar, "sidecar"},
     {PluginKind::comm, "comm"},
+    {PluginKind::model, "model"},
 }};
 
 bool valid_plugin_name(std::string_view name) {
@@ -100,20 +101,28 @@ std::string supported_range(const VersionPolicy& policy) {
 }
 
 // The kind-specific table a plugin of `kind` must carry, as the loader sees
-// any of them: where it is, the size it declares, and its ABI 1.0 size.
+// any of them: where it is, the size it declares, and the size of the
+// kind's first ABI version (1.0; 1.5 for models) with the version's name.
 struct KindTable {
   PluginKind kind;
   const void* table;
   size_t struct_size;
-  size_t size_1_0;
+  size_t first_size;
+  const char* first_version;
 };
 
 template <class Table>
-KindTable kind_table(PluginKind kind, const Table* table, size_t size_1_0) {
-  return {kind, table, table != nullptr ? table->struct_size : 0, size_1_0};
+KindTable kind_table(PluginKind kind, const Table* table, size_t first_size,
+                     const char* first_version = "1.0") {
+  return {kind, table, table != nullptr ? table->struct_size : 0, first_size, first_version};
 }
 
-std::array<KindTable, 4> kind_tables(const meshrun_plugin_api& api) {
+// A table older than ABI 1.5 ends before `model`: it carries no model table.
+const meshrun_model_api* model_table(const meshrun_plugin_api& api) {
+  return MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) ? api.model : nullptr;
+}
+
+std::array<KindTable, 5> kind_tables(const meshrun_plugin_api& api) {
   return {{
       kind_table(PluginKind::strategy, api.strategy,
                  MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions)),
@@ -122,6 +131,7 @@ std::array<KindTable, 4> kind_tables(const meshrun_plugin_api& api) {
       kind_table(PluginKind::sidecar, api.sidecar,
                  MESHRUN_STRUCT_SIZE(meshrun_sidecar_api, extensions)),
       kind_table(PluginKind::comm, api.comm, MESHRUN_STRUCT_SIZE(meshrun_comm_api, extensions)),
+      kind_table(PluginKind::model, model_table(api), MESHRUN_MODEL_API_SIZE_1_5, "1.5"),
   }};
 }
 
@@ -160,7 +170,7 @@ void check_api(const meshrun_plugin_api& api, const std::string& path, const Fil
   if (!known_kind) {
     fail(MESHRUN_INVALID_ARGUMENT, path,
          "declares unknown plugin kind " + std::to_string(api.kind) +
-             " (known: 1 strategy, 2 schedule, 3 sidecar, 4 comm)");
+             " (known: 1 strategy, 2 schedule, 3 sidecar, 4 comm, 5 model)");
   }
   const auto declared_kind = static_cast<PluginKind>(api.kind);
   if (declared_kind != kind) {
@@ -187,10 +197,10 @@ void check_api(const meshrun_plugin_api& api, const std::string& path, const Fil
     } else if (table.table == nullptr) {
       fail(MESHRUN_INVALID_ARGUMENT, path,
            "is a " + table_kind + " plugin but its " + table_kind + " table is NULL");
-    } else if (table.struct_size < table.size_1_0) {
+    } else if (table.struct_size < table.first_size) {
       fail(MESHRUN_INVALID_ARGUMENT, path,
            table_kind + " table too small: struct_size " + std::to_string(table.struct_size) +
-               " < " + std::to_string(table.size_1_0) + " (ABI 1.0)");
+               " < " + std::to_string(table.first_size) + " (ABI " + table.first_version + ")");
     }
   }
 }

@@ -23,11 +23,12 @@ enum class PluginKind : int32_t {
   schedule = MESHRUN_PLUGIN_KIND_SCHEDULE,
   sidecar = MESHRUN_PLUGIN_KIND_SIDECAR,
   comm = MESHRUN_PLUGIN_KIND_COMM,
+  model = MESHRUN_PLUGIN_KIND_MODEL,
 };
 
 std::string_view plugin_kind_name(PluginKind kind);
 std::optional<PluginKind> plugin_kind_from_name(std::string_view name);
-// "strategy, schedule, sidecar, comm"
+// "strategy, schedule, sidecar, comm, model"
 std::vector<std::string> plugin_kind_names();
 
 // The ABI versions a loader accepts: exactly `major`, minor >= `oldest_minor`.

@@ -15,20 +15,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-nlohmann::ordered_json architecture_json(const ModelConfig& m) {
-  return {{"vocab_size", m.vocab_size},
-          {"hidden_size", m.hidden_size},
-          {"intermediate_size", m.intermediate_size},
-          {"num_hidden_layers", m.num_hidden_layers},
-          {"num_attention_heads", m.num_attention_heads},
-          {"num_key_value_heads", m.num_key_value_heads},
-          {"tie_word_embeddings", m.tie_word_embeddings}};
-}
-
-// FNV-1a of the architecture: a resumed run must have the same parameters.
-std::string architecture_hash(const ModelConfig& model) {
+// FNV-1a of the model type and every parameter's name and shape: a resumed
+// run must have the same parameters in the same layout.
+std::string architecture_hash(const ModelConfig& config, const ModelDescription& description) {
+  nlohmann::ordered_json parameters = nlohmann::ordered_json::array();
+  for (const auto& p : description.parameters) parameters.push_back({p.name, p.shape});
   uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : architecture_json(model).dump()) {
+  for (const char c : config.model_type + parameters.dump()) {
     hash = (hash ^ uint8_t(c)) * 0x100000001b3ull;
   }
   return fmt::format("{:016x}", hash);
@@ -46,23 +39,22 @@ void write_json(const std::string& path, const nlohmann::ordered_json& json) {
 
 // The safetensors file must hold exactly the model's tensors, shapes equal.
 void check_names_and_shapes(const Config& config, const SafetensorsFile& file,
-                            const llama::LlamaModel& model) {
+                            const ModelDescription& description) {
   const auto fail = [&](const std::string& what) {
     return config_error(config, "model.checkpoint", fmt::format("{}: {}", file.path(), what));
   };
-  for (const auto& view : model.parameters()) {
-    const auto it = file.tensors().find(view.name);
-    if (it == file.tensors().end()) throw fail(fmt::format("no tensor '{}'", view.name));
-    if (it->second.shape != view.shape) {
-      throw fail(fmt::format("tensor '{}' has shape {}; the [model] config needs {}", view.name,
-                             shape_text(it->second.shape), shape_text(view.shape)));
+  for (const auto& parameter : description.parameters) {
+    const auto it = file.tensors().find(parameter.name);
+    if (it == file.tensors().end()) throw fail(fmt::format("no tensor '{}'", parameter.name));
+    if (it->second.shape != parameter.shape) {
+      throw fail(fmt::format("tensor '{}' has shape {}; the [model] config needs {}",
+                             parameter.name, shape_text(it->second.shape),
+                             shape_text(parameter.shape)));
     }
   }
-  if (file.tensors().size() != model.parameters().size()) {
-    for (const auto& [name, tensor] : file.tensors()) {
-      bool known = false;
-      for (const auto& view : model.parameters()) known = known || view.name == name;
-      if (!known) throw fail(fmt::format("tensor '{}' is not a parameter of the model", name));
+  for (const auto& [name, tensor] : file.tensors()) {
+    if (description.parameter_index(name) < 0) {
+      throw fail(fmt::format("tensor '{}' is not a parameter of the model", name));
     }
   }
 }
@@ -85,41 +77,28 @@ nlohmann::json read_index_json(const Config& config) {
 
 }  // namespace
 
-llama::LlamaConfig llama_config(const ModelConfig& m) {
-  return {m.vocab_size,        m.hidden_size,         m.intermediate_size,
-          m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
-          m.rms_norm_eps,      m.rope_theta,          m.tie_word_embeddings};
-}
-
-nlohmann::ordered_json hf_config_json(const ModelConfig& m) {
-  nlohmann::ordered_json json = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}};
-  json.update(architecture_json(m));
-  json.update(nlohmann::ordered_json{{"head_dim", m.hidden_size / m.num_attention_heads},
-                                     {"hidden_act", "silu"},
-                                     {"max_position_embeddings", m.max_position_embeddings},
-                                     {"rms_norm_eps", m.rms_norm_eps},
-                                     {"rope_theta", m.rope_theta},
-                                     {"attention_bias", false},
-                                     {"mlp_bias", false},
-                                     {"torch_dtype", m.torch_dtype}});
+nlohmann::ordered_json hf_config_json(const ModelConfig& config,
+                                      const ModelDescription& description) {
+  nlohmann::ordered_json json = description.config;
+  json["torch_dtype"] = config.torch_dtype;
   return json;
 }
 
 void export_consolidated(const std::string& dir, const ModelConfig& config,
-                         const llama::LlamaModel& model, const float* parameters) {
+                         const ModelDescription& description, const float* parameters) {
   std::vector<TensorToWrite> tensors;
-  int64_t offset = 0;
-  for (const auto& view : model.parameters()) {
-    tensors.push_back({view.name, view.shape, parameters + offset, view.numel});
-    offset += view.numel;
+  for (const auto& parameter : description.parameters) {
+    tensors.push_back(
+        {parameter.name, parameter.shape, parameters + parameter.offset, parameter.numel});
   }
   fs::create_directories(dir);
   write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors,
                     config.torch_dtype == "bfloat16");
-  write_json((fs::path(dir) / "config.json").string(), hf_config_json(config));
+  write_json((fs::path(dir) / "config.json").string(), hf_config_json(config, description));
 }
 
-void read_consolidated(const Config& config, llama::LlamaModel& model, bool load) {
+void read_consolidated(const Config& config, const ModelDescription& description,
+                       float* parameters) {
   const std::string path = (fs::path(config.model.checkpoint) / "model.safetensors").string();
   std::optional<SafetensorsFile> file;
   try {
@@ -127,9 +106,11 @@ void read_consolidated(const Config& config, llama::LlamaModel& model, bool load
   } catch (const Error& error) {
     throw config_error(config, "model.checkpoint", error.what());
   }
-  check_names_and_shapes(config, *file, model);
-  if (!load) return;
-  for (auto& view : model.parameters()) file->read(view.name, 0, view.numel, view.data);
+  check_names_and_shapes(config, *file, description);
+  if (parameters == nullptr) return;
+  for (const auto& parameter : description.parameters) {
+    file->read(parameter.name, 0, parameter.numel, parameters + parameter.offset);
+  }
 }
 
 namespace {
@@ -167,9 +148,9 @@ std::string shard_file(int64_t rank) { return fmt::format("shard_{}.safetensors"
 
 }  // namespace
 
-void save_sharded(const std::string& dir, const Config& config, int64_t step, int64_t numel,
-                  const std::vector<HeldRange>& ranges, const std::vector<FlatBuffer>& buffers,
-                  Communicator& world) {
+void save_sharded(const std::string& dir, const Config& config, const ModelDescription& description,
+                  int64_t step, const std::vector<HeldRange>& ranges,
+                  const std::vector<FlatBuffer>& buffers, Communicator& world) {
   fs::create_directories(dir);
   std::vector<TensorToWrite> tensors;
   for (const auto& buffer : buffers) {
@@ -204,14 +185,14 @@ void save_sharded(const std::string& dir, const Config& config, int64_t step, in
   write_json((fs::path(dir) / "index.json").string(),
              {{"step", step},
               {"world_size", world.size()},
-              {"numel", numel},
+              {"numel", description.numel},
               {"buffers", buffer_names},
               {"slices", slices},
               {"data", {{"seed", config.train.seed}, {"next_step", step}}},
-              {"config_hash", architecture_hash(config.model)}});
+              {"config_hash", architecture_hash(config.model, description)}});
 }
 
-CheckpointIndex read_index(const Config& config, int64_t numel) {
+CheckpointIndex read_index(const Config& config, const ModelDescription& description) {
   const nlohmann::json json = read_index_json(config);
   const auto fail = [&](const std::string& what) {
     return config_error(config, "checkpoint.resume_from",
@@ -227,8 +208,8 @@ CheckpointIndex read_index(const Config& config, int64_t numel) {
       index.slices.push_back({slice.at("file").get<std::string>(), slice.at("part").get<int64_t>(),
                               slice.at("begin").get<int64_t>(), slice.at("end").get<int64_t>()});
     }
-    if (json.at("config_hash").get<std::string>() != architecture_hash(config.model) ||
-        index.numel != numel) {
+    if (json.at("config_hash").get<std::string>() != architecture_hash(config.model, description) ||
+        index.numel != description.numel) {
       throw fail("was written for another model architecture than [model] describes");
     }
     if (json.at("data").at("seed").get<int64_t>() != config.train.seed) {

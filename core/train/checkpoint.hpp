@@ -1,7 +1,7 @@
 // Checkpoints of a run (DESIGN.md "Run output directory"):
 // - consolidated: DIR/model.safetensors with Hugging Face names and shapes
-//   and DIR/config.json (a Hugging Face LlamaConfig), read back by
-//   model.checkpoint = "DIR";
+//   and DIR/config.json (the model plugin's Hugging Face config), read back
+//   by model.checkpoint = "DIR";
 // - sharded, for resuming: DIR/checkpoints/step_N/, where every rank wrote
 //   shard_r.safetensors holding ranges of the flat parameters and of
 //   AdamW's two moments (a DDP rank its 1/W of the buffer, an FSDP2 rank
@@ -18,24 +18,24 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
-#include "llama/model.hpp"
+#include "model/model.hpp"
 
 namespace meshrun::train {
 
-// The Llama architecture of the config as the model takes it.
-llama::LlamaConfig llama_config(const ModelConfig& model);
+// Hugging Face's config.json: the model's, with the storage dtype.
+nlohmann::ordered_json hf_config_json(const ModelConfig& config,
+                                      const ModelDescription& description);
 
-// Hugging Face's config.json for the [model] table.
-nlohmann::ordered_json hf_config_json(const ModelConfig& model);
-
-// Writes model.safetensors (the model's names and shapes, values from the
-// flat `parameters`) and config.json into `dir`.
+// Writes model.safetensors (the description's names and shapes, values from
+// the flat `parameters`) and config.json into `dir`.
 void export_consolidated(const std::string& dir, const ModelConfig& config,
-                         const llama::LlamaModel& model, const float* parameters);
+                         const ModelDescription& description, const float* parameters);
 
-// Checks model.checkpoint's names and shapes against `model`; with `load`
-// also copies the weights in. Errors name model.checkpoint.
-void read_consolidated(const Config& config, llama::LlamaModel& model, bool load);
+// Checks model.checkpoint's names and shapes against the description; with
+// `parameters` (the flat layout) also copies the weights in. Errors name
+// model.checkpoint.
+void read_consolidated(const Config& config, const ModelDescription& description,
+                       float* parameters = nullptr);
 
 // One flat buffer a sharded checkpoint holds ("params", "exp_avg", ...), in
 // the rank's local layout.
@@ -71,14 +71,14 @@ struct CheckpointIndex {
 // save (none: no file) of each of `buffers` to shard_RANK.safetensors, then
 // rank 0 writes index.json. Over all ranks the ranges must cover the numel
 // elements of the flat layout.
-void save_sharded(const std::string& dir, const Config& config, int64_t step, int64_t numel,
-                  const std::vector<HeldRange>& ranges, const std::vector<FlatBuffer>& buffers,
-                  Communicator& world);
+void save_sharded(const std::string& dir, const Config& config, const ModelDescription& description,
+                  int64_t step, const std::vector<HeldRange>& ranges,
+                  const std::vector<FlatBuffer>& buffers, Communicator& world);
 
 // Reads and checks checkpoint.resume_from's index.json against the config
-// (architecture, seed, number of steps) and `numel`. Errors name
+// (seed, number of steps) and the model's parameters. Errors name
 // checkpoint.resume_from.
-CheckpointIndex read_index(const Config& config, int64_t numel);
+CheckpointIndex read_index(const Config& config, const ModelDescription& description);
 
 // Fills the `ranges` of every buffer from the slices overlapping them.
 void load_sharded(const CheckpointIndex& index, const std::vector<HeldRange>& ranges,

@@ -2,17 +2,11 @@
 
 #include <fmt/format.h>
 
-#include <map>
-#include <utility>
-
 #include "errors.hpp"
 #include "tensor/elements.hpp"
 
 namespace meshrun::train {
-namespace {
 
-// Rounds float32 values to `dtype` ("float32" leaves them), kept as float32:
-// what a 16-bit compute dtype does to the values it holds.
 void round_to(float* values, int64_t count, const std::string& dtype) {
   if (dtype == "bfloat16") {
     for (int64_t i = 0; i < count; ++i) values[i] = bfloat16_to_float(float_to_bfloat16(values[i]));
@@ -21,125 +15,100 @@ void round_to(float* values, int64_t count, const std::string& dtype) {
   }
 }
 
-}  // namespace
-
-std::vector<ElementRange> parameter_ranges(const llama::LlamaModel& model) {
-  std::vector<ElementRange> ranges;
-  int64_t offset = 0;
-  for (const auto& view : model.parameters()) {
-    ranges.push_back({offset, offset + view.numel});
-    offset += view.numel;
-  }
-  return ranges;
-}
-
-void StrategyHooks::gradient_ready(int parameter) {
-  const auto& [begin, end] = ranges_[static_cast<size_t>(parameter)];
-  timed([&] { strategy_.gradients_ready(begin, end); });
-}
-
-double StrategyHooks::take_seconds_in_strategy() {
-  return std::exchange(seconds_in_strategy_, 0.0);
-}
-
-StrategyUnits model_units(const nlohmann::ordered_json& plan_units,
-                          const llama::LlamaModel& model) {
-  const auto layers = int32_t(model.config().num_hidden_layers);
-  std::map<std::string, int> index_of;
-  for (size_t p = 0; p < model.parameters().size(); ++p) {
-    index_of[model.parameters()[p].name] = int(p);
-  }
-  StrategyUnits units;
-  units.num_units = layers + 1;
-  units.root_unit = layers;
-  units.parameter_units.assign(model.parameters().size(), -1);
-  int32_t next_layer = 0;
-  for (const auto& unit : plan_units) {
-    const auto name = unit.at("name").get<std::string>();
-    const int32_t number = name == "root" ? units.root_unit : next_layer++;
-    const std::string prefix = fmt::format("model.layers.{}.", number);
-    for (const auto& parameter : unit.at("parameters")) {
-      const auto found = index_of.find(parameter.get<std::string>());
-      const bool in_layer = found != index_of.end() && found->first.rfind(prefix, 0) == 0;
-      const bool in_root = found != index_of.end() && found->first.rfind("model.layers.", 0) != 0;
-      if (number < units.root_unit ? !in_layer : !in_root) {
-        throw invalid_argument(fmt::format(
-            "the sidecar's unit '{}' holds '{}', which is not a parameter of {} of the model", name,
-            parameter.get<std::string>(),
-            number < units.root_unit ? fmt::format("decoder layer {}", number) : "the root"));
-      }
-      units.parameter_units[size_t(found->second)] = number;
-    }
-  }
-  for (size_t p = 0; p < units.parameter_units.size(); ++p) {
-    if (units.parameter_units[p] < 0) {
-      throw invalid_argument(fmt::format("the sidecar's plan puts parameter '{}' in no unit",
-                                         model.parameters()[p].name));
-    }
-    units.parameter_rows.push_back(model.parameters()[p].shape.front());
+StageUnits stage_units(const ModelDescription& d, const StageContents& contents) {
+  StageUnits units;
+  units.of_model_unit.assign(d.units.size(), -1);
+  const bool has_root = !contents.units.empty() && contents.units.back() == d.root_unit();
+  const auto layers = int32_t(contents.units.size()) - (has_root ? 1 : 0);
+  for (int32_t k = 0; k < layers; ++k) units.of_model_unit[size_t(contents.units[size_t(k)])] = k;
+  units.strategy.num_units = layers + (has_root ? 1 : 0);
+  units.strategy.root_unit = has_root ? layers : 0;
+  if (has_root) units.of_model_unit[size_t(d.root_unit())] = layers;
+  std::vector<int64_t> unit_numel(size_t(units.strategy.num_units), 0);
+  for (const int64_t p : contents.parameters) {
+    const ModelParameter& parameter = d.parameters[size_t(p)];
+    const int32_t unit = units.of_model_unit[size_t(parameter.unit)];
+    units.strategy.parameter_units.push_back(unit);
+    units.strategy.parameter_rows.push_back(parameter.shape.front());
+    units.offset_in_unit.push_back(unit_numel[size_t(unit)]);
+    unit_numel[size_t(unit)] += parameter.numel;
   }
   return units;
 }
 
-ShardedHooks::ShardedHooks(Strategy& strategy, llama::LlamaModel& model, const StrategyUnits& units,
+void ReplicatedHooks::gradient_ready(int64_t parameter) {
+  const int64_t k = parameters_.position[size_t(parameter)];
+  timed([&] {
+    strategy_.gradients_ready(parameters_.offsets[size_t(k)], parameters_.offsets[size_t(k) + 1]);
+  });
+}
+
+ParameterStorage ReplicatedHooks::parameter(int64_t parameter, bool backward) {
+  const int64_t offset = parameters_.offsets[size_t(parameters_.position[size_t(parameter)])];
+  return {parameters_.values.data() + offset,
+          backward ? parameters_.gradients.data() + offset : nullptr};
+}
+
+UnitBinding::UnitBinding(Strategy& strategy, const StageUnits& units,
+                         const std::vector<int64_t>& parameters, size_t description_parameters)
+    : strategy_(strategy),
+      units_(units),
+      views_(size_t(units.strategy.num_units)),
+      stage_position_(description_parameters, -1) {
+  for (size_t k = 0; k < parameters.size(); ++k)
+    stage_position_[size_t(parameters[k])] = int64_t(k);
+}
+
+void UnitBinding::bind(int32_t strategy_unit) {
+  views_[size_t(strategy_unit)] = strategy_.unit_views(strategy_unit);
+}
+
+ParameterStorage UnitBinding::storage(int64_t parameter, bool backward) const {
+  const auto k = size_t(stage_position_[size_t(parameter)]);
+  const auto& [values, gradients] = views_[size_t(units_.strategy.parameter_units[k])];
+  const int64_t offset = units_.offset_in_unit[k];
+  if (values.data == nullptr || (backward && gradients.data == nullptr)) {
+    throw Error(MESHRUN_FAILED_PRECONDITION,
+                fmt::format("the strategy holds no gathered {} for stage parameter {}",
+                            backward ? "gradients" : "parameters", k));
+  }
+  return {values.data + offset, backward ? gradients.data + offset : nullptr};
+}
+
+ShardedHooks::ShardedHooks(Strategy& strategy, const StageUnits& units,
+                           const std::vector<int64_t>& parameters, size_t description_parameters,
                            const MixedPrecisionConfig& precision)
-    : StrategyHooks(strategy, model),
-      strategy_(strategy),
-      model_(model),
-      root_unit_(units.root_unit),
-      unit_parameters_(size_t(units.num_units)),
-      precision_(precision) {
-  for (size_t p = 0; p < units.parameter_units.size(); ++p) {
-    unit_parameters_[size_t(units.parameter_units[p])].push_back(int(p));
-  }
-}
+    : strategy_(strategy),
+      binding_(strategy, units, parameters, description_parameters),
+      precision_(precision) {}
 
-void bind_unit(Strategy& strategy, int32_t unit, const std::vector<int>& parameters,
-               std::vector<llama::ParameterView>& views, bool gradients) {
-  const auto [params, grads] = strategy.unit_views(unit);
-  int64_t offset = 0;
-  for (const int p : parameters) {
-    llama::ParameterView& view = views[size_t(p)];
-    view.data = params.data + offset;
-    view.grad = gradients ? grads.data + offset : nullptr;
-    offset += view.numel;
-  }
-}
-
-void ShardedHooks::bind(int32_t unit, bool gradients) {
-  bind_unit(strategy_, unit, unit_parameters_[size_t(unit)], model_.parameters(), gradients);
-}
-
-void ShardedHooks::round_hidden_states(int64_t layer, const std::string& dtype) {
-  round_to(model_.hidden_states(layer), model_.hidden_states_numel(), dtype);
-}
-
-// FSDP2's MixedPrecisionPolicy on a decoder layer computed in float32: its
+// FSDP2's MixedPrecisionPolicy on a layer unit computed in float32: its
 // inputs are cast to param_dtype (cast_forward_inputs), its outputs carry the
-// compute dtype's precision and are then cast to output_dtype.
-void ShardedHooks::pre_forward(int unit) {
+// compute dtype's precision and are then cast to output_dtype. The root has
+// no hidden states to cast.
+void ShardedHooks::pre_forward(int32_t unit, float* hidden, int64_t numel) {
   timed([&] { strategy_.pre_forward(strategy_unit(unit)); });
-  bind(strategy_unit(unit), false);
-  if (unit != llama::kRootUnit && precision_.cast_forward_inputs) {
-    round_hidden_states(unit, precision_.param_dtype);
-  }
+  binding_.bind(strategy_unit(unit));
+  if (precision_.cast_forward_inputs) round_to(hidden, numel, precision_.param_dtype);
 }
 
-void ShardedHooks::post_forward(int unit) {
-  if (unit != llama::kRootUnit) {
-    round_hidden_states(unit + 1, precision_.param_dtype);
-    round_hidden_states(unit + 1, precision_.output_dtype);
-  }
+void ShardedHooks::post_forward(int32_t unit, float* hidden, int64_t numel) {
+  round_to(hidden, numel, precision_.param_dtype);
+  round_to(hidden, numel, precision_.output_dtype);
   timed([&] { strategy_.post_forward(strategy_unit(unit)); });
 }
 
-void ShardedHooks::pre_backward(int unit) {
+void ShardedHooks::pre_backward(int32_t unit) {
   timed([&] { strategy_.pre_backward(strategy_unit(unit)); });
-  bind(strategy_unit(unit), true);
+  binding_.bind(strategy_unit(unit));
 }
 
-void ShardedHooks::post_backward(int unit) {
+void ShardedHooks::post_backward(int32_t unit) {
   timed([&] { strategy_.post_backward(strategy_unit(unit)); });
+}
+
+ParameterStorage ShardedHooks::parameter(int64_t parameter, bool backward) {
+  return binding_.storage(parameter, backward);
 }
 
 }  // namespace meshrun::train

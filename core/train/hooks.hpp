@@ -1,15 +1,15 @@
-// The trainer's side of the module hooks (llama::ModuleHooks).
+// The trainer's side of a model stage's unit-boundary calls (StageHooks).
 //
-// Replicated strategies (ddp): as soon as backward has made a parameter's
-// gradient final (gradient_ready, last parameter first), the strategy is told
-// its element range, so DDP starts reducing a bucket the moment its last
-// gradient is done, while backward goes on.
+// Replicated strategies (ddp): the parameters live in the trainer's flat
+// buffers; as soon as backward has made a parameter's gradient final
+// (gradient_ready) the strategy is told its element range, so DDP starts
+// reducing a bucket the moment its last gradient is done, while backward
+// goes on.
 //
 // Sharded strategies (fsdp2): around each unit's forward and backward the
-// strategy gathers and frees the unit's parameters, and the hooks point the
-// model's parameter views at the gathered storage; they also apply the
-// mixed-precision policy's casts to the hidden states entering and leaving
-// each decoder layer.
+// strategy gathers and frees the unit's parameters, and the model is handed
+// views of the gathered storage; the hooks also apply the mixed-precision
+// policy's casts to the hidden states entering and leaving each layer unit.
 #pragma once
 
 #include <chrono>
@@ -18,32 +18,31 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "config/config.hpp"
-#include "llama/model.hpp"
+#include "model/model.hpp"
 #include "strategy/strategy.hpp"
+#include "train/local_parameters.hpp"
 
 namespace meshrun::train {
 
-using ElementRange = std::pair<int64_t, int64_t>;  // [begin, end) of the flat buffers
+// The strategy's units for a stage: its layer units 0..k-1 in order, then
+// the root when the stage holds root parameters (else the root is its first
+// layer unit), and each parameter's unit by that numbering.
+struct StageUnits {
+  StrategyUnits strategy;
+  std::vector<int32_t> of_model_unit;   // strategy unit of each description unit, or -1
+  std::vector<int64_t> offset_in_unit;  // per stage parameter, in the unit's flat view
+};
+StageUnits stage_units(const ModelDescription& description, const StageContents& contents);
 
-// Each parameter's range in the flat buffers, in parameters() order.
-std::vector<ElementRange> parameter_ranges(const llama::LlamaModel& model);
-
-class StrategyHooks : public llama::ModuleHooks {
+// Seconds spent inside strategy calls made from hooks.
+class TimedHooks : public StageHooks {
  public:
-  StrategyHooks(Strategy& strategy, const llama::LlamaModel& model)
-      : strategy_(strategy), ranges_(parameter_ranges(model)) {}
-
-  void gradient_ready(int parameter) override;
-
-  // Seconds spent inside the strategy's hook calls since the last call:
-  // communication the strategy could not hide, plus its copies.
-  double take_seconds_in_strategy();
+  // Seconds since the last call: communication the strategy could not hide,
+  // plus its copies.
+  double take_seconds_in_strategy() { return std::exchange(seconds_in_strategy_, 0.0); }
 
  protected:
-  // Runs `call` (a call into the strategy), adding its duration.
   template <class Call>
   void timed(Call&& call) {
     const auto start = std::chrono::steady_clock::now();
@@ -53,44 +52,61 @@ class StrategyHooks : public llama::ModuleHooks {
   }
 
  private:
-  Strategy& strategy_;
-  std::vector<ElementRange> ranges_;
   double seconds_in_strategy_ = 0;
 };
 
-// The sidecar plan's units ("units": [{"name", "parameters": [names]}]) as
-// the strategy ABI numbers them: decoder layer l is unit l, the root (the
-// unit named "root") is unit num_hidden_layers. Throws INVALID_ARGUMENT when
-// the plan's units are not the model's layers and root, naming the unit.
-StrategyUnits model_units(const nlohmann::ordered_json& plan_units, const llama::LlamaModel& model);
-
-// Points the views of a sharded strategy's unit (`parameters`: indices into
-// `views`, in index order) at the strategy's gathered storage, and at its
-// gradient buffer when `gradients`, else nowhere.
-void bind_unit(Strategy& strategy, int32_t unit, const std::vector<int>& parameters,
-               std::vector<llama::ParameterView>& views, bool gradients);
-
-class ShardedHooks : public StrategyHooks {
+class ReplicatedHooks : public TimedHooks {
  public:
-  ShardedHooks(Strategy& strategy, llama::LlamaModel& model, const StrategyUnits& units,
-               const MixedPrecisionConfig& precision);
+  ReplicatedHooks(Strategy& strategy, FlatParameters& parameters)
+      : strategy_(strategy), parameters_(parameters) {}
 
-  void pre_forward(int unit) override;
-  void post_forward(int unit) override;
-  void pre_backward(int unit) override;
-  void post_backward(int unit) override;
+  void gradient_ready(int64_t parameter) override;
+  ParameterStorage parameter(int64_t parameter, bool backward) override;
 
  private:
-  int32_t strategy_unit(int unit) const { return unit == llama::kRootUnit ? root_unit_ : unit; }
-  // Points the unit's parameter views (and gradient views) at the strategy's storage.
-  void bind(int32_t unit, bool gradients);
-  void round_hidden_states(int64_t layer, const std::string& dtype);
+  Strategy& strategy_;
+  FlatParameters& parameters_;
+};
+
+// A sharded strategy's units bound to the model: each unit's gathered views
+// while it is unsharded, and every parameter's place in them.
+class UnitBinding {
+ public:
+  UnitBinding(Strategy& strategy, const StageUnits& units, const std::vector<int64_t>& parameters,
+              size_t description_parameters);
+  // Takes the unit's views from the strategy (unit_views).
+  void bind(int32_t strategy_unit);
+  ParameterStorage storage(int64_t parameter, bool backward) const;
+  const StageUnits& units() const { return units_; }
+
+ private:
+  Strategy& strategy_;
+  const StageUnits& units_;
+  std::vector<std::pair<FloatView, FloatView>> views_;  // per strategy unit
+  std::vector<int64_t> stage_position_;                 // per description parameter
+};
+
+class ShardedHooks : public TimedHooks {
+ public:
+  ShardedHooks(Strategy& strategy, const StageUnits& units, const std::vector<int64_t>& parameters,
+               size_t description_parameters, const MixedPrecisionConfig& precision);
+
+  void pre_forward(int32_t unit, float* hidden, int64_t numel) override;
+  void post_forward(int32_t unit, float* hidden, int64_t numel) override;
+  void pre_backward(int32_t unit) override;
+  void post_backward(int32_t unit) override;
+  ParameterStorage parameter(int64_t parameter, bool backward) override;
+
+ private:
+  int32_t strategy_unit(int32_t unit) const { return binding_.units().of_model_unit[size_t(unit)]; }
 
   Strategy& strategy_;
-  llama::LlamaModel& model_;
-  int32_t root_unit_;
-  std::vector<std::vector<int>> unit_parameters_;
+  UnitBinding binding_;
   MixedPrecisionConfig precision_;
 };
+
+// Rounds float32 values to `dtype` ("float32" leaves them), kept as float32:
+// what a 16-bit compute or storage dtype does to the values it holds.
+void round_to(float* values, int64_t count, const std::string& dtype);
 
 }  // namespace meshrun::train

@@ -1,18 +1,61 @@
 #include "train/local_parameters.hpp"
 
+#include <algorithm>
+
+#include "train/hooks.hpp"
+
 namespace meshrun::train {
 
-LocalParameters replicated_parameters(llama::LlamaModel& model, Communicator& world) {
+FlatParameters::FlatParameters(const ModelDescription& description, std::vector<int64_t> held)
+    : indices(std::move(held)), offsets{0}, position(description.parameters.size(), -1) {
+  for (size_t k = 0; k < indices.size(); ++k) {
+    position[size_t(indices[k])] = int64_t(k);
+    offsets.push_back(offsets.back() + description.parameters[size_t(indices[k])].numel);
+  }
+  values.assign(size_t(numel()), 0.0f);
+  gradients.assign(size_t(numel()), 0.0f);
+}
+
+StrategyBuffers FlatParameters::strategy_buffers(const ModelDescription& description) {
+  StrategyBuffers buffers{values.data(), gradients.data(), numel(), offsets, {}};
+  for (const int64_t p : indices)
+    buffers.parameter_names.push_back(description.parameters[size_t(p)].name);
+  return buffers;
+}
+
+void FlatParameters::release() {
+  std::vector<float>().swap(values);
+  std::vector<float>().swap(gradients);
+}
+
+void start_weights(const Config& config, const Model& model, FlatParameters& parameters) {
+  const ModelDescription& d = model.description();
+  std::vector<float> full;
+  if (!config.model.checkpoint.empty()) {
+    full.resize(size_t(d.numel));
+    read_consolidated(config, d, full.data());
+  }
+  for (size_t k = 0; k < parameters.indices.size(); ++k) {
+    float* values = parameters.values.data() + parameters.offsets[k];
+    const ModelParameter& parameter = d.parameters[size_t(parameters.indices[k])];
+    if (full.empty()) {
+      model.init_parameter(uint64_t(config.train.seed), parameters.indices[k], values);
+    } else {
+      std::copy_n(full.begin() + parameter.offset, parameter.numel, values);
+    }
+  }
+  round_to(parameters.values.data(), parameters.numel(), config.model.torch_dtype);
+}
+
+LocalParameters replicated_parameters(FlatParameters& parameters, Communicator& world) {
   LocalParameters local;
-  local.params = model.param_buffer();
-  local.grads = model.grad_buffer();
-  local.numel = model.num_parameters();
-  int64_t offset = 0;
-  for (size_t p = 0; p < model.parameters().size(); ++p) {
-    const int64_t numel = model.parameters()[p].numel;
-    local.held.push_back({offset, offset, numel});
-    local.held_parameter.push_back(int64_t(p));
-    offset += numel;
+  local.params = parameters.values.data();
+  local.grads = parameters.gradients.data();
+  local.numel = parameters.numel();
+  for (size_t k = 0; k < parameters.indices.size(); ++k) {
+    const int64_t offset = parameters.offsets[k];
+    local.held.push_back({offset, offset, parameters.offsets[k + 1] - offset});
+    local.held_parameter.push_back(int64_t(k));
   }
   const int64_t begin = world.rank() * local.numel / world.size();
   const int64_t end = (world.rank() + 1) * local.numel / world.size();
@@ -36,13 +79,14 @@ LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group
   return local;
 }
 
-std::vector<uint8_t> decay_mask(const LocalParameters& local,
-                                const std::vector<llama::ParameterView>& parameters) {
+std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescription& description,
+                                const std::vector<int64_t>& parameters) {
   std::vector<uint8_t> mask(size_t(local.numel), 0);
   for (size_t k = 0; k < local.held.size(); ++k) {
-    const auto& view = parameters[size_t(local.held_parameter[k])];
+    const auto& parameter =
+        description.parameters[size_t(parameters[size_t(local.held_parameter[k])])];
     const HeldRange& range = local.held[k];
-    std::fill_n(mask.begin() + range.local_begin, range.count, uint8_t(view.shape.size() > 1));
+    std::fill_n(mask.begin() + range.local_begin, range.count, uint8_t(parameter.shape.size() > 1));
   }
   return mask;
 }

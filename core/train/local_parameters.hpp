@@ -8,18 +8,42 @@
 #include <vector>
 
 #include "comm/comm.hpp"
-#include "llama/model.hpp"
+#include "model/model.hpp"
 #include "strategy/strategy.hpp"
 #include "train/checkpoint.hpp"
 
 namespace meshrun::train {
 
+// Some parameters of a model (description indices, ascending) and their
+// gradients in two flat buffers, in that order: a replicated strategy's
+// storage, and the weights a sharded one takes its shard from.
+struct FlatParameters {
+  FlatParameters(const ModelDescription& description, std::vector<int64_t> indices);
+
+  std::vector<int64_t> indices;
+  std::vector<int64_t> offsets;  // indices.size() + 1 element offsets
+  std::vector<float> values, gradients;
+  // Position of description parameter p in `indices`, or -1.
+  std::vector<int64_t> position;
+
+  int64_t numel() const { return offsets.back(); }
+  // What a strategy's setup needs to know about them.
+  StrategyBuffers strategy_buffers(const ModelDescription& description);
+  // Frees both buffers: a sharded strategy holds the parameters now.
+  void release();
+};
+
+// The starting weights of the parameters: initialized from train.seed, or
+// read from model.checkpoint, then rounded to model.torch_dtype.
+void start_weights(const Config& config, const Model& model, FlatParameters& parameters);
+
 struct LocalParameters {
   float* params = nullptr;
   float* grads = nullptr;
   int64_t numel = 0;
-  // The parameter elements in the local buffers, and the parameter index of
-  // each range; elements in no range are padding (zero).
+  // The parameter elements in the local buffers, and the parameter of each
+  // range (an index into the strategy's parameters); elements in no range
+  // are padding (zero).
   std::vector<HeldRange> held;
   std::vector<int64_t> held_parameter;
   // What this rank writes into a sharded checkpoint.
@@ -29,8 +53,8 @@ struct LocalParameters {
   Communicator* norm_group = nullptr;
 };
 
-// The model's buffers; rank r of `world` saves its 1/W of them.
-LocalParameters replicated_parameters(llama::LlamaModel& model, Communicator& world);
+// The trainer's flat buffers; rank r of `world` saves its 1/W of them.
+LocalParameters replicated_parameters(FlatParameters& parameters, Communicator& world);
 
 // The strategy's local shard; the norm is summed over `shard_group`, and
 // only replica 0 of each shard saves it (the replicas hold equal shards).
@@ -38,9 +62,10 @@ LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group
                                    Communicator& replicate_group);
 
 // 1 for the elements that get weight decay: every matrix, none of the 1-D
-// norm weights (GPT-2 / nanoGPT practice: decaying a norm's scale towards 0
-// only hurts), and no padding.
-std::vector<uint8_t> decay_mask(const LocalParameters& local,
-                                const std::vector<llama::ParameterView>& parameters);
+// norm weights and biases (GPT-2 / nanoGPT practice: decaying a norm's scale
+// towards 0 only hurts), and no padding. `parameters` maps the strategy's
+// parameter indices to the description's.
+std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescription& description,
+                                const std::vector<int64_t>& parameters);
 
 }  // namespace meshrun::train

@@ -2,39 +2,17 @@
 
 #include <utility>
 
-#include "train/hooks.hpp"
-
 namespace meshrun::train {
 
-StrategyUnits stage_units(const llama::LlamaStage& stage) {
-  const llama::StageLayout& layout = stage.layout();
-  const auto layers = int32_t(layout.end_layer - layout.first_layer);
-  const bool has_root = layout.embedding || layout.head;
-  StrategyUnits units;
-  units.num_units = layers + (has_root ? 1 : 0);
-  units.root_unit = has_root ? layers : 0;
-  const std::string prefix = "model.layers.";
-  for (const auto& view : stage.parameters()) {
-    int32_t unit = units.root_unit;
-    if (view.name.rfind(prefix, 0) == 0) {
-      unit = int32_t(std::stoll(view.name.substr(prefix.size())) - layout.first_layer);
-    }
-    units.parameter_units.push_back(unit);
-    units.parameter_rows.push_back(view.shape.front());
-  }
-  return units;
-}
-
-PipelineStage::PipelineStage(llama::LlamaStage& stage, Strategy& strategy,
-                             const StrategyUnits& units, float loss_scale)
-    : stage_(stage),
-      strategy_(strategy),
-      unit_parameters_(size_t(units.num_units)),
-      loss_scale_(loss_scale) {
-  for (size_t p = 0; p < units.parameter_units.size(); ++p) {
-    unit_parameters_[size_t(units.parameter_units[p])].push_back(int(p));
-  }
-}
+PipelineStage::PipelineStage(const Model& model, const std::vector<std::string>& modules,
+                             Strategy& strategy, const StageUnits& units,
+                             const StageCommunicators& computing, const std::string& plan_json,
+                             const std::string& options_json, float loss_scale)
+    : strategy_(strategy),
+      binding_(strategy, units, stage_contents(model, modules).parameters,
+               model.description().parameters.size()),
+      stage_(model, modules, *this, computing, plan_json, options_json),
+      loss_scale_(loss_scale) {}
 
 void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int64_t rows) {
   tokens_ = tokens;
@@ -44,14 +22,10 @@ void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int
 
 double PipelineStage::take_loss_sum() { return std::exchange(loss_sum_, 0.0); }
 
-void PipelineStage::bind(int32_t unit, bool gradients) {
-  bind_unit(strategy_, unit, unit_parameters_[size_t(unit)], stage_.parameters(), gradients);
-}
-
 void PipelineStage::gather_for_evaluation() {
-  for (int32_t unit = 0; unit < int32_t(unit_parameters_.size()); ++unit) {
+  for (int32_t unit = 0; unit < binding_.units().strategy.num_units; ++unit) {
     strategy_.pre_forward(unit);
-    bind(unit, false);
+    binding_.bind(unit);
     strategy_.post_forward(unit);
   }
 }
@@ -77,18 +51,22 @@ void PipelineStage::backward_weight(int32_t microbatch) { stage_.backward_weight
 // gradient buffer (backward hooks) for all the schedule's microbatches.
 void PipelineStage::unshard() {
   strategy_.begin_micro_batch(true);
-  for (int32_t unit = 0; unit < int32_t(unit_parameters_.size()); ++unit) {
+  for (int32_t unit = 0; unit < binding_.units().strategy.num_units; ++unit) {
     strategy_.pre_forward(unit);
     strategy_.post_forward(unit);
     strategy_.pre_backward(unit);
-    bind(unit, true);
+    binding_.bind(unit);
   }
 }
 
 void PipelineStage::reduce_grad() {
-  for (int32_t unit = int32_t(unit_parameters_.size()) - 1; unit >= 0; --unit) {
+  for (int32_t unit = binding_.units().strategy.num_units - 1; unit >= 0; --unit) {
     strategy_.post_backward(unit);
   }
+}
+
+ParameterStorage PipelineStage::parameter(int64_t parameter, bool backward) {
+  return binding_.storage(parameter, backward);
 }
 
 }  // namespace meshrun::train

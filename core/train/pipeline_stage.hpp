@@ -1,32 +1,36 @@
-// One pipeline stage this rank trains: the Llama stage's compute adapted to
+// One pipeline stage this rank trains: the model plugin's stage adapted to
 // the executor (pipeline::StageWork), and its FSDP2 sharding over the
 // data-parallel axis (pipeline::StageSharding) through the strategy's ABI
 // 1.3 hooks: UNSHARD gathers every unit of the stage and keeps it gathered
 // for all of the step's microbatches (with pp, FSDP2 reshards nothing after
 // forward), REDUCE_GRAD reduce-scatters each unit's accumulated gradients.
+// The model's own unit-boundary calls then only look up the gathered views.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
-#include "llama/stage.hpp"
+#include "model/model.hpp"
 #include "pipeline/stage_work.hpp"
 #include "strategy/strategy.hpp"
+#include "train/hooks.hpp"
 
 namespace meshrun::train {
 
-// The stage's units as the strategy numbers them: its decoder layers
-// 0..k-1 in order, then the root (embedding, final norm, lm_head) when the
-// stage holds any of them, else the root is its first layer.
-StrategyUnits stage_units(const llama::LlamaStage& stage);
-
-class PipelineStage : public pipeline::StageWork, public pipeline::StageSharding {
+class PipelineStage : public pipeline::StageWork,
+                      public pipeline::StageSharding,
+                      public StageHooks {
  public:
   // `loss_scale`: what the last stage seeds its backward with per
-  // microbatch (1/m with scale_grads_in_schedule, else 1).
-  PipelineStage(llama::LlamaStage& stage, Strategy& strategy, const StrategyUnits& units,
-                float loss_scale);
+  // microbatch (1/m with scale_grads_in_schedule, else 1). Everything
+  // passed in must outlive the stage.
+  PipelineStage(const Model& model, const std::vector<std::string>& modules, Strategy& strategy,
+                const StageUnits& units, const StageCommunicators& computing,
+                const std::string& plan_json, const std::string& options_json, float loss_scale);
+
+  ModelStage& compute() { return stage_; }
 
   // The step's tokens and targets: microbatch k is rows [k * rows, (k+1) *
   // rows) of both, rows = batch * seq_len; they must outlive the step.
@@ -48,14 +52,12 @@ class PipelineStage : public pipeline::StageWork, public pipeline::StageSharding
   void reshard() override {}
   void reduce_grad() override;
 
- private:
-  // Points the views of the unit's parameters (and gradients) at the
-  // strategy's storage.
-  void bind(int32_t unit, bool gradients);
+  ParameterStorage parameter(int64_t parameter, bool backward) override;
 
-  llama::LlamaStage& stage_;
+ private:
   Strategy& strategy_;
-  std::vector<std::vector<int>> unit_parameters_;
+  UnitBinding binding_;
+  ModelStage stage_;
   float loss_scale_;
   const int32_t* tokens_ = nullptr;
   const int32_t* targets_ = nullptr;

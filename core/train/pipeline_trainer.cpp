@@ -11,49 +11,24 @@
 
 namespace meshrun::train {
 
+// A stage this rank holds: its parameters in the stage's own flat layout
+// (the description's order, restricted to the stage), their strategy, the
+// compute, and AdamW on the local shard.
 struct PipelineTrainer::Held {
+  Held(const Model& model, int64_t index, std::vector<std::string> modules)
+      : index(index),
+        modules(std::move(modules)),
+        parameters(model.description(), stage_contents(model, this->modules).parameters) {}
+
   int64_t index = 0;  // the global stage
-  llama::LlamaStage stage;
-  StrategyUnits units;
+  std::vector<std::string> modules;
+  FlatParameters parameters;
+  StageUnits units;
   std::unique_ptr<Strategy> strategy;
   std::unique_ptr<PipelineStage> work;
   LocalParameters local;
   std::unique_ptr<AdamW> optimizer;
-  // Each stage parameter's offset in the full model's flat layout and in
-  // the stage's own.
-  std::vector<int64_t> full_offset, stage_offset;
 };
-
-namespace {
-
-// A stage's layout from the sidecar's module list.
-llama::StageLayout stage_layout(const nlohmann::ordered_json& modules) {
-  llama::StageLayout layout{-1, -1, false, false};
-  const std::string prefix = "model.layers.";
-  for (const auto& module : modules) {
-    const auto name = module.get<std::string>();
-    layout.embedding = layout.embedding || name == "model.embed_tokens";
-    layout.head = layout.head || name == "lm_head";
-    if (name.rfind(prefix, 0) != 0) continue;
-    const int64_t layer = std::stoll(name.substr(prefix.size()));
-    if (layout.first_layer < 0) layout.first_layer = layer;
-    layout.end_layer = layer + 1;
-  }
-  if (layout.first_layer < 0) layout.first_layer = layout.end_layer = 0;
-  return layout;
-}
-
-std::map<std::string, int64_t> flat_offsets(const std::vector<llama::ParameterView>& views) {
-  std::map<std::string, int64_t> offsets;
-  int64_t offset = 0;
-  for (const auto& view : views) {
-    offsets[view.name] = offset;
-    offset += view.numel;
-  }
-  return offsets;
-}
-
-}  // namespace
 
 int64_t pipeline_microbatches(const Config& config, int64_t dp) {
   return config.train.global_batch_size / dp / config.distributed.pipeline.pp_microbatch_size;
@@ -75,7 +50,7 @@ schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int
 PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(context)) {
   microbatches_ = pipeline_microbatches(ctx_.config, ctx_.data_parallel.size());
   build_stages();
-  const auto& split = ctx_.plan.model.at("pipeline");
+  const auto& split = ctx_.plan.model_plan.at("pipeline");
   schedule::Schedule schedule = pipeline_schedule(ctx_.config, ctx_.plan, ctx_.pipeline.size(),
                                                   int64_t(split.size()), microbatches_);
   for (const auto& stage : split) {
@@ -90,61 +65,41 @@ PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(conte
   for (auto& held : held_)
     stages.emplace(held->index, pipeline::HeldStage{*held->work, held->work.get()});
   executor_.emplace(std::move(schedule), ctx_.pipeline.rank(), ctx_.pipeline, std::move(stages));
-  ctx_.model.release_storage();
 }
 
 PipelineTrainer::~PipelineTrainer() = default;
 
-// The stages of this rank: weights copied in by name from the full model,
-// then handed to a strategy instance each, which shards them.
+// The stages of this rank: their starting weights, handed to a strategy
+// instance each, which shards them.
 void PipelineTrainer::build_stages() {
-  const auto full = flat_offsets(ctx_.model.parameters());
-  const llama::LlamaConfig llama = ctx_.model.config();
+  const Model& model = *ctx_.plan.model;
+  const std::string plan_json = ctx_.plan.model_plan.dump();
   const bool scale_in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
-  for (const auto& split : ctx_.plan.model.at("pipeline")) {
+  for (const auto& split : ctx_.plan.model_plan.at("pipeline")) {
     if (split.at("rank").get<int64_t>() != ctx_.pipeline.rank()) continue;
-    auto held =
-        std::make_unique<Held>(Held{split.at("stage").get<int64_t>(),
-                                    llama::LlamaStage(llama, stage_layout(split.at("modules"))),
-                                    {},
-                                    nullptr,
-                                    nullptr,
-                                    {},
-                                    nullptr,
-                                    {},
-                                    {}});
-    StrategyBuffers buffers{held->stage.param_buffer(),
-                            held->stage.grad_buffer(),
-                            held->stage.num_parameters(),
-                            {0},
-                            {}};
-    for (auto& view : held->stage.parameters()) {
-      const int64_t at = full.at(view.name);
-      std::copy_n(ctx_.model.param_buffer() + at, view.numel, view.data);
-      held->full_offset.push_back(at);
-      held->stage_offset.push_back(buffers.parameter_offsets.back());
-      buffers.parameter_offsets.push_back(buffers.parameter_offsets.back() + view.numel);
-      buffers.parameter_names.push_back(view.name);
-    }
-    held->units = stage_units(held->stage);
-    held->units.shard_group = &ctx_.shard_group;
-    held->units.replicate_group = &ctx_.replicate_group;
+    auto held = std::make_unique<Held>(model, split.at("stage").get<int64_t>(),
+                                       split.at("modules").get<std::vector<std::string>>());
+    start_weights(ctx_.config, model, held->parameters);
+    held->units = stage_units(model.description(), stage_contents(model, held->modules));
+    held->units.strategy.shard_group = &ctx_.shard_group;
+    held->units.strategy.replicate_group = &ctx_.replicate_group;
     held->strategy =
-        std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel, std::move(buffers),
-                                   ctx_.strategy_options, &held->units);
+        std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel,
+                                   held->parameters.strategy_buffers(model.description()),
+                                   ctx_.strategy_options, &held->units.strategy);
     if (!held->strategy->sharded()) {
       throw invalid_argument(
           fmt::format("strategy {} does not shard; pipeline training needs "
                       "fsdp2 on the data-parallel axis",
                       held->strategy->library().name()));
     }
-    held->stage.release_storage();
+    held->parameters.release();
     held->local = sharded_parameters(*held->strategy, ctx_.shard_group, ctx_.replicate_group);
-    held->optimizer = std::make_unique<AdamW>(ctx_.config.train,
-                                              decay_mask(held->local, held->stage.parameters()));
+    held->optimizer = std::make_unique<AdamW>(
+        ctx_.config.train, decay_mask(held->local, model.description(), held->parameters.indices));
     held->work = std::make_unique<PipelineStage>(
-        held->stage, *held->strategy, held->units,
-        scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
+        model, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
+        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
     held_.push_back(std::move(held));
   }
 }
@@ -164,7 +119,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   ctx_.data.training_batch(uint64_t(train.seed), step, ctx_.data_parallel.rank() * share, share,
                            tokens_, targets_);
   for (auto& held : held_) {
-    held->stage.set_shape(micro, seq_len);
+    held->work->compute().set_shape(micro, seq_len);
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
     std::fill_n(held->local.grads, held->local.numel, 0.0f);
   }
@@ -201,9 +156,7 @@ void PipelineTrainer::optimizer_step(int64_t step, StepMetrics& metrics) {
     LocalParameters& local = held->local;
     clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
     held->optimizer->step(local.params, local.grads, metrics.lr);
-    if (ctx_.config.model.torch_dtype == "bfloat16") {
-      llama::round_to_bfloat16(local.params, local.numel);
-    }
+    round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
   }
 }
 
@@ -211,14 +164,14 @@ void PipelineTrainer::optimizer_step(int64_t step, StepMetrics& metrics) {
 // the stages in order, activations passed on as they are made; the summed
 // token losses on the rank of the last stage, else 0.
 double PipelineTrainer::forward_for_evaluation(int64_t count) {
-  const auto& split = ctx_.plan.model.at("pipeline");
+  const auto& split = ctx_.plan.model_plan.at("pipeline");
   const int64_t seq_len = ctx_.data.seq_len(), me = ctx_.pipeline.rank();
   std::vector<float> input, output;
   double sum = 0;
   auto held = held_.begin();
   for (size_t s = 0; s < split.size(); ++s) {
     if (split[s].at("rank").get<int64_t>() != me) continue;
-    llama::LlamaStage& stage = (*held++)->stage;
+    ModelStage& stage = (*held++)->work->compute();
     stage.set_shape(count, seq_len);
     input.resize(size_t(stage.input_numel()));
     const bool previous_here = s > 0 && split[s - 1].at("rank").get<int64_t>() == me;
@@ -228,10 +181,11 @@ double PipelineTrainer::forward_for_evaluation(int64_t count) {
     }
     if (previous_here) input.swap(output);
     output.resize(size_t(stage.output_numel()));
-    const float loss =
-        stage.forward(0, tokens_.data(), targets_.data(), input.data(), output.data());
+    const double loss =
+        stage.forward(0, tokens_.data(), targets_.data(), input.empty() ? nullptr : input.data(),
+                      output.empty() ? nullptr : output.data());
     stage.discard(0);
-    if (s + 1 == split.size()) sum = double(loss) * double(count * seq_len);
+    if (s + 1 == split.size()) sum = loss * double(count * seq_len);
     if (s + 1 < split.size() && split[s + 1].at("rank").get<int64_t>() != me) {
       FlatTensor tensor(output.data(), dtype_float32(), int64_t(output.size()));
       ctx_.pipeline.send(tensor.get(), split[s + 1].at("rank").get<int64_t>(), int64_t(s + 1))
@@ -279,10 +233,13 @@ std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {
   if (saved && ctx_.replicate_group.rank() != 0) return ranges;
   int64_t base = 0;
   for (const auto& held : held_) {
+    const FlatParameters& parameters = held->parameters;
     for (size_t k = 0; k < held->local.held.size(); ++k) {
       const HeldRange& piece = held->local.held[k];
       const auto p = size_t(held->local.held_parameter[k]);
-      ranges.push_back({held->full_offset[p] + (piece.global_begin - held->stage_offset[p]),
+      const int64_t full_offset =
+          ctx_.plan.model->description().parameters[size_t(parameters.indices[p])].offset;
+      ranges.push_back({full_offset + (piece.global_begin - parameters.offsets[p]),
                         base + piece.local_begin, piece.count});
     }
     base += held->local.numel;
@@ -319,7 +276,7 @@ void PipelineTrainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
   save_sharded(
-      dir.string(), ctx_.config, step, ctx_.model.num_parameters(), rank_ranges(true),
+      dir.string(), ctx_.config, ctx_.plan.model->description(), step, rank_ranges(true),
       {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}},
       ctx_.world);
 }
@@ -339,20 +296,23 @@ void PipelineTrainer::resume(const CheckpointIndex& index) {
 // writer, so the sum is exact.
 void PipelineTrainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
-  std::vector<float> full(size_t(ctx_.model.num_parameters()), 0.0f);
+  const ModelDescription& description = ctx_.plan.model->description();
+  std::vector<float> full(size_t(description.numel), 0.0f);
   for (auto& held : held_) {
-    std::vector<float> stage(size_t(held->stage.num_parameters()));
+    const FlatParameters& parameters = held->parameters;
+    std::vector<float> stage(size_t(parameters.numel()));
     held->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
     if (ctx_.data_parallel.rank() != 0) continue;
-    for (size_t p = 0; p < held->full_offset.size(); ++p) {
-      std::copy_n(stage.begin() + held->stage_offset[p], held->stage.parameters()[p].numel,
-                  full.begin() + held->full_offset[p]);
+    for (size_t k = 0; k < parameters.indices.size(); ++k) {
+      const ModelParameter& parameter = description.parameters[size_t(parameters.indices[k])];
+      std::copy_n(stage.begin() + parameters.offsets[k], parameter.numel,
+                  full.begin() + parameter.offset);
     }
   }
   FlatTensor tensor(full.data(), dtype_float32(), int64_t(full.size()));
   ctx_.world.all_reduce(tensor.get(), ReduceOp::sum).wait();
   if (ctx_.world.rank() == 0) {
-    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model, full.data());
+    export_consolidated(ctx_.output_dir, ctx_.config.model, description, full.data());
   }
 }
 

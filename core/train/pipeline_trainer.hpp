@@ -1,5 +1,5 @@
 // The training of one rank of a pipeline-parallel run (pp > 1): the stages
-// the sidecar's split puts on this rank, each an FSDP2-sharded Llama stage
+// the plan's split puts on this rank, each an FSDP2-sharded model stage
 // over the data-parallel axis, run by the executor through the schedule
 // (a schedule plugin or pp_schedule_csv, lowered and validated), with AdamW
 // on each stage's local shard.
@@ -13,8 +13,6 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
-#include "llama/model.hpp"
-#include "llama/stage.hpp"
 #include "pipeline/executor.hpp"
 #include "plan/plan.hpp"
 #include "schedule/schedule.hpp"
@@ -32,14 +30,12 @@ struct PipelineContext {
   const Config& config;
   const TokenData& data;
   const Plan& plan;
-  // The full model with the starting weights; its storage is released once
-  // the stages hold their parts (its names and shapes serve the export).
-  llama::LlamaModel& model;
   Communicator& world;
   Communicator& pipeline;         // pp
   Communicator& data_parallel;    // dp
   Communicator& shard_group;      // dp_shard_cp
   Communicator& replicate_group;  // dp_replicate
+  StageCommunicators computing;   // the axes the model computes over
   std::string strategy_options;   // the strategy's JSON options
   std::string output_dir;
 };

@@ -11,6 +11,7 @@
 #include "comm/comm.hpp"
 #include "launch/launch.hpp"
 #include "strategy/strategy.hpp"
+#include "train/hooks.hpp"
 #include "train/input_error.hpp"
 #include "train/pipeline_trainer.hpp"
 #include "train/trainer.hpp"
@@ -37,14 +38,6 @@ void check_batch(const Config& config, int64_t dp) {
                        fmt::format("{} is not divisible by train.micro_batch_size ({}) x the "
                                    "data-parallel size dp ({})",
                                    t.global_batch_size, t.micro_batch_size, dp));
-  }
-}
-
-llama::LlamaModel make_model(const Config& config) {
-  try {
-    return llama::LlamaModel(llama_config(config.model));
-  } catch (const std::invalid_argument& error) {
-    throw config_error(config, "model", error.what());
   }
 }
 
@@ -76,9 +69,9 @@ std::string strategy_options(const DistributedConfig& d) {
   return options.dump();
 }
 
-// The trainer runs data and pipeline parallelism: the reference model has
-// no tensor, context or expert parallel execution yet (the plan shows those
-// layouts; `meshrun plan` prints them).
+// The trainer runs data and pipeline parallelism: no model computes tensor,
+// context or expert parallel yet (the plan shows those layouts; `meshrun
+// plan` prints them).
 void check_parallel_sizes(const Config& config) {
   const DistributedConfig& d = config.distributed;
   for (const auto& [key, size] : {std::pair{"distributed.tp_size", d.tp_size},
@@ -95,6 +88,32 @@ void check_parallel_sizes(const Config& config) {
   }
 }
 
+// The data are bytes: the model must take every byte as a token, and
+// sequences as long as data.seq_len.
+void check_model_fits_data(const Config& config, const Plan& plan) {
+  const ModelDescription& d = plan.model->description();
+  if (d.vocab_size < 256) {
+    throw config_error(config, "model.model_type",
+                       fmt::format("the model's vocabulary holds {} tokens; the training data are "
+                                   "bytes, which need at least 256 (vocab_size)",
+                                   d.vocab_size));
+  }
+  if (d.max_seq_len && config.data.seq_len > *d.max_seq_len) {
+    throw config_error(config, "data.seq_len",
+                       fmt::format("{} is longer than the model's {} positions",
+                                   config.data.seq_len, *d.max_seq_len));
+  }
+}
+
+bool splits_backward(const schedule::Schedule& schedule) {
+  for (const auto& rank : schedule.ranks) {
+    for (const auto& action : rank) {
+      if (action && action->type == schedule::ActionType::I) return true;
+    }
+  }
+  return false;
+}
+
 // With pp > 1: the microbatches fit the batch and the schedule is valid.
 void check_pipeline(const Config& config, const Plan& plan) {
   const int64_t dp = plan.mesh.axis_size(Axis::dp);
@@ -109,22 +128,21 @@ void check_pipeline(const Config& config, const Plan& plan) {
   const bool from_csv = !config.distributed.pipeline.pp_schedule_csv.empty();
   const char* key =
       from_csv ? "distributed.pipeline.pp_schedule_csv" : "distributed.pipeline.pp_schedule";
+  schedule::Schedule schedule;
   try {
-    pipeline_schedule(config, plan, config.distributed.pp_size,
-                      int64_t(plan.model.at("pipeline").size()), pipeline_microbatches(config, dp));
+    schedule = pipeline_schedule(config, plan, config.distributed.pp_size,
+                                 int64_t(plan.model_plan.at("pipeline").size()),
+                                 pipeline_microbatches(config, dp));
   } catch (const Error& error) {
     throw config_error(config, key, error.what());
   }
-}
-
-StrategyBuffers strategy_buffers(llama::LlamaModel& model) {
-  StrategyBuffers buffers{
-      model.param_buffer(), model.grad_buffer(), model.num_parameters(), {0}, {}};
-  for (const auto& view : model.parameters()) {
-    buffers.parameter_offsets.push_back(buffers.parameter_offsets.back() + view.numel);
-    buffers.parameter_names.push_back(view.name);
+  if (splits_backward(schedule) && !plan.model->splits_backward()) {
+    throw config_error(config, key,
+                       fmt::format("schedule {} splits the backward into I and W, which model "
+                                   "plugin {} cannot (it has no backward_input); use gpipe, 1f1b "
+                                   "or interleaved_1f1b",
+                                   schedule.name, plan.model->library().path()));
   }
-  return buffers;
 }
 
 // runs/<rank 0's start time>, the same on every rank.
@@ -135,25 +153,54 @@ std::string default_output_dir(Communicator& world) {
   return fmt::format("runs/{:%Y%m%d-%H%M%S}", fmt::localtime(std::time_t(now)));
 }
 
-void start_weights(const Config& config, llama::LlamaModel& model) {
-  if (config.model.checkpoint.empty()) {
-    model.init_weights(uint64_t(config.train.seed));
-  } else {
-    read_consolidated(config, model, true);
-  }
-  if (config.model.torch_dtype == "bfloat16") {
-    llama::round_to_bfloat16(model.param_buffer(), model.num_parameters());
-  }
-}
-
-void announce(const Config& config, Communicator& world, const llama::LlamaModel& model,
+void announce(const Config& config, Communicator& world, const Model& model,
               const std::string& output_dir) {
   if (world.rank() != 0) return;
-  std::printf("meshrun train: %lld ranks, strategy %s, pp %lld, %lld parameters, output %s\n",
-              static_cast<long long>(world.size()), config.distributed.strategy.c_str(),
-              static_cast<long long>(config.distributed.pp_size),
-              static_cast<long long>(model.num_parameters()), output_dir.c_str());
+  std::printf(
+      "meshrun train: %lld ranks, model %s, strategy %s, pp %lld, %lld parameters, "
+      "output %s\n",
+      static_cast<long long>(world.size()), config.model.model_type.c_str(),
+      config.distributed.strategy.c_str(), static_cast<long long>(config.distributed.pp_size),
+      static_cast<long long>(model.description().numel), output_dir.c_str());
   std::fflush(stdout);
+}
+
+std::vector<std::string> module_names(const ModelDescription& description) {
+  std::vector<std::string> names;
+  for (const auto& module : description.modules) names.push_back(module.name);
+  return names;
+}
+
+StageCommunicators computing_axes(MeshCommunicators& axes, const MeshContext& mesh) {
+  return {&axes.axis(Axis::tp), &axes.axis(Axis::cp),
+          mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
+}
+
+void train_data_parallel(const Config& config, const Plan& plan, const TokenData& data,
+                         Communicator& world, MeshCommunicators& axes,
+                         const std::string& output_dir) {
+  const Model& model = *plan.model;
+  const std::vector<std::string> modules = module_names(model.description());
+  const StageContents contents = stage_contents(model, modules);
+  FlatParameters parameters(model.description(), contents.parameters);
+  start_weights(config, model, parameters);
+  StageUnits units = stage_units(model.description(), contents);
+  units.strategy.shard_group = &axes.axis(Axis::dp_shard_cp);
+  units.strategy.replicate_group = &axes.axis(Axis::dp_replicate);
+  const std::string options = strategy_options(config.distributed);
+  Strategy strategy(plan.strategy, axes.axis(Axis::dp),
+                    parameters.strategy_buffers(model.description()), options, &units.strategy);
+  // The strategy copied its shard: the full weights are no longer needed.
+  if (strategy.sharded()) parameters.release();
+  Trainer trainer({config, data, model, modules, strategy, parameters, units, world,
+                   axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
+                   computing_axes(axes, plan.mesh), plan.model_plan.dump(), options, output_dir});
+  if (!config.checkpoint.resume_from.empty()) {
+    trainer.resume(read_index(config, model.description()));
+  }
+  strategy.broadcast_parameters();
+  announce(config, world, model, output_dir);
+  trainer.run();
 }
 
 void train_in_world(const Config& config, const std::optional<std::string>& output,
@@ -161,41 +208,21 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
   const PluginLoader loader = PluginLoader::from_environment();
   const Plan plan = make_plan(config, world.size(), loader);
   MeshCommunicators axes(world, plan.mesh);
-  Communicator& data_parallel = axes.axis(Axis::dp);
-  Communicator& shard_group = axes.axis(Axis::dp_shard_cp);
-  Communicator& replicate_group = axes.axis(Axis::dp_replicate);
   const std::string output_dir = output ? *output : default_output_dir(world);
   if (world.rank() == 0) std::filesystem::create_directories(output_dir);
   const TokenData data(config);
-  llama::LlamaModel model = make_model(config);
-  start_weights(config, model);
-  if (plan.mesh.axis_size(Axis::pp) > 1) {
-    PipelineTrainer trainer({config, data, plan, model, world, axes.axis(Axis::pp), data_parallel,
-                             shard_group, replicate_group, strategy_options(config.distributed),
-                             output_dir});
-    if (!config.checkpoint.resume_from.empty()) {
-      trainer.resume(read_index(config, model.num_parameters()));
-    }
-    announce(config, world, model, output_dir);
-    trainer.run();
+  if (plan.mesh.axis_size(Axis::pp) == 1) {
+    train_data_parallel(config, plan, data, world, axes, output_dir);
     return;
   }
-  // A sidecar of ABI 1.0 plans no units: only a replicated strategy can train.
-  StrategyUnits units =
-      plan.model.is_null() ? StrategyUnits{} : model_units(plan.model.at("units"), model);
-  units.shard_group = &shard_group;
-  units.replicate_group = &replicate_group;
-  Strategy strategy(plan.strategy, data_parallel, strategy_buffers(model),
-                    strategy_options(config.distributed), &units);
-  // The strategy copied its shard: the full weights are no longer needed.
-  if (strategy.sharded()) model.release_storage();
-  Trainer trainer({config, data, model, strategy, world, data_parallel, shard_group,
-                   replicate_group, units, output_dir});
+  PipelineTrainer trainer({config, data, plan, world, axes.axis(Axis::pp), axes.axis(Axis::dp),
+                           axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
+                           computing_axes(axes, plan.mesh), strategy_options(config.distributed),
+                           output_dir});
   if (!config.checkpoint.resume_from.empty()) {
-    trainer.resume(read_index(config, model.num_parameters()));
+    trainer.resume(read_index(config, plan.model->description()));
   }
-  strategy.broadcast_parameters();
-  announce(config, world, model, output_dir);
+  announce(config, world, *plan.model, output_dir);
   trainer.run();
 }
 
@@ -206,10 +233,11 @@ void check_training_input(const Config& config, const Plan& plan) {
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
   check_strategy_trains(config, *plan.strategy);
+  check_model_fits_data(config, plan);
   if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);
-  llama::LlamaModel model = make_model(config);
-  if (!config.model.checkpoint.empty()) read_consolidated(config, model, false);
-  if (!config.checkpoint.resume_from.empty()) read_index(config, model.num_parameters());
+  const ModelDescription& description = plan.model->description();
+  if (!config.model.checkpoint.empty()) read_consolidated(config, description);
+  if (!config.checkpoint.resume_from.empty()) read_index(config, description);
 }
 
 void train_rank(const Config& config, const std::optional<std::string>& output_dir) {

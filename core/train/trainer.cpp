@@ -16,14 +16,17 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-std::unique_ptr<StrategyHooks> make_hooks(const TrainContext& ctx) {
-  if (!ctx.strategy.sharded()) return std::make_unique<StrategyHooks>(ctx.strategy, ctx.model);
-  return std::make_unique<ShardedHooks>(ctx.strategy, ctx.model, ctx.units,
+std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
+  if (!ctx.strategy.sharded()) {
+    return std::make_unique<ReplicatedHooks>(ctx.strategy, ctx.parameters);
+  }
+  return std::make_unique<ShardedHooks>(ctx.strategy, ctx.units, ctx.parameters.indices,
+                                        ctx.model.description().parameters.size(),
                                         ctx.config.distributed.mp_policy);
 }
 
 LocalParameters local_parameters(const TrainContext& ctx) {
-  if (!ctx.strategy.sharded()) return replicated_parameters(ctx.model, ctx.world);
+  if (!ctx.strategy.sharded()) return replicated_parameters(ctx.parameters, ctx.world);
   return sharded_parameters(ctx.strategy, ctx.shard_group, ctx.replicate_group);
 }
 
@@ -32,10 +35,10 @@ LocalParameters local_parameters(const TrainContext& ctx) {
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
       hooks_(make_hooks(ctx_)),
+      stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json),
       local_(local_parameters(ctx_)),
-      optimizer_(ctx_.config.train, decay_mask(local_, ctx_.model.parameters())) {
-  ctx_.model.set_hooks(hooks_.get());
-}
+      optimizer_(ctx_.config.train,
+                 decay_mask(local_, ctx_.model.description(), ctx_.parameters.indices)) {}
 
 void Trainer::resume(const CheckpointIndex& index) {
   load_sharded(index, local_.held, checkpoint_buffers());
@@ -67,13 +70,13 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   std::fill_n(local_.grads, local_.numel, 0.0f);
   hooks_->take_seconds_in_strategy();  // not this step's: validation's gathers
   double loss_sum = 0.0;
+  stage_.set_shape(train.micro_batch_size, ctx_.data.seq_len());
   for (int64_t k = 0; k < micro_batches; ++k) {
     ctx_.strategy.begin_micro_batch(k == micro_batches - 1);
     ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
                              train.micro_batch_size, tokens_, targets_);
-    loss_sum += ctx_.model.forward(tokens_.data(), targets_.data(), train.micro_batch_size,
-                                   ctx_.data.seq_len());
-    ctx_.model.backward();
+    loss_sum += stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
+    stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
   ctx_.strategy.finish_gradients();
@@ -105,9 +108,7 @@ void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
   clip_gradients(local_.grads, local_.numel, metrics.grad_norm, train.max_grad_norm);
   metrics.lr = learning_rate(train, step);
   optimizer_.step(local_.params, local_.grads, metrics.lr);
-  if (ctx_.config.model.torch_dtype == "bfloat16") {
-    llama::round_to_bfloat16(local_.params, local_.numel);
-  }
+  round_to(local_.params, local_.numel, ctx_.config.model.torch_dtype);
 }
 
 // DESIGN.md's val_loss: the windows are shared out over the data-parallel
@@ -128,20 +129,27 @@ std::optional<double> Trainer::validate() {
   for (int64_t first = begin; first < end; first += micro, ++done) {
     const int64_t count = std::min(micro, end - first);
     ctx_.data.validation_batch(first, count, tokens_, targets_);
-    sum += double(ctx_.model.forward(tokens_.data(), targets_.data(), count, seq_len)) *
-           double(count * seq_len);
+    sum += evaluate(count) * double(count * seq_len);
   }
   for (; done < forwards; ++done) {
     ctx_.data.validation_batch(0, 1, tokens_, targets_);
-    ctx_.model.forward(tokens_.data(), targets_.data(), 1, seq_len);
+    evaluate(1);
   }
   return all_reduce(sum, ReduceOp::sum) / double(windows * seq_len);
+}
+
+// A forward of `count` sequences in tokens_/targets_ that keeps nothing.
+double Trainer::evaluate(int64_t count) {
+  stage_.set_shape(count, ctx_.data.seq_len());
+  const double loss = stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
+  stage_.discard(0);
+  return loss;
 }
 
 void Trainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
-  save_sharded(dir.string(), ctx_.config, step, ctx_.model.num_parameters(), local_.saved,
+  save_sharded(dir.string(), ctx_.config, ctx_.model.description(), step, local_.saved,
                checkpoint_buffers(), ctx_.world);
 }
 
@@ -162,14 +170,15 @@ MemoryUse Trainer::memory_use() {
 void Trainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
   std::vector<float> gathered;
-  const float* full = ctx_.model.param_buffer();
+  const float* full = ctx_.parameters.values.data();
+  const int64_t numel = ctx_.model.description().numel;
   if (ctx_.strategy.sharded()) {
-    gathered.resize(size_t(ctx_.model.num_parameters()));
-    ctx_.strategy.gather_parameters(gathered.data(), ctx_.model.num_parameters());
+    gathered.resize(size_t(numel));
+    ctx_.strategy.gather_parameters(gathered.data(), numel);
     full = gathered.data();
   }
   if (ctx_.world.rank() == 0) {
-    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model, full);
+    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model.description(), full);
   }
 }
 

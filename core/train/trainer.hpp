@@ -12,7 +12,7 @@
 
 #include "comm/comm.hpp"
 #include "config/config.hpp"
-#include "llama/model.hpp"
+#include "model/model.hpp"
 #include "strategy/strategy.hpp"
 #include "train/checkpoint.hpp"
 #include "train/data.hpp"
@@ -28,13 +28,18 @@ namespace meshrun::train {
 struct TrainContext {
   const Config& config;
   const TokenData& data;
-  llama::LlamaModel& model;
+  const Model& model;
+  const std::vector<std::string>& modules;  // all of the model's
   Strategy& strategy;
+  FlatParameters& parameters;  // the replicated storage (released under a sharded strategy)
+  const StageUnits& units;     // for a sharded strategy's hooks
   Communicator& world;
   Communicator& data_parallel;
   Communicator& shard_group;      // dp_shard_cp
   Communicator& replicate_group;  // dp_replicate
-  const StrategyUnits& units;     // for a sharded strategy's hooks
+  StageCommunicators computing;   // the axes the model computes over
+  std::string plan_json;          // the model plan
+  std::string options_json;       // the strategy options
   std::string output_dir;
 };
 
@@ -59,10 +64,12 @@ class Trainer : public TrainingRank {
 
  private:
   double all_reduce(double value, ReduceOp op);
+  double evaluate(int64_t count);
   std::vector<FlatBuffer> checkpoint_buffers();
 
   TrainContext ctx_;
-  std::unique_ptr<StrategyHooks> hooks_;
+  std::unique_ptr<TimedHooks> hooks_;
+  ModelStage stage_;
   LocalParameters local_;
   AdamW optimizer_;
   int64_t next_step_ = 0;

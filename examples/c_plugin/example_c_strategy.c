@@ -82,6 +82,7 @@ static const meshrun_plugin_api plugin_api = {
     .sidecar = NULL,
     .comm = NULL,
     .extensions = NULL,
+    .model = NULL,
 };
 
 const meshrun_plugin_api* meshrun_plugin_get_api(void) { return &plugin_api; }

@@ -1,7 +1,5 @@
 #include "llama/decoder.hpp"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
@@ -9,97 +7,10 @@
 
 namespace meshrun::llama {
 
+using namespace kernels;
+
 void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument("llama: " + message);
-}
-
-void check_config(const LlamaConfig& c) {
-  require(c.vocab_size > 0 && c.hidden_size > 0 && c.intermediate_size > 0 &&
-              c.num_hidden_layers > 0 && c.num_attention_heads > 0 && c.num_key_value_heads > 0,
-          "vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
-          "num_attention_heads and num_key_value_heads must be positive");
-  require(c.hidden_size % c.num_attention_heads == 0,
-          "hidden_size must be divisible by num_attention_heads");
-  require(c.num_attention_heads % c.num_key_value_heads == 0,
-          "num_attention_heads must be divisible by num_key_value_heads");
-  require((c.hidden_size / c.num_attention_heads) % 2 == 0,
-          "the head dimension hidden_size / num_attention_heads must be even for rotary "
-          "embeddings");
-}
-
-void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, const char* what) {
-  for (int64_t i = 0; i < count; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= vocab_size) {
-      throw std::out_of_range("llama: " + std::string(what) + "[" + std::to_string(i) +
-                              "] = " + std::to_string(tokens[i]) + " is outside [0, vocab_size " +
-                              std::to_string(vocab_size) + ")");
-    }
-  }
-}
-
-void use_one_blas_thread_by_default() {
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
-}
-
-namespace {
-
-void add_parameter(std::vector<ParameterView>& views, std::string name,
-                   std::vector<int64_t> shape) {
-  int64_t numel = 1;
-  for (int64_t size : shape) numel *= size;
-  views.push_back({std::move(name), std::move(shape), nullptr, nullptr, numel});
-}
-
-}  // namespace
-
-void add_embedding_parameters(std::vector<ParameterView>& views, const LlamaConfig& config) {
-  add_parameter(views, "model.embed_tokens.weight", {config.vocab_size, config.hidden_size});
-}
-
-void add_layer_parameters(std::vector<ParameterView>& views, const LlamaConfig& config,
-                          int64_t layer) {
-  const int64_t H = config.hidden_size, I = config.intermediate_size;
-  const int64_t head_dim = H / config.num_attention_heads;
-  const int64_t q_dim = config.num_attention_heads * head_dim;
-  const int64_t kv_dim = config.num_key_value_heads * head_dim;
-  const std::string prefix = "model.layers." + std::to_string(layer) + ".";  // LayerTensor order
-  add_parameter(views, prefix + "input_layernorm.weight", {H});
-  add_parameter(views, prefix + "self_attn.q_proj.weight", {q_dim, H});
-  add_parameter(views, prefix + "self_attn.k_proj.weight", {kv_dim, H});
-  add_parameter(views, prefix + "self_attn.v_proj.weight", {kv_dim, H});
-  add_parameter(views, prefix + "self_attn.o_proj.weight", {H, q_dim});
-  add_parameter(views, prefix + "post_attention_layernorm.weight", {H});
-  add_parameter(views, prefix + "mlp.gate_proj.weight", {I, H});
-  add_parameter(views, prefix + "mlp.up_proj.weight", {I, H});
-  add_parameter(views, prefix + "mlp.down_proj.weight", {H, I});
-}
-
-void add_head_parameters(std::vector<ParameterView>& views, const LlamaConfig& config) {
-  add_parameter(views, "model.norm.weight", {config.hidden_size});
-  if (!config.tie_word_embeddings) {
-    add_parameter(views, "lm_head.weight", {config.vocab_size, config.hidden_size});
-  }
-}
-
-void release_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
-                        std::vector<float>& grads) {
-  std::vector<float>().swap(params);
-  std::vector<float>().swap(grads);
-  for (ParameterView& view : views) view.data = view.grad = nullptr;
-}
-
-void bind_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
-                     std::vector<float>& grads) {
-  int64_t total = 0;
-  for (const ParameterView& view : views) total += view.numel;
-  params.assign(total, 0.0f);
-  grads.assign(total, 0.0f);
-  int64_t offset = 0;
-  for (ParameterView& view : views) {
-    view.data = params.data() + offset;
-    view.grad = grads.data() + offset;
-    offset += view.numel;
-  }
 }
 
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len)

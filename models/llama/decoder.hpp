@@ -1,53 +1,32 @@
-// The pieces of the Llama decoder that the whole model (LlamaModel) and a
-// pipeline stage of it (LlamaStage) share, so both run one implementation:
-// the parameter list in Hugging Face order, and the forward and backward of
-// a decoder layer and of the head (final norm, lm_head, loss) over explicit
-// parameter views, with what each keeps for its backward. Internal to the
-// model library.
+// The pieces of the Llama decoder a stage (stage.hpp) is made of: the
+// forward and backward of a decoder layer and of the head (final norm,
+// lm_head, loss) over explicit parameter views, with what each keeps for its
+// backward. Internal to the model library.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "llama/layers.hpp"
+#include "common/layers.hpp"
+#include "common/support.hpp"
 #include "llama/model.hpp"
 
 namespace meshrun::llama {
 
+using kernels::AttentionShape;
+using kernels::RotaryTable;
+
 // Throws std::invalid_argument("llama: " + message) unless condition.
 void require(bool condition, const std::string& message);
-// The sizes the architecture can take.
-void check_config(const LlamaConfig& config);
-// Throws std::out_of_range for an id outside [0, vocab_size).
-void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, const char* what);
-// One OpenBLAS thread unless OPENBLAS_NUM_THREADS says otherwise: the
-// trainer runs one rank per core.
-void use_one_blas_thread_by_default();
 
-// The bytes the vectors hold.
-template <typename... Vectors>
-int64_t bytes_of(const Vectors&... vectors) {
-  return int64_t(((vectors.capacity() * sizeof(typename Vectors::value_type)) + ...));
-}
+using models::bytes_of;
+using models::check_tokens;
+using models::use_one_blas_thread_by_default;
 
 // A decoder layer's tensors, in buffer order. q, k, v are adjacent, so they
 // act as one fused [q+2kv, H] projection; gate and up likewise as one [2I, H].
 enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTensorsPerLayer };
-
-// Append views with Hugging Face names and shapes, without storage.
-void add_embedding_parameters(std::vector<ParameterView>& views, const LlamaConfig& config);
-void add_layer_parameters(std::vector<ParameterView>& views, const LlamaConfig& config,
-                          int64_t layer);
-// model.norm.weight, and lm_head.weight unless tied.
-void add_head_parameters(std::vector<ParameterView>& views, const LlamaConfig& config);
-// Sizes both buffers to all views and points the views into them in order.
-void bind_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
-                     std::vector<float>& grads);
-// Frees both buffers and nulls the views (a sharded strategy holds the
-// storage from then on).
-void release_parameters(std::vector<ParameterView>& views, std::vector<float>& params,
-                        std::vector<float>& grads);
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes, the
 // rotary table, and scratch that holds nothing from one layer to the next.

@@ -1,17 +1,12 @@
-// The reference Llama model on the CPU: exactly Hugging Face's
-// LlamaForCausalLM (embedding; per layer h = x + o_proj(attn(rmsnorm(x))),
-// out = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h))); final rmsnorm;
-// lm_head; mean cross-entropy), float32 compute through OpenBLAS, kernels in
-// layers.hpp, wired into layers in decoder.hpp (shared with LlamaStage, a
-// pipeline stage of the model).
-//
-// Parameters live in one contiguous float32 buffer, gradients in another of
-// the same layout, in Hugging Face's names and order, so data-parallel
-// strategies can bucket and shard over them and checkpoints map one to one.
+// The Llama family: Hugging Face's LlamaForCausalLM (embedding; per layer
+// h = x + o_proj(attn(rmsnorm(x))), out = h + down(silu(gate(rmsnorm(h))) *
+// up(rmsnorm(h))); final rmsnorm; lm_head; mean cross-entropy) with float32
+// compute through OpenBLAS. This header holds what the whole model is: its
+// configuration, its parameters in Hugging Face's names and order, and their
+// initialization. stage.hpp computes any contiguous part of it.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,124 +20,45 @@ struct LlamaConfig {
   int64_t num_hidden_layers = 4;
   int64_t num_attention_heads = 8;
   int64_t num_key_value_heads = 8;
+  int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
 };
 
-// One parameter tensor: its Hugging Face name and shape ([out, in] for linear
-// weights), and its place in the parameter and gradient buffers.
+// One parameter tensor: its Hugging Face name and shape ([out, in] for
+// linear weights), its index among the model's parameters and its unit
+// (decoder layer l is unit l, the root — embedding, final norm, lm_head —
+// unit num_hidden_layers), and where its values and gradient are while a
+// stage computes with it.
 struct ParameterView {
   std::string name;
   std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t index = 0;
+  int64_t unit = 0;
   float* data = nullptr;
   float* grad = nullptr;
-  int64_t numel = 0;
 };
 
-// The unit a hook call is about: a decoder layer by its index, or the root,
-// which owns embed_tokens, norm and lm_head and encloses the layers.
-inline constexpr int kRootUnit = -1;
+// Throws std::invalid_argument("model.<key>: ...") for sizes the
+// architecture cannot take (the counts themselves are positive).
+void check_config(const LlamaConfig& config);
 
-// Called by the model at module boundaries (DESIGN.md "Hooks"). Order of one
-// forward and backward with L layers:
-//   pre_forward(root)  [embedding]
-//     pre_forward(0) post_forward(0) ... pre_forward(L-1) post_forward(L-1)
-//   [norm, lm_head, loss]  post_forward(root)
-//   pre_backward(root)  [loss, lm_head, norm]
-//     pre_backward(L-1) post_backward(L-1) ... pre_backward(0) post_backward(0)
-//   [embedding]  post_backward(root)
-// gradient_ready(p) comes once the gradient of parameters()[p] is final for
-// this backward, in reverse parameter order (lm_head and norm before the
-// layers, embed_tokens last), so DDP can reduce buckets as they fill.
-// post_backward(unit) follows the gradient_ready of all its parameters, so
-// FSDP can reduce-scatter the unit; the root's comes last, since
-// embed_tokens (tied or not) is final only after the embedding backward.
-struct ModuleHooks {
-  virtual ~ModuleHooks() = default;
-  virtual void pre_forward(int /*unit*/) {}
-  virtual void post_forward(int /*unit*/) {}
-  virtual void pre_backward(int /*unit*/) {}
-  virtual void post_backward(int /*unit*/) {}
-  virtual void gradient_ready(int /*parameter*/) {}
-};
+// The root unit's number: one past the last decoder layer.
+inline int64_t root_unit(const LlamaConfig& config) { return config.num_hidden_layers; }
 
-class LlamaModel {
- public:
-  // Weights as init_weights(0). Throws std::invalid_argument for sizes the
-  // architecture cannot take. Sets OpenBLAS to one thread unless OPENBLAS_NUM_THREADS says
-  // otherwise: the trainer runs one rank per core.
-  explicit LlamaModel(LlamaConfig config);
-  ~LlamaModel();
-  LlamaModel(const LlamaModel&) = delete;
-  LlamaModel& operator=(const LlamaModel&) = delete;
-  LlamaModel(LlamaModel&&) noexcept;
-  LlamaModel& operator=(LlamaModel&&) noexcept;
+// Every parameter in Hugging Face's order: model.embed_tokens.weight; per
+// layer N model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
+// post_attention_layernorm, mlp.{gate,up,down}_proj}.weight;
+// model.norm.weight; lm_head.weight unless tied. Without storage.
+std::vector<ParameterView> model_parameters(const LlamaConfig& config);
 
-  const LlamaConfig& config() const { return config_; }
-  // In buffer order: model.embed_tokens.weight; per layer N
-  // model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
-  // post_attention_layernorm, mlp.{gate,up,down}_proj}.weight;
-  // model.norm.weight; lm_head.weight unless tied.
-  std::vector<ParameterView>& parameters() { return parameters_; }
-  const std::vector<ParameterView>& parameters() const { return parameters_; }
-  float* param_buffer() { return params_.data(); }
-  float* grad_buffer() { return grads_.data(); }
-  // Elements over all parameters (also after release_storage).
-  int64_t num_parameters() const { return num_parameters_; }
-
-  // Matrices ~ normal(0, 0.02), norms = 1, from splitmix64 + Box-Muller so
-  // that a seed gives the same weights with any standard library.
-  void init_weights(uint64_t seed);
-
-  // Mean natural-log cross-entropy over all batch * seq_len targets. tokens
-  // and targets are [batch, seq_len]. Keeps what backward needs; buffers are
-  // allocated once per (batch, seq_len) shape. Throws std::out_of_range for
-  // a token or target outside the vocabulary.
-  float forward(const int32_t* tokens, const int32_t* targets, int64_t batch, int64_t seq_len);
-  // Accumulates (+=) into the gradients the gradient of the last forward's
-  // loss. Consumes that forward: a second backward needs a new forward.
-  void backward();
-  void zero_grad();
-
-  // Frees the parameter and gradient buffers and nulls every view's data
-  // and grad: a sharded strategy owns the storage from now on, and the
-  // caller points the views at it (in the hooks) before each use.
-  // param_buffer() and grad_buffer() are null afterwards.
-  void release_storage();
-
-  // The hidden states entering decoder layer `layer` (layer L: leaving the
-  // last one), [batch * seq_len, hidden_size], valid during a forward from
-  // pre_forward(layer) on; the hooks may modify them in place (e.g. the
-  // casts of a mixed-precision policy). Null before the first forward.
-  float* hidden_states(int64_t layer);
-  int64_t hidden_states_numel() const;
-
-  // Hooks stay owned by the caller; nullptr removes them.
-  void set_hooks(ModuleHooks* hooks);
-
- private:
-  static constexpr int kEmbedIndex = 0;
-  struct Activations;
-  class HookedGradients;
-
-  // The first of decoder layer `layer`'s views; the others follow it.
-  const ParameterView* layer_views(int64_t layer) const;
-
-  LlamaConfig config_;
-  std::vector<float> params_;
-  std::vector<float> grads_;
-  int64_t num_parameters_ = 0;
-  std::vector<ParameterView> parameters_;
-  int norm_index_ = 0;
-  int lm_head_index_ = kEmbedIndex;  // its own index unless tied
-  std::unique_ptr<Activations> acts_;
-  ModuleHooks* hooks_;
-};
-
-// Rounds every value to the nearest bfloat16 (ties to even), kept as float:
-// bfloat16 parameter storage (torch_dtype = "bfloat16") with float32 compute,
-// applied to param_buffer() after each optimizer step.
-void round_to_bfloat16(float* values, int64_t count);
+// Initial values of parameters[index] for `seed`: matrices ~ normal(0,
+// 0.02), norms 1, drawn from one splitmix64 + Box-Muller stream over the
+// model's matrices in order, so a seed gives the same weights with any
+// standard library and any parameter can be made alone.
+void init_parameter(const std::vector<ParameterView>& parameters, uint64_t seed, int64_t index,
+                    float* values);
 
 }  // namespace meshrun::llama

@@ -1,13 +1,12 @@
-// The Llama sidecar ("ModelParallelizer"): the plan for Hugging Face
-// model_type "llama" as data (docs/plan.md): sharding units, the
-// tensor-parallel placement of every parameter (ANCHORS.md's Llama plan), the
-// pipeline split, and the activation-checkpoint set. Validates the model
-// against the mesh with errors that begin with the config key.
+// The Llama sidecar ("ModelParallelizer"): refines the default plan of
+// model_type "llama" (docs/plan.md) with AutoModel's tensor-parallel plan
+// for Llama: the placement of every parameter over tp and the module-level
+// styles, after checking that the heads divide over tp. Units, the pipeline
+// split and the checkpoint set stay the default plan's.
 #include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "meshrun/plugin.hpp"
 
@@ -16,78 +15,41 @@ namespace {
 using meshrun::plugin::Error;
 using nlohmann::json;
 
-struct Model {
-  int64_t vocab, hidden, intermediate, layers, heads, kv_heads;
-  bool tied;
-};
-
-struct Mesh {
-  int64_t pp, tp;
-};
-
 [[noreturn]] void reject(const std::string& key, const std::string& reason) {
   throw Error(MESHRUN_INVALID_ARGUMENT, key + ": " + reason);
 }
 
-Model read_model(const json& model) {
-  return {model.at("vocab_size"),          model.at("hidden_size"),
-          model.at("intermediate_size"),   model.at("num_hidden_layers"),
-          model.at("num_attention_heads"), model.at("num_key_value_heads"),
-          model.at("tie_word_embeddings")};
-}
-
-// ANCHORS.md: heads and kv heads divide by tp; no tied embeddings with pp.
-void validate(const Model& model, const Mesh& mesh) {
-  if (model.heads % mesh.tp != 0) {
+// AutoModel's _validate_tp_mesh: heads and key/value heads divide by tp.
+void validate(const json& config, int64_t tp) {
+  const auto heads = config.at("num_attention_heads").get<int64_t>();
+  const auto kv_heads = config.at("num_key_value_heads").get<int64_t>();
+  if (heads % tp != 0) {
     reject("model.num_attention_heads",
-           std::to_string(model.heads) +
-               " heads are not divisible by distributed.tp_size = " + std::to_string(mesh.tp));
+           std::to_string(heads) +
+               " heads are not divisible by distributed.tp_size = " + std::to_string(tp));
   }
-  if (model.kv_heads % mesh.tp != 0) {
+  if (kv_heads % tp != 0) {
     reject("model.num_key_value_heads",
-           std::to_string(model.kv_heads) +
-               " key/value heads are not divisible by distributed.tp_size = " +
-               std::to_string(mesh.tp));
-  }
-  if (model.tied && mesh.pp > 1) {
-    reject("model.tie_word_embeddings",
-           "tied embeddings cannot be split over pipeline stages (distributed.pp_size = " +
-               std::to_string(mesh.pp) + ")");
+           std::to_string(kv_heads) +
+               " key/value heads are not divisible by distributed.tp_size = " + std::to_string(tp));
   }
 }
 
-// One parameter: HF name and shape, its unit, and how tp places it.
-struct Parameter {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::string unit;
-  int shard_dim;  // -1: replicated over tp
-};
-
-std::vector<Parameter> parameters_of(const Model& m) {
-  const int64_t head_dim = m.hidden / m.heads;
-  std::vector<Parameter> list = {{"model.embed_tokens.weight", {m.vocab, m.hidden}, "root", 0}};
-  for (int64_t layer = 0; layer < m.layers; ++layer) {
-    const std::string unit = "model.layers." + std::to_string(layer);
-    const auto add = [&](const std::string& leaf, std::vector<int64_t> shape, int dim) {
-      list.push_back({unit + "." + leaf + ".weight", std::move(shape), unit, dim});
-    };
-    add("input_layernorm", {m.hidden}, -1);
-    add("self_attn.q_proj", {m.heads * head_dim, m.hidden}, 0);
-    add("self_attn.k_proj", {m.kv_heads * head_dim, m.hidden}, 0);
-    add("self_attn.v_proj", {m.kv_heads * head_dim, m.hidden}, 0);
-    add("self_attn.o_proj", {m.hidden, m.heads * head_dim}, 1);
-    add("post_attention_layernorm", {m.hidden}, -1);
-    add("mlp.gate_proj", {m.intermediate, m.hidden}, 0);
-    add("mlp.up_proj", {m.intermediate, m.hidden}, 0);
-    add("mlp.down_proj", {m.hidden, m.intermediate}, 1);
+// The dimension tp shards a parameter on (column-wise projections and the
+// vocabulary-parallel embedding and lm_head on 0, row-wise on 1), or -1
+// for the replicated norms.
+int shard_dim(const std::string& name) {
+  for (const char* column : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (name.find(std::string(".") + column + ".") != std::string::npos) return 0;
   }
-  list.push_back({"model.norm.weight", {m.hidden}, "root", -1});
-  if (!m.tied) list.push_back({"lm_head.weight", {m.vocab, m.hidden}, "root", 0});
-  return list;
+  for (const char* row : {"o_proj", "down_proj"}) {
+    if (name.find(std::string(".") + row + ".") != std::string::npos) return 1;
+  }
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return 0;
+  return -1;
 }
 
-// ANCHORS.md's tensor-parallel plan for Llama, with sequence parallelism
+// AutoModel's tensor-parallel plan for Llama, with sequence parallelism
 // changing how norms and row-wise outputs treat activations.
 json tensor_parallel_plan(bool sequence_parallel) {
   json plan = json::array();
@@ -115,141 +77,20 @@ json tensor_parallel_plan(bool sequence_parallel) {
   return plan;
 }
 
-// Stage count per ANCHORS.md: one per rank (times the schedule's stages per
-// rank) unless layers_per_stage says, rounded to a multiple of pp as asked.
-int64_t stage_count(const Model& model, const Mesh& mesh, const json& pipeline) {
-  const int64_t per_stage = pipeline.value("layers_per_stage", int64_t{0});
-  if (per_stage <= 0) return mesh.pp * pipeline.value("stages_per_rank", int64_t{1});
-  int64_t stages = (model.layers + per_stage - 1) / per_stage;
-  if (stages % mesh.pp == 0) return stages;
-  const std::string round = pipeline.value("round_virtual_stages_to_pp_multiple", "");
-  if (round == "up") return (stages / mesh.pp + 1) * mesh.pp;
-  if (round == "down" && stages >= mesh.pp) return stages / mesh.pp * mesh.pp;
-  reject("distributed.pipeline.layers_per_stage",
-         std::to_string(per_stage) + " layers per stage give " + std::to_string(stages) +
-             " stages, not a multiple of distributed.pp_size = " + std::to_string(mesh.pp) +
-             "; set round_virtual_stages_to_pp_multiple = \"up\" or \"down\"");
-}
-
-// The modules of each stage: layers split evenly over the stages, the
-// remainder to the first stages, the embedding on the first and the final
-// norm and lm_head on the last.
-json even_parts(const Model& model, int64_t stages) {
-  if (stages > model.layers) {
-    reject("model.num_hidden_layers", std::to_string(model.layers) + " layers cannot fill " +
-                                          std::to_string(stages) + " pipeline stages");
-  }
-  json parts = json::array();
-  int64_t first = 0;
-  for (int64_t s = 0; s < stages; ++s) {
-    const int64_t count = model.layers / stages + (s < model.layers % stages ? 1 : 0);
-    json modules = json::array();
-    if (s == 0) modules.push_back("model.embed_tokens");
-    for (int64_t l = first; l < first + count; ++l)
-      modules.push_back("model.layers." + std::to_string(l));
-    if (s == stages - 1) modules.insert(modules.end(), {"model.norm", "lm_head"});
-    parts.push_back(std::move(modules));
-    first += count;
-  }
-  return parts;
-}
-
-// module_fqns_per_model_part as given: every module of the model once, in
-// model order, no part empty, the final norm with lm_head (the loss needs
-// both), and as many parts as the placement gives the ranks.
-json explicit_parts(const Model& model, const Mesh& mesh, const json& parts) {
-  const std::string key = "distributed.pipeline.module_fqns_per_model_part";
-  std::vector<std::string> expected = {"model.embed_tokens"};
-  for (int64_t l = 0; l < model.layers; ++l)
-    expected.push_back("model.layers." + std::to_string(l));
-  expected.insert(expected.end(), {"model.norm", "lm_head"});
-  size_t next = 0;
-  for (size_t p = 0; p < parts.size(); ++p) {
-    if (parts[p].empty()) reject(key, "part " + std::to_string(p) + " holds no module");
-    for (const auto& module : parts[p]) {
-      const auto name = module.get<std::string>();
-      if (next >= expected.size() || name != expected[next]) {
-        reject(key, "part " + std::to_string(p) + " has '" + name + "' where the model's next " +
-                        "module is " +
-                        (next < expected.size() ? "'" + expected[next] + "'" : "none") +
-                        " (every module once, in model order: model.embed_tokens, "
-                        "model.layers.0.." +
-                        std::to_string(model.layers - 1) + ", model.norm, lm_head)");
-      }
-      if (name == "lm_head" && parts[p].front() == "lm_head") {
-        reject(key,
-               "model.norm and lm_head must be in one part (the last stage computes the "
-               "loss from both)");
-      }
-      ++next;
-    }
-  }
-  if (next != expected.size()) reject(key, "'" + expected[next] + "' is in no part");
-  if (int64_t(parts.size()) % mesh.pp != 0) {
-    reject(key,
-           std::to_string(parts.size()) +
-               " parts are not a multiple of distributed.pp_size = " + std::to_string(mesh.pp));
-  }
-  return parts;
-}
-
-// Stage s runs on rank s mod pp, or for V schedules on ranks r and 2pp-1-r.
-json pipeline_split(const Model& model, const Mesh& mesh, const json& pipeline) {
-  const json fqns = pipeline.value("module_fqns_per_model_part", json::array());
-  const json parts = fqns.empty() ? even_parts(model, stage_count(model, mesh, pipeline))
-                                  : explicit_parts(model, mesh, fqns);
-  const bool v_shape = pipeline.value("placement", "loop") == "v";
-  json split = json::array();
-  for (int64_t s = 0; s < int64_t(parts.size()); ++s) {
-    const int64_t rank = v_shape && s >= mesh.pp ? 2 * mesh.pp - 1 - s : s % mesh.pp;
-    split.push_back({{"stage", s}, {"rank", rank}, {"modules", parts[size_t(s)]}});
-  }
-  return split;
-}
-
-json local_shape(const Parameter& p, int64_t tp) {
-  std::vector<int64_t> shape = p.shape;
-  if (p.shard_dim >= 0) shape[p.shard_dim] = (shape[p.shard_dim] + tp - 1) / tp;
-  return shape;
-}
-
 json plan_of(const json& request) {
-  const Model model = read_model(request.at("model"));
-  const json& mesh_json = request.at("mesh");
-  const Mesh mesh{mesh_json.at("pp"), mesh_json.at("tp")};
-  validate(model, mesh);
-  const auto params = parameters_of(model);
-
-  json units = json::array({{{"name", "root"}, {"parameters", json::array()}}});
-  json parameters = json::array();
-  for (const auto& p : params) {
-    if (p.unit != units.back()["name"] && p.unit != "root") {
-      units.push_back({{"name", p.unit}, {"parameters", json::array()}});
-    }
-    (p.unit == "root" ? units.front() : units.back())["parameters"].push_back(p.name);
-    parameters.push_back(
-        {{"name", p.name},
-         {"shape", p.shape},
-         {"unit", p.unit},
-         {"tp", p.shard_dim < 0 ? "replicate" : "shard(" + std::to_string(p.shard_dim) + ")"},
-         {"local_shape", local_shape(p, mesh.tp)}});
+  const int64_t tp = request.at("mesh").at("tp").get<int64_t>();
+  validate(request.at("description").at("config"), tp);
+  json plan = request.at("default_plan");
+  if (tp == 1) return plan;
+  for (json& parameter : plan.at("parameters")) {
+    const int dim = shard_dim(parameter.at("name").get<std::string>());
+    if (dim < 0) continue;
+    parameter["tp"] = "shard(" + std::to_string(dim) + ")";
+    auto& extent = parameter["local_shape"][size_t(dim)];
+    extent = (extent.get<int64_t>() + tp - 1) / tp;
   }
-  const std::string checkpointing = request.value("activation_checkpointing", "");
-  json checkpointed = json::array();
-  if (!checkpointing.empty()) {
-    for (int64_t l = 0; l < model.layers; ++l) {
-      checkpointed.push_back(
-          {{"module", "model.layers." + std::to_string(l)}, {"mode", checkpointing}});
-    }
-  }
-  return {{"units", std::move(units)},
-          {"parameters", std::move(parameters)},
-          {"tensor_parallel", mesh.tp > 1
-                                  ? tensor_parallel_plan(request.value("sequence_parallel", false))
-                                  : json::array()},
-          {"pipeline",
-           mesh.pp > 1 ? pipeline_split(model, mesh, request.at("pipeline")) : json(nullptr)},
-          {"activation_checkpointing", std::move(checkpointed)}};
+  plan["tensor_parallel"] = tensor_parallel_plan(request.value("sequence_parallel", false));
+  return plan;
 }
 
 meshrun_error* plan(meshrun_plugin_instance* instance, const char* request_json, char** out) {
@@ -294,14 +135,15 @@ const meshrun_plugin_api kApi = {
     MESHRUN_PLUGIN_KIND_SIDECAR,
     "llama",
     MESHRUN_PLUGIN_VERSION,
-    "Llama sidecar: plans sharding units (one per decoder layer, the root holds embed_tokens, "
-    "norm and lm_head), the tensor-parallel placement of every parameter, the pipeline split "
-    "and the activation-checkpoint set for model_type llama",
+    "Llama sidecar: AutoModel's tensor-parallel plan for model_type llama (column-wise q, k, v, "
+    "gate, up; row-wise o, down; vocabulary-parallel embedding and lm_head), heads checked "
+    "against tp",
     &meshrun::plugin::create_instance<meshrun::plugin::HostServicesOnly>,
     &meshrun::plugin::destroy_instance<meshrun::plugin::HostServicesOnly>,
     nullptr,
     nullptr,
     &kSidecarApi,
+    nullptr,
     nullptr,
     nullptr,
 };

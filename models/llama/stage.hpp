@@ -1,13 +1,8 @@
-// One pipeline stage of the reference Llama: a contiguous range of decoder
-// layers, with the embedding on the first stage and the final norm, lm_head
-// and loss on the last (ANCHORS.md "Pipeline"). It runs the same kernels as
-// LlamaModel (decoder.hpp), so a chain of stages computes what the model
-// does.
-//
-// Parameters and gradients live in two flat buffers of the stage's own, in
-// Hugging Face's order and names: the subset of LlamaModel's parameters the
-// stage holds, so a host copies weights in by name and strategies bucket and
-// shard over the stage's buffers as over the model's.
+// A stage of the Llama model: a contiguous range of decoder layers, with the
+// embedding on the first stage and the final norm, lm_head and loss on the
+// last. The whole model is the stage that holds everything. A stage owns no
+// parameter storage: at every unit boundary it calls its StageHooks, which
+// point the parameter views at storage the host keeps (meshrun/model.h).
 //
 // Several microbatches are in flight at once in a pipeline: forward(mb)
 // keeps what mb's backward needs under the key mb until that backward is
@@ -40,33 +35,38 @@ struct StageLayout {
   bool head = false;
 };
 
+// The host's side of a stage (meshrun/model.h "Hooks"), with units and
+// parameter indices as model.hpp numbers them.
+class StageHooks {
+ public:
+  virtual ~StageHooks() = default;
+  // `hidden` (numel floats) is the unit's input or output, null for the root.
+  virtual void pre_forward(int64_t unit, float* hidden, int64_t numel) = 0;
+  virtual void post_forward(int64_t unit, float* hidden, int64_t numel) = 0;
+  virtual void pre_backward(int64_t unit) = 0;
+  virtual void post_backward(int64_t unit) = 0;
+  virtual void gradient_ready(int64_t parameter) = 0;
+  // Points view.data, and view.grad when `backward`, at the parameter's
+  // storage (valid until the unit's post_ hook).
+  virtual void bind(ParameterView& view, bool backward) = 0;
+};
+
 class LlamaStage {
  public:
-  // Parameters zero. Throws std::invalid_argument for sizes the architecture
-  // cannot take, a layout that does not fit the model or holds nothing, and
-  // tied embeddings on a stage without both the embedding and the head.
-  LlamaStage(LlamaConfig config, StageLayout layout);
+  // Throws std::invalid_argument for a configuration check_config refuses,
+  // a layout that does not fit the model or holds nothing, and tied
+  // embeddings on a stage without both the embedding and the head. `hooks`
+  // must outlive the stage.
+  LlamaStage(LlamaConfig config, StageLayout layout, StageHooks& hooks);
   ~LlamaStage();
   LlamaStage(const LlamaStage&) = delete;
   LlamaStage& operator=(const LlamaStage&) = delete;
-  LlamaStage(LlamaStage&&) noexcept;
-  LlamaStage& operator=(LlamaStage&&) noexcept;
 
   const LlamaConfig& config() const { return config_; }
   const StageLayout& layout() const { return layout_; }
-  // In buffer order: model.embed_tokens.weight (embedding); the layers'
-  // tensors as in LlamaModel; model.norm.weight and lm_head.weight unless
-  // tied (head).
-  std::vector<ParameterView>& parameters() { return parameters_; }
+  // In model order: model.embed_tokens.weight (embedding); the layers'
+  // tensors; model.norm.weight and lm_head.weight unless tied (head).
   const std::vector<ParameterView>& parameters() const { return parameters_; }
-  float* param_buffer() { return params_.data(); }
-  float* grad_buffer() { return grads_.data(); }
-  int64_t num_parameters() const { return num_parameters_; }
-  void zero_grad();
-  // Frees the parameter and gradient buffers and nulls the views: a sharded
-  // strategy owns the storage from now on and the caller points the views
-  // at it before each use (as LlamaModel::release_storage).
-  void release_storage();
 
   // The microbatch shape [batch, seq_len] of the forwards to come; throws
   // std::logic_error to change it while microbatches are in flight.
@@ -83,8 +83,8 @@ class LlamaStage {
   // before set_shape or for a microbatch already in flight,
   // std::invalid_argument for a missing pointer, std::out_of_range for a
   // token or target outside the vocabulary.
-  float forward(int32_t mb, const int32_t* tokens, const int32_t* targets, const float* input,
-                float* output);
+  double forward(int32_t mb, const int32_t* tokens, const int32_t* targets, const float* input,
+                 float* output);
   // B: accumulates (+=) mb's weight gradients and writes grad_input (without
   // the embedding) from grad_output (without the head) or, with the head,
   // from loss_scale * the loss: loss_scale is d(objective)/d(mb's mean
@@ -107,19 +107,22 @@ class LlamaStage {
 
  private:
   struct Microbatch;
+  class AnnouncedGradients;
 
-  const ParameterView* layer_views(int64_t layer) const;
+  ParameterView* layer_views(int64_t layer);
   int64_t layer_count() const { return layout_.end_layer - layout_.first_layer; }
+  bool holds_root() const { return layout_.embedding || layout_.head; }
+  // The hooks' pre_ call of `unit`, then its views pointed at its storage.
+  void enter(int64_t unit, float* hidden, bool backward);
   Microbatch& forwarded(int32_t mb, const char* action);
   void backward_pass(Microbatch& state, float loss_scale, const float* grad_output,
                      float* grad_input, WeightGradients& gradients);
 
   LlamaConfig config_;
   StageLayout layout_;
-  std::vector<float> params_;
-  std::vector<float> grads_;
-  int64_t num_parameters_ = 0;
+  StageHooks& hooks_;
   std::vector<ParameterView> parameters_;
+  int embed_index_ = -1;  // into parameters_, -1 without the embedding
   int norm_index_ = 0;
   int lm_head_index_ = 0;
   std::unique_ptr<DecoderPass> pass_;

@@ -151,6 +151,7 @@ const meshrun_plugin_api kApi = {
     nullptr,
     nullptr,
     nullptr,
+    nullptr,
 };
 
 }  // namespace

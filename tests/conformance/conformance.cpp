@@ -228,6 +228,9 @@ TEST_CASE("identity and kind table agree with the file name", "[conformance]") {
   CHECK((api.schedule != nullptr) == (kind == meshrun::PluginKind::schedule));
   CHECK((api.sidecar != nullptr) == (kind == meshrun::PluginKind::sidecar));
   CHECK((api.comm != nullptr) == (kind == meshrun::PluginKind::comm));
+  if (MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model)) {
+    CHECK((api.model != nullptr) == (kind == meshrun::PluginKind::model));
+  }
   switch (kind) {
     case meshrun::PluginKind::strategy:
       REQUIRE(api.strategy != nullptr);
@@ -253,6 +256,13 @@ TEST_CASE("identity and kind table agree with the file name", "[conformance]") {
       REQUIRE(api.comm != nullptr);
       CHECK(api.comm->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_comm_api, extensions));
       CHECK(api.comm->device_type >= 1);
+      break;
+    case meshrun::PluginKind::model:
+      REQUIRE(MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model));
+      REQUIRE(api.model != nullptr);
+      CHECK(api.model->struct_size >= MESHRUN_MODEL_API_SIZE_1_5);
+      REQUIRE(api.model->model_type != nullptr);
+      CHECK(*api.model->model_type != '\0');
       break;
   }
 }

@@ -80,6 +80,7 @@ static const meshrun_plugin_api plain_api = {
     NULL,
     NULL,
     NULL,
+    NULL,
 };
 
 const meshrun_plugin_api* meshrun_plugin_get_api(void) { return &plain_api; }

@@ -101,6 +101,7 @@ constexpr meshrun_plugin_api make_api() {
       nullptr,
       nullptr,
       nullptr,
+      nullptr,
   };
   if (kName == "wrong_major") {
     // A first release of the next major: 2.0.

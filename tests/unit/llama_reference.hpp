@@ -19,9 +19,9 @@ namespace llama_reference {
 using Vector = std::vector<double>;
 using Weights = std::map<std::string, Vector>;
 
-inline Weights weights_of(const meshrun::llama::LlamaModel& model) {
+inline Weights weights_of(const std::vector<meshrun::llama::ParameterView>& parameters) {
   Weights weights;
-  for (const auto& view : model.parameters()) {
+  for (const auto& view : parameters) {
     weights[view.name] = Vector(view.data, view.data + view.numel);
   }
   return weights;

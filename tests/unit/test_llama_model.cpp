@@ -1,8 +1,9 @@
-// The reference Llama model as a whole: Hugging Face names and one contiguous
-// buffer; the loss against a naive double-precision re-implementation; every
-// parameter's gradient against finite differences (of that reference, and of
-// the model's own float32 forward); hooks in the documented order;
-// deterministic initialization.
+// The Llama model as a whole (the stage that holds everything, over buffers
+// of its own): Hugging Face names in one contiguous buffer; the loss against
+// a naive double-precision re-implementation; every parameter's gradient
+// against finite differences (of that reference, and of the model's own
+// float32 forward); hooks in the documented order; storage bound by the
+// hooks; deterministic initialization.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,15 +20,16 @@
 
 #include "finite_differences.hpp"
 #include "llama/model.hpp"
+#include "llama_fixture.hpp"
 #include "llama_reference.hpp"
 
 namespace {
 
-using meshrun::llama::kRootUnit;
 using meshrun::llama::LlamaConfig;
-using meshrun::llama::LlamaModel;
-using meshrun::llama::ModuleHooks;
+using meshrun::llama::LlamaStage;
 using meshrun::llama::ParameterView;
+using meshrun::llama::StageHooks;
+using LlamaModel = llama_fixture::OwnedModel;
 
 constexpr int64_t kBatch = 2;
 constexpr int64_t kSeqLen = 5;
@@ -85,19 +87,10 @@ void randomize(LlamaModel& model, uint32_t seed) {
   }
 }
 
-// The hook unit a parameter belongs to: its decoder layer, else the root.
-int unit_of(const std::string& name) {
-  const std::string prefix = "model.layers.";
-  if (name.rfind(prefix, 0) != 0) return kRootUnit;
-  return std::stoi(name.substr(prefix.size()));
-}
-
-std::vector<float> unit_gradients(const LlamaModel& model, int unit) {
+std::vector<float> unit_gradients(const LlamaModel& model, int64_t unit) {
   std::vector<float> gradients;
   for (const ParameterView& view : model.parameters()) {
-    if (unit_of(view.name) == unit) {
-      gradients.insert(gradients.end(), view.grad, view.grad + view.numel);
-    }
+    if (view.unit == unit) gradients.insert(gradients.end(), view.grad, view.grad + view.numel);
   }
   return gradients;
 }
@@ -108,9 +101,9 @@ float forward_backward(LlamaModel& model, const Batch& batch) {
   return loss;
 }
 
-TEST_CASE("llama parameters: Hugging Face names and shapes in one contiguous buffer", "[llama]") {
+TEST_CASE("llama parameters: Hugging Face names, shapes and order; units by layer", "[llama]") {
   const bool tied = GENERATE(false, true);
-  LlamaModel model(narrow_config(tied));
+  const auto parameters = meshrun::llama::model_parameters(narrow_config(tied));
   const int64_t V = 11, H = 8, I = 12, q = 8, kv = 4;
   std::vector<std::pair<std::string, std::vector<int64_t>>> expected = {
       {"model.embed_tokens.weight", {V, H}}};
@@ -129,18 +122,15 @@ TEST_CASE("llama parameters: Hugging Face names and shapes in one contiguous buf
   expected.push_back({"model.norm.weight", {H}});
   if (!tied) expected.push_back({"lm_head.weight", {V, H}});
 
-  const auto& parameters = model.parameters();
   REQUIRE(parameters.size() == expected.size());
-  int64_t offset = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
     INFO(expected[i].first);
     CHECK(parameters[i].name == expected[i].first);
     CHECK(parameters[i].shape == expected[i].second);
-    CHECK(parameters[i].data == model.param_buffer() + offset);
-    CHECK(parameters[i].grad == model.grad_buffer() + offset);
-    offset += parameters[i].numel;
+    CHECK(parameters[i].index == int64_t(i));
+    const bool in_layer = expected[i].first.rfind("model.layers.", 0) == 0;
+    CHECK(parameters[i].unit == (in_layer ? expected[i].first[13] - '0' : 2));
   }
-  CHECK(offset == model.num_parameters());
 }
 
 TEST_CASE("llama forward matches a naive double-precision Hugging Face reference", "[llama]") {
@@ -150,8 +140,8 @@ TEST_CASE("llama forward matches a naive double-precision Hugging Face reference
   randomize(model, 1);
   const Batch batch = random_batch(config.vocab_size, kBatch, kSeqLen, 2);
   const double expected =
-      llama_reference::loss(config, llama_reference::weights_of(model), batch.tokens.data(),
-                            batch.targets.data(), kBatch, kSeqLen);
+      llama_reference::loss(config, llama_reference::weights_of(model.parameters()),
+                            batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
   const float loss = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
   // float32 against double: ~1e-7 apart; a wrong convention moves the loss
   // by far more than 1e-5.
@@ -171,7 +161,7 @@ TEST_CASE("llama gradients of every parameter match finite differences of the re
   const Batch batch = random_batch(config.vocab_size, kBatch, kSeqLen, 4);
   forward_backward(model, batch);
 
-  llama_reference::Weights weights = llama_reference::weights_of(model);
+  llama_reference::Weights weights = llama_reference::weights_of(model.parameters());
   for (const ParameterView& view : model.parameters()) {
     llama_reference::Vector& values = weights.at(view.name);
     const auto numeric = finite_differences::central(values.data(), view.numel, 1e-6, [&] {
@@ -218,29 +208,36 @@ TEST_CASE("llama backward accumulates into the gradients", "[llama]") {
   CHECK(std::all_of(grads, grads + model.num_parameters(), [](float g) { return g == 0; }));
 }
 
-class RecordingHooks : public ModuleHooks {
+class RecordingHooks : public StageHooks {
  public:
   explicit RecordingHooks(const LlamaModel& model) : model_(model) {}
-  void pre_forward(int unit) override { events.push_back("pre_forward " + name(unit)); }
-  void post_forward(int unit) override { events.push_back("post_forward " + name(unit)); }
-  void pre_backward(int unit) override { events.push_back("pre_backward " + name(unit)); }
-  void post_backward(int unit) override {
+  void pre_forward(int64_t unit, float*, int64_t) override {
+    events.push_back("pre_forward " + name(unit));
+  }
+  void post_forward(int64_t unit, float*, int64_t) override {
+    events.push_back("post_forward " + name(unit));
+  }
+  void pre_backward(int64_t unit) override { events.push_back("pre_backward " + name(unit)); }
+  void post_backward(int64_t unit) override {
     events.push_back("post_backward " + name(unit));
     unit_gradients_when_ready[unit] = unit_gradients(model_, unit);
   }
-  void gradient_ready(int parameter) override {
-    const ParameterView& view = model_.parameters().at(parameter);
-    events.push_back("gradient_ready " + name(unit_of(view.name)));
+  void gradient_ready(int64_t parameter) override {
+    const ParameterView& view = model_.parameters().at(size_t(parameter));
+    events.push_back("gradient_ready " + name(view.unit));
     ready_order.push_back(parameter);
     gradients_when_ready[parameter].assign(view.grad, view.grad + view.numel);
   }
+  void bind(ParameterView&, bool) override {}
 
   std::vector<std::string> events;
-  std::vector<int> ready_order;
-  std::map<int, std::vector<float>> unit_gradients_when_ready, gradients_when_ready;
+  std::vector<int64_t> ready_order;
+  std::map<int64_t, std::vector<float>> unit_gradients_when_ready, gradients_when_ready;
 
  private:
-  static std::string name(int unit) { return unit == kRootUnit ? "root" : std::to_string(unit); }
+  std::string name(int64_t unit) const {
+    return unit == meshrun::llama::root_unit(model_.config()) ? "root" : std::to_string(unit);
+  }
   const LlamaModel& model_;
 };
 
@@ -253,7 +250,7 @@ TEST_CASE("llama calls the hooks in the documented order, gradients final when a
   const bool tied = GENERATE(false, true);
   LlamaModel model(narrow_config(tied));
   RecordingHooks hooks(model);
-  model.set_hooks(&hooks);
+  model.set_observer(&hooks);
   forward_backward(model, random_batch(11, kBatch, kSeqLen, 9));
 
   std::vector<std::string> module_events;
@@ -266,9 +263,9 @@ TEST_CASE("llama calls the hooks in the documented order, gradients final when a
   CHECK(module_events == expected);
 
   // Every parameter once, in reverse order, inside its unit's backward.
-  std::vector<int> reverse_order(model.parameters().size());
+  std::vector<int64_t> reverse_order(model.parameters().size());
   for (size_t i = 0; i < reverse_order.size(); ++i)
-    reverse_order[i] = int(reverse_order.size() - 1 - i);
+    reverse_order[i] = int64_t(reverse_order.size() - 1 - i);
   CHECK(hooks.ready_order == reverse_order);
   for (int64_t i = 0; i < int64_t(hooks.events.size()); ++i) {
     const std::string& event = hooks.events[i];
@@ -280,35 +277,41 @@ TEST_CASE("llama calls the hooks in the documented order, gradients final when a
   }
 
   for (const auto& [parameter, gradient] : hooks.gradients_when_ready) {
-    const ParameterView& view = model.parameters()[parameter];
+    const ParameterView& view = model.parameters()[size_t(parameter)];
     INFO(view.name);
     CHECK(gradient == std::vector<float>(view.grad, view.grad + view.numel));
   }
-  for (int unit : {kRootUnit, 0, 1}) {
+  for (int64_t unit : {2, 0, 1}) {
     INFO("unit " << unit);
     CHECK(hooks.unit_gradients_when_ready.at(unit) == unit_gradients(model, unit));
   }
 
   const size_t events = hooks.events.size();
-  model.set_hooks(nullptr);
+  model.set_observer(nullptr);
   forward_backward(model, random_batch(11, kBatch, kSeqLen, 9));
   CHECK(hooks.events.size() == events);
 }
 
-// What a sharded strategy does: each unit's parameters live in storage the
-// model does not own, allocated at the unit's pre-hook and freed at its
-// post-hook, with the views pointed at it in between.
-class UnitStorageHooks : public ModuleHooks {
+// What a sharded strategy does: each unit's parameters live in storage
+// allocated at the unit's pre-hook and freed at its post-hook, and the
+// stage's views point at it in between.
+class UnitStorageHooks : public StageHooks {
  public:
-  UnitStorageHooks(LlamaModel& model, const std::vector<float>& weights)
-      : model_(model), weights_(weights) {}
-  void pre_forward(int unit) override { materialize(unit, false); }
-  void post_forward(int unit) override { storage_.erase(unit); }
-  void pre_backward(int unit) override { materialize(unit, true); }
-  void post_backward(int unit) override {
+  UnitStorageHooks(const LlamaModel& owner) : owner_(owner) {}
+  void pre_forward(int64_t unit, float*, int64_t) override { materialize(unit); }
+  void post_forward(int64_t unit, float*, int64_t) override { storage_.erase(unit); }
+  void pre_backward(int64_t unit) override { materialize(unit); }
+  void post_backward(int64_t unit) override {
     const Storage& storage = storage_.at(unit);
     grads.insert(grads.end(), storage.grads.begin(), storage.grads.end());
     storage_.erase(unit);
+  }
+  void gradient_ready(int64_t) override {}
+  void bind(ParameterView& view, bool backward) override {
+    Storage& storage = storage_.at(view.unit);
+    const int64_t at = storage.offset.at(view.index);
+    view.data = storage.params.data() + at;
+    view.grad = backward ? storage.grads.data() + at : nullptr;
   }
 
   std::vector<float> grads;  // per unit in post_backward order, parameters in index order
@@ -316,53 +319,38 @@ class UnitStorageHooks : public ModuleHooks {
  private:
   struct Storage {
     std::vector<float> params, grads;
+    std::map<int64_t, int64_t> offset;
   };
-  void materialize(int unit, bool with_grads) {
+  void materialize(int64_t unit) {
     Storage& storage = storage_[unit];
-    int64_t offset = 0;
-    for (auto& view : model_.parameters()) {
-      if (unit_of(view.name) != unit) {
-        offset += view.numel;
-        continue;
-      }
-      storage.params.insert(storage.params.end(), weights_.begin() + offset,
-                            weights_.begin() + offset + view.numel);
-      offset += view.numel;
+    for (const ParameterView& view : owner_.parameters()) {
+      if (view.unit != unit) continue;
+      storage.offset[view.index] = int64_t(storage.params.size());
+      storage.params.insert(storage.params.end(), view.data, view.data + view.numel);
     }
     storage.grads.assign(storage.params.size(), 0.0f);
-    int64_t at = 0;
-    for (auto& view : model_.parameters()) {
-      if (unit_of(view.name) != unit) continue;
-      view.data = storage.params.data() + at;
-      view.grad = with_grads ? storage.grads.data() + at : nullptr;
-      at += view.numel;
-    }
   }
-  LlamaModel& model_;
-  const std::vector<float>& weights_;
-  std::map<int, Storage> storage_;
+  const LlamaModel& owner_;
+  std::map<int64_t, Storage> storage_;
 };
 
-TEST_CASE("llama computes the same with its storage released and units bound by the hooks",
-          "[llama]") {
+TEST_CASE("llama computes the same with units bound to storage that comes and goes", "[llama]") {
   const bool tied = GENERATE(false, true);
-  LlamaModel owning(narrow_config(tied)), bound(narrow_config(tied));
+  const LlamaConfig config = narrow_config(tied);
+  LlamaModel owning(config);
   randomize(owning, 5);
-  const std::vector<float> weights(owning.param_buffer(),
-                                   owning.param_buffer() + owning.num_parameters());
   const Batch batch = random_batch(11, kBatch, kSeqLen, 3);
   const float expected = forward_backward(owning, batch);
 
-  bound.release_storage();
-  CHECK(bound.param_buffer() == nullptr);
-  CHECK(bound.num_parameters() == owning.num_parameters());
-  for (const auto& view : bound.parameters()) CHECK(view.data == nullptr);
-  UnitStorageHooks hooks(bound, weights);
-  bound.set_hooks(&hooks);
-  CHECK(forward_backward(bound, batch) == expected);
+  UnitStorageHooks hooks(owning);
+  LlamaStage bound(config, {0, config.num_hidden_layers, true, true}, hooks);
+  bound.set_shape(kBatch, kSeqLen);
+  CHECK(float(bound.forward(0, batch.tokens.data(), batch.targets.data(), nullptr, nullptr)) ==
+        expected);
+  bound.backward(0, 1.0f, nullptr, nullptr);
 
   std::vector<float> expected_grads;
-  for (int unit : {1, 0, kRootUnit}) {  // post_backward order: the root encloses the layers
+  for (int64_t unit : {1, 0, 2}) {  // post_backward order: the root (2) encloses the layers
     const std::vector<float> unit_grads = unit_gradients(owning, unit);
     expected_grads.insert(expected_grads.end(), unit_grads.begin(), unit_grads.end());
   }
@@ -421,7 +409,7 @@ TEST_CASE("llama forward reuses or reallocates buffers as the shape changes", "[
   const float full = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
   // The first sequence's first three tokens alone: a different shape.
   const float prefix = model.forward(batch.tokens.data(), batch.targets.data(), 1, 3);
-  const auto weights = llama_reference::weights_of(model);
+  const auto weights = llama_reference::weights_of(model.parameters());
   CHECK(prefix == Approx(llama_reference::loss(model.config(), weights, batch.tokens.data(),
                                                batch.targets.data(), 1, 3))
                       .epsilon(1e-4));
@@ -445,19 +433,6 @@ TEST_CASE("llama rejects bad input", "[llama]") {
   batch.targets[3] = 0;
   forward_backward(model, batch);
   CHECK_THROWS_AS(model.backward(), std::logic_error);
-}
-
-TEST_CASE("llama bfloat16 storage rounds to nearest even", "[llama]") {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> values = {
-      1.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-7f + 0x1p-12f, -2.5f, nan};
-  meshrun::llama::round_to_bfloat16(values.data(), int64_t(values.size()));
-  CHECK(values[0] == 1.0f);
-  CHECK(values[1] == 1.0f);            // halfway, to the even 1.0
-  CHECK(values[2] == 1.0f + 0x1p-6f);  // halfway, to the even 1 + 2^-6
-  CHECK(values[3] == 1.0f + 0x1p-7f);  // below halfway
-  CHECK(values[4] == -2.5f);           // representable
-  CHECK(std::isnan(values[5]));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -23,15 +24,17 @@
 #include "finite_differences.hpp"
 #include "llama/model.hpp"
 #include "llama/stage.hpp"
+#include "llama_fixture.hpp"
 
 namespace {
 
 using Catch::Matchers::Contains;
+using llama_fixture::OwnedStage;
 using meshrun::llama::LlamaConfig;
-using meshrun::llama::LlamaModel;
 using meshrun::llama::LlamaStage;
 using meshrun::llama::ParameterView;
 using meshrun::llama::StageLayout;
+using LlamaModel = llama_fixture::OwnedModel;
 
 constexpr int64_t kBatch = 2;
 constexpr int64_t kSeqLen = 5;
@@ -52,10 +55,10 @@ LlamaConfig four_layer_config(bool tied = false) {
 
 // Weights 15x the initialization's (std 0.3) so attention is peaked and
 // every gradient is well away from zero.
-LlamaModel make_model(const LlamaConfig& config, uint64_t seed) {
-  LlamaModel model(config);
-  model.init_weights(seed);
-  for (ParameterView& view : model.parameters()) {
+std::unique_ptr<LlamaModel> make_model(const LlamaConfig& config, uint64_t seed) {
+  auto model = std::make_unique<LlamaModel>(config);
+  model->init_weights(seed);
+  for (ParameterView& view : model->parameters()) {
     if (view.shape.size() == 1) continue;  // norms stay 1
     std::transform(view.data, view.data + view.numel, view.data, [](float w) { return 15 * w; });
   }
@@ -100,13 +103,15 @@ class Chain {
  public:
   Chain(const LlamaModel& model, const std::vector<StageLayout>& layouts) {
     for (const StageLayout& layout : layouts) {
-      LlamaStage& stage = stages.emplace_back(model.config(), layout);
-      for (ParameterView& view : stage.parameters()) {
+      OwnedStage& owned =
+          *owned_.emplace_back(std::make_unique<OwnedStage>(model.config(), layout));
+      for (ParameterView& view : owned.parameters()) {
         const ParameterView& source = named(model, view.name);
         REQUIRE(source.shape == view.shape);
         std::copy_n(source.data, view.numel, view.data);
       }
-      stage.set_shape(kBatch, kSeqLen);
+      owned.stage().set_shape(kBatch, kSeqLen);
+      stages.push_back(&owned.stage());
     }
     grad_inputs.resize(stages.size());
   }
@@ -114,10 +119,10 @@ class Chain {
   float forward(int32_t mb, const Batch& batch) {
     std::vector<float> input, output;
     float loss = 0;
-    for (LlamaStage& stage : stages) {
-      output.assign(stage.output_numel(), 0.0f);
-      loss =
-          stage.forward(mb, batch.tokens.data(), batch.targets.data(), input.data(), output.data());
+    for (LlamaStage* stage : stages) {
+      output.assign(stage->output_numel(), 0.0f);
+      loss = float(stage->forward(mb, batch.tokens.data(), batch.targets.data(), input.data(),
+                                  output.data()));
       input.swap(output);
     }
     return loss;
@@ -127,7 +132,7 @@ class Chain {
   void backward(int32_t mb, float loss_scale, bool input_only) {
     std::vector<float> grad_output;
     for (size_t s = stages.size(); s-- > 0;) {
-      LlamaStage& stage = stages[s];
+      LlamaStage& stage = *stages[s];
       grad_inputs[s].assign(stage.input_numel(), 0.0f);
       if (input_only) {
         stage.backward_input(mb, loss_scale, grad_output.data(), grad_inputs[s].data());
@@ -139,23 +144,27 @@ class Chain {
   }
 
   void backward_weight(int32_t mb) {
-    for (LlamaStage& stage : stages) stage.backward_weight(mb);
+    for (LlamaStage* stage : stages) stage->backward_weight(mb);
   }
 
   Gradients gradients() const {
     Gradients all;
-    for (const LlamaStage& stage : stages) all.merge(gradients_of(stage.parameters()));
+    for (const auto& owned : owned_) all.merge(gradients_of(owned->parameters()));
     return all;
   }
+  const OwnedStage& owned(size_t s) const { return *owned_[s]; }
 
   int64_t activation_bytes() const {
     int64_t total = 0;
-    for (const LlamaStage& stage : stages) total += stage.activation_bytes();
+    for (const LlamaStage* stage : stages) total += stage->activation_bytes();
     return total;
   }
 
-  std::vector<LlamaStage> stages;
+  std::vector<LlamaStage*> stages;
   std::vector<std::vector<float>> grad_inputs;  // of the latest backward, per stage
+
+ private:
+  std::vector<std::unique_ptr<OwnedStage>> owned_;
 };
 
 // Runs a schedule such as "F0 F1 B0 I1 W1" over the chain: F forward, B full
@@ -192,25 +201,27 @@ std::vector<std::vector<StageLayout>> splits() {
 
 TEST_CASE("llama stages hold the model's parameters by Hugging Face name, in its order",
           "[llama][stage]") {
-  const LlamaModel model = make_model(four_layer_config(), 1);
-  Chain chain(model, splits()[0]);
+  const auto model = make_model(four_layer_config(), 1);
+  Chain chain(*model, splits()[0]);
   std::vector<std::string> names;
-  for (LlamaStage& stage : chain.stages) {
-    int64_t offset = 0;
-    for (const ParameterView& view : stage.parameters()) {
+  std::vector<int64_t> indices;
+  for (const LlamaStage* stage : chain.stages) {
+    for (const ParameterView& view : stage->parameters()) {
       names.push_back(view.name);
-      CHECK(view.data == stage.param_buffer() + offset);
-      CHECK(view.grad == stage.grad_buffer() + offset);
-      offset += view.numel;
+      indices.push_back(view.index);
     }
-    CHECK(offset == stage.num_parameters());
   }
   std::vector<std::string> model_names;
-  for (const ParameterView& view : model.parameters()) model_names.push_back(view.name);
+  std::vector<int64_t> model_indices;
+  for (const ParameterView& view : model->parameters()) {
+    model_names.push_back(view.name);
+    model_indices.push_back(view.index);
+  }
   CHECK(names == model_names);
-  CHECK(chain.stages[0].parameters()[0].name == "model.embed_tokens.weight");
-  CHECK(chain.stages[1].parameters()[0].name == "model.layers.2.input_layernorm.weight");
-  CHECK(chain.stages[2].parameters().back().name == "lm_head.weight");
+  CHECK(indices == model_indices);
+  CHECK(chain.stages[0]->parameters()[0].name == "model.embed_tokens.weight");
+  CHECK(chain.stages[1]->parameters()[0].name == "model.layers.2.input_layernorm.weight");
+  CHECK(chain.stages[2]->parameters().back().name == "lm_head.weight");
 }
 
 // The splits, and one stage of the whole model with tied embeddings.
@@ -232,14 +243,14 @@ TEST_CASE("llama stages in a chain give exactly the model's loss and gradients",
   INFO("stages " << layouts.size() << ", first ends at layer " << layouts[0].end_layer << ", tied "
                  << chain_case.tied);
   const LlamaConfig config = four_layer_config(chain_case.tied);
-  LlamaModel model = make_model(config, 2);
-  Chain chain(model, layouts);
+  const auto model = make_model(config, 2);
+  Chain chain(*model, layouts);
   const Batch batch = random_batch(config, 3);
 
-  const float expected = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
-  model.backward();
+  const float expected = model->forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  model->backward();
   CHECK(run(chain, "F0 B0", {batch}, 1.0f).at(0) == expected);
-  CHECK(chain.gradients() == gradients_of(model.parameters()));
+  CHECK(chain.gradients() == gradients_of(model->parameters()));
 }
 
 // Each weight gradient receives the microbatches' contributions in the same
@@ -248,16 +259,16 @@ TEST_CASE("llama stages in a chain give exactly the model's loss and gradients",
 TEST_CASE("llama stages with microbatches in flight together accumulate as one at a time",
           "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  const LlamaModel model = make_model(config, 6);
+  const auto model = make_model(config, 6);
   const std::vector<Batch> batches = random_batches(config, 4);
-  Chain one_by_one(model, splits()[0]);
+  Chain one_by_one(*model, splits()[0]);
   const auto expected_losses = run(one_by_one, "F0 B0 F1 B1 F2 B2 F3 B3", batches, 0.25f);
   const Gradients expected = one_by_one.gradients();
 
   const std::string schedule = GENERATE(std::string("F0 F1 F2 B0 F3 B1 B2 B3"),
                                         std::string("F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3"));
   INFO(schedule);
-  Chain interleaved(model, splits()[0]);
+  Chain interleaved(*model, splits()[0]);
   CHECK(run(interleaved, schedule, batches, 0.25f) == expected_losses);
   CHECK(interleaved.gradients() == expected);
   CHECK(interleaved.activation_bytes() == 0);
@@ -267,14 +278,14 @@ TEST_CASE("llama stages with microbatches in flight together accumulate as one a
 // into gradients that receive each microbatch's share once: equal bits.
 TEST_CASE("llama stage backward_input then backward_weight equals backward", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  const LlamaModel model = make_model(config, 7);
+  const auto model = make_model(config, 7);
   const std::vector<Batch> batches = random_batches(config, 1);
-  Chain full(model, splits()[0]), split(model, splits()[0]);
+  Chain full(*model, splits()[0]), split(*model, splits()[0]);
   run(full, "F0 B0", batches, 1.0f);
   run(split, "F0 I0", batches, 1.0f);
   CHECK(split.grad_inputs == full.grad_inputs);
-  for (const LlamaStage& stage : split.stages) {
-    for (const ParameterView& view : stage.parameters()) {
+  for (size_t s = 0; s < split.stages.size(); ++s) {
+    for (const ParameterView& view : split.owned(s).parameters()) {
       const bool computed_in_i = view.shape.size() == 1 || view.name == "model.embed_tokens.weight";
       INFO(view.name);
       CHECK(std::any_of(view.grad, view.grad + view.numel, [](float g) { return g != 0; }) ==
@@ -293,13 +304,13 @@ TEST_CASE("llama stage backward_input then backward_weight equals backward", "[l
 // bound, 2e-6, is relative to the tensor's scale.
 TEST_CASE("llama stage loss_scale 1/m averages the microbatches' losses", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  LlamaModel model = make_model(config, 8);
+  const auto model = make_model(config, 8);
   const Batch batch = random_batch(config, 9);
-  const float expected = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
-  model.backward();
+  const float expected = model->forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  model->backward();
 
-  Chain chain(model, splits()[0]);
-  for (LlamaStage& stage : chain.stages) stage.set_shape(1, kSeqLen);
+  Chain chain(*model, splits()[0]);
+  for (LlamaStage* stage : chain.stages) stage->set_shape(1, kSeqLen);
   std::vector<Batch> halves(2);
   for (int mb = 0; mb < 2; ++mb) {
     const auto first = batch.tokens.begin() + mb * kSeqLen;
@@ -310,7 +321,7 @@ TEST_CASE("llama stage loss_scale 1/m averages the microbatches' losses", "[llam
   const auto losses = run(chain, "F0 F1 B0 B1", halves, 0.5f);
   CHECK((losses.at(0) + losses.at(1)) / 2 == Approx(expected).epsilon(1e-6));
   const Gradients stage_gradients = chain.gradients();
-  for (const auto& [name, gradient] : gradients_of(model.parameters())) {
+  for (const auto& [name, gradient] : gradients_of(model->parameters())) {
     const std::vector<double> expected_gradient(gradient.begin(), gradient.end());
     float scale = 0;
     for (float g : gradient) scale = std::max(scale, std::abs(g));
@@ -321,10 +332,10 @@ TEST_CASE("llama stage loss_scale 1/m averages the microbatches' losses", "[llam
 
 TEST_CASE("llama stage frees each microbatch's state when its backward is done", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  const LlamaModel model = make_model(config, 10);
+  const auto model = make_model(config, 10);
   const std::vector<Batch> batches = random_batches(config, 3);
-  Chain chain(model, splits()[0]);
-  LlamaStage& middle = chain.stages[1];
+  Chain chain(*model, splits()[0]);
+  LlamaStage& middle = *chain.stages[1];
   CHECK(middle.activation_bytes() == 0);
   run(chain, "F0", batches, 1.0f);
   const int64_t one = middle.activation_bytes();
@@ -347,10 +358,10 @@ TEST_CASE("llama stage frees each microbatch's state when its backward is done",
 
 TEST_CASE("llama stage refuses misuse with a message", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  const LlamaModel model = make_model(config, 11);
+  const auto model = make_model(config, 11);
   const std::vector<Batch> batches = random_batches(config, 2);
-  Chain chain(model, splits()[0]);
-  LlamaStage& last = chain.stages[2];
+  Chain chain(*model, splits()[0]);
+  LlamaStage& last = *chain.stages[2];
   std::vector<float> input(last.input_numel()), grad_input(last.input_numel());
 
   CHECK_THROWS_WITH(last.backward(0, 1.0f, nullptr, grad_input.data()),
@@ -359,9 +370,9 @@ TEST_CASE("llama stage refuses misuse with a message", "[llama][stage]") {
   run(chain, "F0", batches, 1.0f);
   CHECK_THROWS_WITH(chain.forward(0, batches[0]), Contains("microbatch 0 is already in flight"));
   CHECK_THROWS_WITH(last.backward_weight(0), Contains("backward_weight needs its backward_input"));
-  CHECK_THROWS_AS(chain.stages[1].backward(0, 1.0f, nullptr, grad_input.data()),
+  CHECK_THROWS_AS(chain.stages[1]->backward(0, 1.0f, nullptr, grad_input.data()),
                   std::invalid_argument);  // no grad_output
-  CHECK_THROWS_WITH(chain.stages[1].set_shape(1, 3), Contains("in flight"));
+  CHECK_THROWS_WITH(chain.stages[1]->set_shape(1, 3), Contains("in flight"));
   run(chain, "I0", batches, 1.0f);
   CHECK_THROWS_WITH(last.backward(0, 1.0f, nullptr, grad_input.data()),
                     Contains("backward after its backward_input"));
@@ -373,25 +384,27 @@ TEST_CASE("llama stage refuses misuse with a message", "[llama][stage]") {
   CHECK_THROWS_AS(last.forward(1, nullptr, bad.targets.data(), input.data(), nullptr),
                   std::out_of_range);
   bad.tokens[4] = -1;
-  std::vector<float> output(chain.stages[0].output_numel());
-  CHECK_THROWS_AS(chain.stages[0].forward(1, bad.tokens.data(), nullptr, nullptr, output.data()),
+  std::vector<float> output(chain.stages[0]->output_numel());
+  CHECK_THROWS_AS(chain.stages[0]->forward(1, bad.tokens.data(), nullptr, nullptr, output.data()),
                   std::out_of_range);
   CHECK(chain.activation_bytes() == 0);  // nothing kept of a refused forward
-  LlamaStage unshaped(config, {0, 2, true, false});
-  CHECK_THROWS_WITH(unshaped.forward(0, batches[0].tokens.data(), nullptr, nullptr, output.data()),
-                    Contains("before set_shape"));
+  OwnedStage unshaped(config, {0, 2, true, false});
+  CHECK_THROWS_WITH(
+      unshaped.stage().forward(0, batches[0].tokens.data(), nullptr, nullptr, output.data()),
+      Contains("before set_shape"));
 }
 
 TEST_CASE("llama stage rejects layouts that do not fit the model", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
-  CHECK_THROWS_WITH(LlamaStage(four_layer_config(true), {0, 2, true, false}),
+  const auto stage = [](const LlamaConfig& c, StageLayout layout) { OwnedStage owned(c, layout); };
+  CHECK_THROWS_WITH(stage(four_layer_config(true), {0, 2, true, false}),
                     Contains("tied embeddings cannot be split across pipeline stages"));
-  CHECK_THROWS_AS(LlamaStage(four_layer_config(true), {2, 4, false, true}), std::invalid_argument);
-  CHECK_THROWS_WITH(LlamaStage(config, {1, 2, true, false}), Contains("embedding goes on"));
-  CHECK_THROWS_WITH(LlamaStage(config, {1, 3, false, true}), Contains("head"));
-  CHECK_THROWS_WITH(LlamaStage(config, {2, 2, false, false}), Contains("holds at least"));
-  CHECK_THROWS_AS(LlamaStage(config, {3, 5, false, false}), std::invalid_argument);
-  CHECK_THROWS_AS(LlamaStage(config, {3, 2, false, false}), std::invalid_argument);
+  CHECK_THROWS_AS(stage(four_layer_config(true), {2, 4, false, true}), std::invalid_argument);
+  CHECK_THROWS_WITH(stage(config, {1, 2, true, false}), Contains("embedding goes on"));
+  CHECK_THROWS_WITH(stage(config, {1, 3, false, true}), Contains("head"));
+  CHECK_THROWS_WITH(stage(config, {2, 2, false, false}), Contains("holds at least"));
+  CHECK_THROWS_AS(stage(config, {3, 5, false, false}), std::invalid_argument);
+  CHECK_THROWS_AS(stage(config, {3, 2, false, false}), std::invalid_argument);
 }
 
 }  // namespace

@@ -112,7 +112,7 @@ bool same_file(const std::string& a, const std::string& b) {
 
 TEST_CASE("plugin loader: kind names", "[plugin]") {
   CHECK(meshrun::plugin_kind_names() ==
-        std::vector<std::string>{"strategy", "schedule", "sidecar", "comm"});
+        std::vector<std::string>{"strategy", "schedule", "sidecar", "comm", "model"});
   for (const auto& name : meshrun::plugin_kind_names()) {
     const auto kind = meshrun::plugin_kind_from_name(name);
     REQUIRE(kind.has_value());

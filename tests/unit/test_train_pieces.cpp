@@ -1,10 +1,16 @@
 // The trainer's single-process pieces: AdamW against PyTorch's formula, the
-// learning-rate schedule, hook ranges, sampling, safetensors round trips.
+// learning-rate schedule, the layout of a model's parameters and units,
+// bfloat16 storage, sampling, safetensors round trips.
 // End-to-end runs are in tests/train/test_train.py.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
+#include <string>
+#include <vector>
 
+#include "model/model.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
 #include "train/optimizer.hpp"
@@ -49,23 +55,84 @@ TEST_CASE("train: clipping scales to max_grad_norm like clip_grad_norm_", "[trai
   CHECK(std::sqrt(train::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
 }
 
-TEST_CASE("train: hook ranges tile the buffers in parameter order", "[train]") {
-  llama::LlamaConfig config;
-  config.hidden_size = 16;
-  config.intermediate_size = 32;
-  config.num_hidden_layers = 3;
-  config.num_attention_heads = 2;
-  config.num_key_value_heads = 1;
-  llama::LlamaModel model(config);
-  const auto ranges = train::parameter_ranges(model);
-  REQUIRE(ranges.size() == model.parameters().size());
-  int64_t next = 0;
-  for (size_t p = 0; p < ranges.size(); ++p) {
-    CHECK(ranges[p].first == next);
-    CHECK(ranges[p].first == model.parameters()[p].data - model.param_buffer());
-    next = ranges[p].second;
-  }
-  CHECK(next == model.num_parameters());
+// A description with a root unit around two layer units, the root's
+// parameters on both sides of the layers'.
+const char* const kDescription = R"({
+  "config": {"model_type": "toy"},
+  "parameters": [
+    {"name": "embed", "shape": [4, 2], "unit": "root"},
+    {"name": "layers.0.w", "shape": [2, 2], "unit": "layers.0"},
+    {"name": "layers.0.b", "shape": [2], "unit": "layers.0"},
+    {"name": "layers.1.w", "shape": [3, 2], "unit": "layers.1"},
+    {"name": "head", "shape": [4, 2], "unit": "root"}],
+  "units": ["layers.0", "layers.1", "root"],
+  "modules": [{"name": "embed", "parameters": ["embed"]},
+              {"name": "layers.0", "parameters": ["layers.0.w", "layers.0.b"]},
+              {"name": "layers.1", "parameters": ["layers.1.w"]},
+              {"name": "head", "parameters": ["head"]}],
+  "vocab_size": 4})";
+
+TEST_CASE("train: flat buffers and strategy units follow the model's description", "[train]") {
+  const ModelDescription d = parse_description(kDescription, "toy");
+  CHECK(d.numel == 8 + 4 + 2 + 6 + 8);
+  CHECK(d.parameters[4].offset == 20);
+  train::FlatParameters all(d, {0, 1, 2, 3, 4});
+  CHECK(all.offsets == std::vector<int64_t>{0, 8, 12, 14, 20, 28});
+  const train::StageUnits units = train::stage_units(d, {{0, 1, 2, 3, 4}, {0, 1, 2}});
+  CHECK(units.strategy.num_units == 3);
+  CHECK(units.strategy.root_unit == 2);
+  CHECK(units.strategy.parameter_units == std::vector<int32_t>{2, 0, 0, 1, 2});
+  CHECK(units.strategy.parameter_rows == std::vector<int64_t>{4, 2, 2, 3, 4});
+  // Offsets within each unit's flat view: the root holds embed, then head.
+  CHECK(units.offset_in_unit == std::vector<int64_t>{0, 0, 4, 0, 8});
+
+  // A middle pipeline stage: one layer, no root; its layer is unit 0.
+  train::FlatParameters middle(d, {3});
+  CHECK(middle.position[3] == 0);
+  CHECK(middle.position[0] == -1);
+  const train::StageUnits stage = train::stage_units(d, {{3}, {1}});
+  CHECK(stage.strategy.num_units == 1);
+  CHECK(stage.strategy.root_unit == 0);
+  CHECK(stage.of_model_unit == std::vector<int32_t>{-1, 0, -1});
+}
+
+TEST_CASE("train: descriptions that do not hold together are refused naming the field", "[train]") {
+  using Catch::Matchers::Contains;
+  std::string text = kDescription;
+  const auto broken = [&](const std::string& from, const std::string& to) {
+    std::string changed = text;
+    changed.replace(changed.find(from), from.size(), to);
+    return changed;
+  };
+  CHECK_THROWS_WITH(
+      parse_description(broken(R"("layers.1", "root"])", R"("root", "layers.1"])"), "toy"),
+      Contains("the last unit must be \"root\""));
+  CHECK_THROWS_WITH(
+      parse_description(broken(R"("unit": "layers.1")", R"("unit": "layers.9")"), "toy"),
+      Contains("unit 'layers.9'"));
+  CHECK_THROWS_WITH(parse_description(broken(R"({"name": "head", "parameters": ["head"]})",
+                                             R"({"name": "head", "parameters": []})"),
+                                      "toy"),
+                    Contains("parameter 'head' is used by no module"));
+  CHECK_THROWS_WITH(parse_description(broken(R"([2, 2])", R"([2, 0])"), "toy"),
+                    Contains("parameters[1].shape"));
+  CHECK_THROWS_WITH(parse_description("[]", "toy"), Contains("not a JSON object"));
+}
+
+TEST_CASE("train: bfloat16 storage rounds to nearest even", "[train]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> values = {
+      1.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-7f + 0x1p-12f, -2.5f, nan};
+  train::round_to(values.data(), int64_t(values.size()), "bfloat16");
+  CHECK(values[0] == 1.0f);
+  CHECK(values[1] == 1.0f);            // halfway, to the even 1.0
+  CHECK(values[2] == 1.0f + 0x1p-6f);  // halfway, to the even 1 + 2^-6
+  CHECK(values[3] == 1.0f + 0x1p-7f);  // below halfway
+  CHECK(values[4] == -2.5f);           // representable
+  CHECK(std::isnan(values[5]));
+  std::vector<float> kept = {1.0f + 0x1p-12f};
+  train::round_to(kept.data(), 1, "float32");
+  CHECK(kept[0] == 1.0f + 0x1p-12f);
 }
 
 TEST_CASE("train: training samples stay in the training part and depend on (seed, step, index)",

@@ -43,6 +43,7 @@ extern "C" {
 #define MESHRUN_PLUGIN_KIND_SCHEDULE 2 /* gpipe, 1f1b, interleaved_1f1b, ... */
 #define MESHRUN_PLUGIN_KIND_SIDECAR 3  /* model parallelizer: llama, ... */
 #define MESHRUN_PLUGIN_KIND_COMM 4     /* mpi, nccl */
+#define MESHRUN_PLUGIN_KIND_MODEL 5    /* llama, gpt2, ... (ABI 1.5) */
 
 /* Log levels for meshrun_host_services.log. */
 #define MESHRUN_LOG_DEBUG 0
@@ -94,12 +95,16 @@ typedef struct meshrun_sidecar_api meshrun_sidecar_api;
 /* Communication backend table: see meshrun/comm.h. */
 typedef struct meshrun_comm_api meshrun_comm_api;
 
+/* Model (compute) table: see meshrun/model.h. */
+typedef struct meshrun_model_api meshrun_model_api;
+
 /* A plugin's live state, defined by the plugin. Opaque to the host. */
 typedef struct meshrun_plugin_instance meshrun_plugin_instance;
 
 /* The table `meshrun_plugin_get_api` returns. Static: owned by the plugin,
  * valid while the library is loaded. Exactly one of strategy / schedule /
- * sidecar / comm is non-NULL, the one matching `kind`. */
+ * sidecar / comm / model is non-NULL, the one matching `kind` (`model`
+ * arrived in ABI 1.5: test it with MESHRUN_HAS_FIELD). */
 typedef struct meshrun_plugin_api {
   size_t struct_size;
   int32_t abi_major;       /* MESHRUN_ABI_VERSION_MAJOR the plugin was built with */
@@ -122,6 +127,9 @@ typedef struct meshrun_plugin_api {
   const meshrun_sidecar_api* sidecar;
   const meshrun_comm_api* comm;
   const meshrun_extension* extensions;
+
+  /* ---- ABI 1.5 ---- */
+  const meshrun_model_api* model;
 } meshrun_plugin_api;
 
 /* The size of the ABI 1.0 plugin table; the loader refuses smaller ones. */
@@ -140,6 +148,7 @@ MESHRUN_PLUGIN_EXPORT const meshrun_plugin_api* meshrun_plugin_get_api(void);
 /* The kind tables that need more than this header; after the plugin table so
  * that any of the headers can be included first. */
 #include "meshrun/comm.h"
+#include "meshrun/model.h"
 #include "meshrun/schedule.h"
 #include "meshrun/sidecar.h"
 #include "meshrun/strategy.h"

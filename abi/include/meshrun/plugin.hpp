@@ -15,6 +15,7 @@
 #define MESHRUN_PLUGIN_HPP_
 
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <utility>
@@ -33,6 +34,33 @@ class Error : public std::exception {
  private:
   int32_t code_;
   std::string message_;
+};
+
+// An error object a host callback returned (a model stage's hook): guard()
+// hands that same object back from the entry point, so it reaches the host
+// that made it unchanged. Copies share the one object.
+class HostError : public std::exception {
+ public:
+  explicit HostError(meshrun_error* error) : held_(std::make_shared<Held>(error)) {}
+  const char* what() const noexcept override {
+    return held_->error != nullptr && held_->error->message != nullptr ? held_->error->message
+                                                                       : "host error";
+  }
+  int32_t code() const noexcept {
+    return held_->error != nullptr ? held_->error->code : MESHRUN_INTERNAL;
+  }
+  // The error object, now the caller's; NULL when it was taken before.
+  meshrun_error* take() noexcept { return std::exchange(held_->error, nullptr); }
+
+ private:
+  struct Held {
+    explicit Held(meshrun_error* error) : error(error) {}
+    ~Held() { meshrun_error_release(error); }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+    meshrun_error* error;
+  };
+  std::shared_ptr<Held> held_;
 };
 
 namespace detail {
@@ -81,6 +109,9 @@ meshrun_error* guard(Body&& body) noexcept {
   try {
     body();
     return nullptr;
+  } catch (HostError& e) {
+    meshrun_error* error = e.take();
+    return error != nullptr ? error : make_error(e.code(), e.what());
   } catch (const Error& e) {
     return make_error(e.code(), e.what());
   } catch (const std::bad_alloc&) {

@@ -364,6 +364,7 @@ const meshrun_plugin_api kApi = {
     nullptr,
     &kCommApi,
     nullptr,
+    nullptr,
 };
 
 }  // namespace

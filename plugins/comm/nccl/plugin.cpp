@@ -220,6 +220,7 @@ const meshrun_plugin_api kApi = {
     .sidecar = nullptr,
     .comm = &kCommApi,
     .extensions = nullptr,
+    .model = nullptr,
 };
 
 }  // namespace

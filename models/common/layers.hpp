@@ -1,8 +1,8 @@
-// The Llama layers as plain kernels, in the style of llm.c: the forward and
-// the backward of each layer side by side, each with its math, written as
-// loops or one BLAS call. Templated on the real type so the model runs them
-// in float and the tests check every backward against finite differences of
-// its forward in double.
+// The layers of the shipped transformer models (Llama, GPT-2) as plain
+// kernels, in the style of llm.c: the forward and the backward of each layer
+// side by side, each with its math, written as loops or one BLAS call.
+// Templated on the real type so the models run them in float and the tests
+// check every backward against finite differences of its forward in double.
 //
 // Conventions. Matrices are row-major. Activations hold one row per token:
 // N = batch * seq_len rows, token (b, t) in row b * seq_len + t. Weights have
@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace meshrun::llama {
+namespace meshrun::kernels {
 
 // C[m, n] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T;
 // lda, ldb, ldc are the row strides of A, B and C as stored. One BLAS call.
@@ -380,4 +380,4 @@ void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, i
   }
 }
 
-}  // namespace meshrun::llama
+}  // namespace meshrun::kernels

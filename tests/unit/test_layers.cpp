@@ -1,4 +1,4 @@
-// Every Llama layer's backward against central differences of its forward,
+// Every shipped layer's backward against central differences of its forward,
 // in double precision on random inputs: L = sum(upstream * forward(inputs)),
 // so dL/dinputs is exactly what backward computes from `upstream`.
 // In double, with eps = 1e-6, the differences are good to ~1e-9 (third
@@ -11,13 +11,13 @@
 
 #include <catch2/catch.hpp>
 
+#include "common/layers.hpp"
 #include "finite_differences.hpp"
-#include "llama/layers.hpp"
 #include "llama_reference.hpp"
 
 namespace {
 
-using namespace meshrun::llama;
+using namespace meshrun::kernels;
 using Vector = std::vector<double>;
 
 constexpr double kEps = 1e-6;

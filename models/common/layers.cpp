@@ -1,8 +1,8 @@
-#include "llama/layers.hpp"
+#include "common/layers.hpp"
 
 #include <cblas.h>
 
-namespace meshrun::llama {
+namespace meshrun::kernels {
 
 namespace {
 
@@ -24,4 +24,4 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, d
               int(lda), b, int(ldb), beta, c, int(ldc));
 }
 
-}  // namespace meshrun::llama
+}  // namespace meshrun::kernels

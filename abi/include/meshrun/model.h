@@ -1,0 +1,236 @@
+/*
+ * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5).
+ *
+ * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
+ * third-party one in C) is the compute of one model family: it declares the
+ * parameters of a configured model and runs forward + loss and backward of
+ * a micro-batch. It owns no parameter storage: at every unit boundary it
+ * calls the host (meshrun_model_hooks), which hands it views of the unit's
+ * parameters and gradients, so that any strategy can gather, reshard and
+ * reduce them in between. `meshrun train` picks the model plugin named by
+ * `model.model_type`, as it picks strategies by name.
+ *
+ * Objects, each created and destroyed explicitly:
+ *
+ *   plugin instance --model_create(config)--> meshrun_model (one architecture)
+ *   meshrun_model   --stage_create(modules)--> meshrun_model_stage (compute)
+ *
+ * A stage computes a contiguous run of the model's modules: all of them
+ * without pipeline parallelism, one pipeline stage's otherwise. Several
+ * micro-batches may be in flight in a stage (pipeline schedules): forward(mb)
+ * keeps what mb's backward needs until that backward (or discard) is done.
+ *
+ * The description. `describe` returns a JSON object (docs/model.md):
+ *
+ *   "config":     the resolved Hugging Face config.json of the model (every
+ *                 key with its default applied; "model_type" and
+ *                 "architectures" included), written beside exported weights
+ *   "parameters": [{"name", "shape", "unit"}], every parameter in the order
+ *                 of the flat parameter layout (Hugging Face names)
+ *   "units":      unit names; the last is "root" and encloses the others,
+ *                 which are in forward order (a strategy shards per unit)
+ *   "modules":    [{"name", "parameters": [names], "group"?}], the modules a
+ *                 pipeline split may cut between, in forward order; a module
+ *                 lists every parameter it uses (a tied lm_head lists the
+ *                 embedding), and modules sharing a non-empty "group" stay
+ *                 on one stage
+ *   "vocab_size": token ids must lie in [0, vocab_size)
+ *   "max_seq_len": the longest sequence it takes, or null for no limit
+ *   "num_layers_key": the [model] key of the layer count, for messages
+ *
+ * Units in hook calls are indices into "units"; parameters are indices
+ * into "parameters".
+ *
+ * Hooks. During forward, backward, backward_input and backward_weight a
+ * stage calls, for every unit u one of whose parameters it holds:
+ *
+ *   forward:   pre_forward(u, input)  [u's compute]  post_forward(u, output)
+ *   backward:  pre_backward(u)        [u's compute]  post_backward(u)
+ *
+ * with the root's pre_ first and post_ last (it encloses the layer units),
+ * and gets u's parameter and gradient views with `parameter` after pre_ and
+ * uses them only until post_. The host lays the parameters of one unit out
+ * one after another in description order, values in one block and
+ * gradients in another, so a model may treat adjacent parameters as one
+ * tensor (a fused q/k/v projection). In a backward, gradient_ready(p) follows the
+ * moment the gradient of p is final for this backward, before
+ * post_backward of p's unit; every parameter of the stage is announced once
+ * per backward (over backward_input and backward_weight together when the
+ * backward is split, each of which brackets the units it touches with
+ * pre_backward / post_backward). A hook that returns an error aborts the
+ * call: the stage returns that same error object (its ownership passes back
+ * to the host) and the micro-batch is dropped.
+ *
+ * Errors: INVALID_ARGUMENT (NULL, a bad shape or config value: messages of
+ * model_create begin with the dotted config key, "model.hidden_size: ...",
+ * so the host can point at its place in the config file), OUT_OF_RANGE (a
+ * token or target outside the vocabulary), FAILED_PRECONDITION (calls out
+ * of order: a backward without its forward, a microbatch already in flight,
+ * set_shape while microbatches are in flight), INTERNAL.
+ */
+#ifndef MESHRUN_MODEL_H_
+#define MESHRUN_MODEL_H_
+
+#include <dlpack/dlpack.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "meshrun/comm.h"
+#include "meshrun/error.h"
+#include "meshrun/plugin.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Declared again (C11 allows it) for when comm.h is still being read. */
+typedef struct meshrun_communicator meshrun_communicator;
+
+/* One configured model (an architecture); opaque, owned by the plugin. */
+typedef struct meshrun_model meshrun_model;
+/* The compute of some of a model's modules; opaque, owned by the plugin. */
+typedef struct meshrun_model_stage meshrun_model_stage;
+
+/* The host's side of a stage, called by the model at unit boundaries (see
+ * the top of this header for the order). Borrowed by stage_create until
+ * stage_destroy. Every function receives `context` first. */
+typedef struct meshrun_model_hooks {
+  size_t struct_size;
+  void* context;
+  /* Before unit `unit`'s forward. `input` is the unit's input hidden states
+   * (float32, in the model's own buffer), which the host may rewrite in
+   * place (a mixed-precision policy's cast), or NULL for a unit without a
+   * single input tensor (the root). */
+  meshrun_error* (*pre_forward)(void* context, int32_t unit, DLTensor* input);
+  /* After unit `unit`'s forward; `output` as `input` above. */
+  meshrun_error* (*post_forward)(void* context, int32_t unit, DLTensor* output);
+  /* Before and after unit `unit`'s part of a backward. */
+  meshrun_error* (*pre_backward)(void* context, int32_t unit);
+  meshrun_error* (*post_backward)(void* context, int32_t unit);
+  /* The gradient of parameter `parameter` is final for this backward; a
+   * strategy may start reducing it. */
+  meshrun_error* (*gradient_ready)(void* context, int64_t parameter);
+  /* Fills `value` and `gradient` with views of parameter `parameter`:
+   * float32, CPU, contiguous, the described shape; the shape arrays and the
+   * memory are the host's, valid until the post_ hook of the parameter's
+   * unit. `gradient->data` is NULL outside a backward; gradients accumulate
+   * (+=) over a step's micro-batches. Either pointer may be NULL.
+   * OUT_OF_RANGE for a parameter the stage does not hold,
+   * FAILED_PRECONDITION outside its unit's pre_ / post_ hooks. */
+  meshrun_error* (*parameter)(void* context, int64_t parameter, DLTensor* value,
+                              DLTensor* gradient);
+  const meshrun_extension* extensions;
+} meshrun_model_hooks;
+
+/* What a stage computes and with whom. Borrowed for the stage_create call,
+ * but `hooks`, `comm` and the communicators stay valid until stage_destroy. */
+typedef struct meshrun_model_stage_setup {
+  size_t struct_size;
+  /* The stage's modules: names from the description's "modules", a
+   * contiguous run of them in model order. */
+  int64_t num_modules;
+  const char* const* modules;
+  const meshrun_model_hooks* hooks;
+  /* Communicators of the mesh axes a model computes over: tensor parallel,
+   * context parallel and expert parallel (size 1 when unused; ep is NULL
+   * without an MoE mesh), with the comm backend's table. */
+  const meshrun_comm_api* comm;
+  meshrun_communicator* tp;
+  meshrun_communicator* cp;
+  meshrun_communicator* ep;
+  /* The run's plan of the model (docs/plan.md: tensor-parallel placement,
+   * activation checkpointing) and the [distributed] config, as JSON
+   * objects. */
+  const char* plan_json;
+  const char* options_json;
+  const meshrun_extension* extensions;
+} meshrun_model_stage_setup;
+
+/* The model plugin's table (meshrun_plugin_api.model). */
+struct meshrun_model_api {
+  size_t struct_size;
+  const char* model_type; /* the Hugging Face model_type it computes, e.g. "gpt2" */
+  /* The [model] keys it reads, NULL-terminated (besides model_type,
+   * torch_dtype and checkpoint, which the host reads): the host refuses
+   * any other key before creating a model. */
+  const char* const* config_keys;
+  const meshrun_extension* extensions;
+
+  /* Makes a model of the [model] config in `config_json` (a JSON object of
+   * the keys the user set, borrowed for the call; absent keys take the
+   * plugin's defaults). On success *out is owned by the caller (destroy
+   * with model_destroy after its stages). Errors: INVALID_ARGUMENT with the
+   * message starting "model.<key>: ". */
+  meshrun_error* (*model_create)(meshrun_plugin_instance* instance, const char* config_json,
+                                 meshrun_model** out);
+  /* Destroys a model; NULL is accepted. */
+  void (*model_destroy)(meshrun_model* model);
+  /* The description (top of this header) as a NUL-terminated JSON object,
+   * allocated with the `allocate` of the host services given to `create`;
+   * the caller frees it with their `deallocate`. */
+  meshrun_error* (*describe)(meshrun_model* model, char** out_json);
+  /* Fills `value` (float32, contiguous, the parameter's described shape)
+   * with parameter `parameter`'s initial values for `seed`. The values do
+   * not depend on which other parameters are initialized, or in what
+   * order, so a host may initialize only what it holds. */
+  meshrun_error* (*init_parameter)(meshrun_model* model, uint64_t seed, int64_t parameter,
+                                   DLTensor* value);
+
+  /* Makes a stage of `model` over `setup` (see meshrun_model_stage_setup).
+   * Errors: INVALID_ARGUMENT for modules that are unknown, out of order,
+   * not contiguous, or that the model cannot compute apart (naming them).
+   * On success *out is owned by the caller. */
+  meshrun_error* (*stage_create)(meshrun_model* model, const meshrun_model_stage_setup* setup,
+                                 meshrun_model_stage** out);
+  /* Destroys a stage, dropping microbatches in flight; NULL is accepted. */
+  void (*stage_destroy)(meshrun_model_stage* stage);
+  /* The shape [batch, seq_len] of the micro-batches to come. Writes the
+   * float32 elements of the hidden states entering the stage (0 on the
+   * first stage, which reads tokens) and leaving it (0 on the last, which
+   * computes the loss). FAILED_PRECONDITION while microbatches are in
+   * flight and the shape changes. */
+  meshrun_error* (*set_shape)(meshrun_model_stage* stage, int64_t batch, int64_t seq_len,
+                              int64_t* out_input_numel, int64_t* out_output_numel);
+  /* F: the forward of microbatch `microbatch`. `tokens` and `targets` are
+   * int32 [batch, seq_len]; the first stage reads tokens, the last targets.
+   * `input` (input_numel float32, NULL on the first stage) is read during
+   * the call; `output` (output_numel float32, NULL on the last stage) is
+   * written. *out_loss receives the mean natural-log cross-entropy over the
+   * micro-batch's targets on the last stage, else 0. */
+  meshrun_error* (*forward)(meshrun_model_stage* stage, int32_t microbatch, const DLTensor* tokens,
+                            const DLTensor* targets, const DLTensor* input, DLTensor* output,
+                            double* out_loss);
+  /* B: accumulates (+=) the microbatch's parameter gradients and writes
+   * `grad_input` (input_numel, NULL on the first stage) from `grad_output`
+   * (output_numel, NULL on the last stage) or, on the last stage, from
+   * loss_scale * the loss (loss_scale = d objective / d mean loss, e.g.
+   * 1/m for the mean over m micro-batches). Frees the microbatch's state. */
+  meshrun_error* (*backward)(meshrun_model_stage* stage, int32_t microbatch, float loss_scale,
+                             const DLTensor* grad_output, DLTensor* grad_input);
+  /* I and W, the two halves of a split backward for zero-bubble schedules:
+   * backward_input writes grad_input as backward does and keeps what the
+   * weight gradients need; backward_weight then accumulates them and frees
+   * the microbatch. Both NULL in a model that cannot split its backward;
+   * the host then refuses such schedules before the run starts. */
+  meshrun_error* (*backward_input)(meshrun_model_stage* stage, int32_t microbatch, float loss_scale,
+                                   const DLTensor* grad_output, DLTensor* grad_input);
+  meshrun_error* (*backward_weight)(meshrun_model_stage* stage, int32_t microbatch);
+  /* Drops what the microbatch's forward kept, without a backward (a forward
+   * that only evaluates). FAILED_PRECONDITION when it is not in flight. */
+  meshrun_error* (*discard)(meshrun_model_stage* stage, int32_t microbatch);
+  /* Bytes the stage keeps for the microbatches in flight now. */
+  meshrun_error* (*activation_bytes)(meshrun_model_stage* stage, int64_t* out_bytes);
+};
+
+/* The size of the ABI 1.5 model table, the first: the least a host reads. */
+#define MESHRUN_MODEL_API_SIZE_1_5 MESHRUN_STRUCT_SIZE(meshrun_model_api, activation_bytes)
+/* The size of the ABI 1.5 hooks and stage setup. */
+#define MESHRUN_MODEL_HOOKS_SIZE_1_5 MESHRUN_STRUCT_SIZE(meshrun_model_hooks, extensions)
+#define MESHRUN_MODEL_STAGE_SETUP_SIZE_1_5 \
+  MESHRUN_STRUCT_SIZE(meshrun_model_stage_setup, extensions)
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MESHRUN_MODEL_H_ */

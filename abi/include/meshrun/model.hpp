@@ -1,0 +1,238 @@
+// meshrun/model.hpp — header-only C++ helper for model plugin authors
+// (meshrun/model.h).
+//
+// Turns two C++ classes into the model table: exceptions become error
+// objects (std::invalid_argument INVALID_ARGUMENT, std::out_of_range
+// OUT_OF_RANGE, other std::logic_error — a call out of order —
+// FAILED_PRECONDITION, the rest as guard() says), a hook's error goes back to
+// the host unchanged, NULL arguments are refused. Nothing here needs
+// libmeshrun.
+//
+//   struct MyModel {
+//     MyModel(const meshrun_host_services& host, const char* config_json);
+//     const meshrun_host_services& host() const;
+//     std::string describe() const;                        // the JSON description
+//     void init_parameter(uint64_t seed, int64_t parameter, float* values) const;
+//   };
+//   struct MyStage {
+//     MyStage(MyModel& model, const meshrun_model_stage_setup& setup);
+//     void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel,
+//                    int64_t* output_numel);
+//     double forward(int32_t mb, const int32_t* tokens, const int32_t* targets,
+//                    const float* input, float* output);
+//     void backward(int32_t mb, float loss_scale, const float* grad_output, float* grad_input);
+//     void backward_input(...);  void backward_weight(int32_t mb);  // when split_backward
+//     void discard(int32_t mb);
+//     int64_t activation_bytes() const;
+//   };
+//   static const meshrun_model_api model_api =
+//       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys, true);
+//
+// A stage reaches the host through ModelHooks, whose calls throw HostError.
+#ifndef MESHRUN_MODEL_HPP_
+#define MESHRUN_MODEL_HPP_
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "meshrun/model.h"
+#include "meshrun/plugin.hpp"
+
+namespace meshrun::plugin {
+
+// The data of a compact tensor the host passed, or NULL when there is none.
+template <class T>
+T* data_of(const DLTensor* tensor) {
+  if (tensor == nullptr || tensor->data == nullptr) return nullptr;
+  return reinterpret_cast<T*>(static_cast<char*>(tensor->data) + tensor->byte_offset);
+}
+
+// The host's hooks (meshrun/model.h) as C++ calls; each throws HostError
+// carrying the host's error object.
+class ModelHooks {
+ public:
+  explicit ModelHooks(const meshrun_model_hooks& hooks) : hooks_(&hooks) {}
+
+  void pre_forward(int32_t unit, float* hidden, int64_t numel) const {
+    DLTensor tensor = float_tensor(hidden, &numel);
+    check(hooks_->pre_forward(hooks_->context, unit, hidden != nullptr ? &tensor : nullptr));
+  }
+  void post_forward(int32_t unit, float* hidden, int64_t numel) const {
+    DLTensor tensor = float_tensor(hidden, &numel);
+    check(hooks_->post_forward(hooks_->context, unit, hidden != nullptr ? &tensor : nullptr));
+  }
+  void pre_backward(int32_t unit) const { check(hooks_->pre_backward(hooks_->context, unit)); }
+  void post_backward(int32_t unit) const { check(hooks_->post_backward(hooks_->context, unit)); }
+  void gradient_ready(int64_t parameter) const {
+    check(hooks_->gradient_ready(hooks_->context, parameter));
+  }
+  // The parameter's values and (in a backward, else NULL) gradient.
+  std::pair<float*, float*> parameter(int64_t parameter) const {
+    DLTensor value{};
+    DLTensor gradient{};
+    check(hooks_->parameter(hooks_->context, parameter, &value, &gradient));
+    return {data_of<float>(&value), data_of<float>(&gradient)};
+  }
+
+ private:
+  static DLTensor float_tensor(float* data, int64_t* numel) {
+    return DLTensor{data, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, numel, nullptr, 0};
+  }
+  static void check(meshrun_error* error) {
+    if (error != nullptr) throw HostError(error);
+  }
+  const meshrun_model_hooks* hooks_;
+};
+
+// `text` in memory from the host's `allocate`, as describe returns it.
+inline char* host_string(const meshrun_host_services& host, const std::string& text) {
+  auto* copy = static_cast<char*>(host.allocate(host.context, text.size() + 1, 1));
+  if (copy == nullptr) throw Error(MESHRUN_INTERNAL, "out of memory");
+  std::memcpy(copy, text.c_str(), text.size() + 1);
+  return copy;
+}
+
+// The model table for the classes Model and Stage described at the top;
+// the plugin instance must be a HostServicesOnly (create_instance<>).
+template <class Model, class Stage>
+class ModelTable {
+ public:
+  static meshrun_model_api make(const char* model_type, const char* const* config_keys,
+                                bool split_backward) {
+    meshrun_model_api api{};
+    api.struct_size = sizeof(meshrun_model_api);
+    api.model_type = model_type;
+    api.config_keys = config_keys;
+    api.model_create = &model_create;
+    api.model_destroy = &model_destroy;
+    api.describe = &describe;
+    api.init_parameter = &init_parameter;
+    api.stage_create = &stage_create;
+    api.stage_destroy = &stage_destroy;
+    api.set_shape = &set_shape;
+    api.forward = &forward;
+    api.backward = &backward;
+    if (split_backward) {
+      api.backward_input = &backward_input;
+      api.backward_weight = &backward_weight;
+    }
+    api.discard = &discard;
+    api.activation_bytes = &activation_bytes;
+    return api;
+  }
+
+ private:
+  template <class Body>
+  static meshrun_error* guard(Body&& body) noexcept {
+    return plugin::guard([&] {
+      try {
+        body();
+      } catch (const std::invalid_argument& e) {
+        throw Error(MESHRUN_INVALID_ARGUMENT, e.what());
+      } catch (const std::out_of_range& e) {
+        throw Error(MESHRUN_OUT_OF_RANGE, e.what());
+      } catch (const std::logic_error& e) {
+        throw Error(MESHRUN_FAILED_PRECONDITION, e.what());
+      }
+    });
+  }
+  static void require(bool condition, const char* what) {
+    if (!condition) throw Error(MESHRUN_INVALID_ARGUMENT, std::string(what) + " is NULL");
+  }
+  static Model& model_of(meshrun_model* model) {
+    require(model != nullptr, "model");
+    return *reinterpret_cast<Model*>(model);
+  }
+  static Stage& stage_of(meshrun_model_stage* stage) {
+    require(stage != nullptr, "stage");
+    return *reinterpret_cast<Stage*>(stage);
+  }
+
+  static meshrun_error* model_create(meshrun_plugin_instance* instance, const char* config_json,
+                                     meshrun_model** out) {
+    return guard([&] {
+      require(instance != nullptr && config_json != nullptr && out != nullptr,
+              "model_create: instance, config_json or out");
+      const auto& host = reinterpret_cast<HostServicesOnly*>(instance)->host();
+      *out = reinterpret_cast<meshrun_model*>(new Model(host, config_json));
+    });
+  }
+  static void model_destroy(meshrun_model* model) { delete reinterpret_cast<Model*>(model); }
+  static meshrun_error* describe(meshrun_model* model, char** out_json) {
+    return guard([&] {
+      require(out_json != nullptr, "describe: out_json");
+      const Model& m = model_of(model);
+      *out_json = host_string(m.host(), m.describe());
+    });
+  }
+  static meshrun_error* init_parameter(meshrun_model* model, uint64_t seed, int64_t parameter,
+                                       DLTensor* value) {
+    return guard([&] {
+      require(value != nullptr && value->data != nullptr, "init_parameter: value");
+      model_of(model).init_parameter(seed, parameter, data_of<float>(value));
+    });
+  }
+  static meshrun_error* stage_create(meshrun_model* model, const meshrun_model_stage_setup* setup,
+                                     meshrun_model_stage** out) {
+    return guard([&] {
+      require(setup != nullptr && out != nullptr, "stage_create: setup or out");
+      require(setup->hooks != nullptr, "stage_create: setup->hooks");
+      if (setup->struct_size < MESHRUN_MODEL_STAGE_SETUP_SIZE_1_5 ||
+          setup->hooks->struct_size < MESHRUN_MODEL_HOOKS_SIZE_1_5) {
+        throw Error(MESHRUN_INVALID_ARGUMENT, "stage_create: setup or hooks table too small");
+      }
+      *out = reinterpret_cast<meshrun_model_stage*>(new Stage(model_of(model), *setup));
+    });
+  }
+  static void stage_destroy(meshrun_model_stage* stage) { delete reinterpret_cast<Stage*>(stage); }
+  static meshrun_error* set_shape(meshrun_model_stage* stage, int64_t batch, int64_t seq_len,
+                                  int64_t* out_input_numel, int64_t* out_output_numel) {
+    return guard([&] {
+      require(out_input_numel != nullptr && out_output_numel != nullptr, "set_shape: outputs");
+      stage_of(stage).set_shape(batch, seq_len, out_input_numel, out_output_numel);
+    });
+  }
+  static meshrun_error* forward(meshrun_model_stage* stage, int32_t microbatch,
+                                const DLTensor* tokens, const DLTensor* targets,
+                                const DLTensor* input, DLTensor* output, double* out_loss) {
+    return guard([&] {
+      require(out_loss != nullptr, "forward: out_loss");
+      *out_loss = stage_of(stage).forward(microbatch, data_of<const int32_t>(tokens),
+                                          data_of<const int32_t>(targets),
+                                          data_of<const float>(input), data_of<float>(output));
+    });
+  }
+  static meshrun_error* backward(meshrun_model_stage* stage, int32_t microbatch, float loss_scale,
+                                 const DLTensor* grad_output, DLTensor* grad_input) {
+    return guard([&] {
+      stage_of(stage).backward(microbatch, loss_scale, data_of<const float>(grad_output),
+                               data_of<float>(grad_input));
+    });
+  }
+  static meshrun_error* backward_input(meshrun_model_stage* stage, int32_t microbatch,
+                                       float loss_scale, const DLTensor* grad_output,
+                                       DLTensor* grad_input) {
+    return guard([&] {
+      stage_of(stage).backward_input(microbatch, loss_scale, data_of<const float>(grad_output),
+                                     data_of<float>(grad_input));
+    });
+  }
+  static meshrun_error* backward_weight(meshrun_model_stage* stage, int32_t microbatch) {
+    return guard([&] { stage_of(stage).backward_weight(microbatch); });
+  }
+  static meshrun_error* discard(meshrun_model_stage* stage, int32_t microbatch) {
+    return guard([&] { stage_of(stage).discard(microbatch); });
+  }
+  static meshrun_error* activation_bytes(meshrun_model_stage* stage, int64_t* out_bytes) {
+    return guard([&] {
+      require(out_bytes != nullptr, "activation_bytes: out_bytes");
+      *out_bytes = stage_of(stage).activation_bytes();
+    });
+  }
+};
+
+}  // namespace meshrun::plugin
+
+#endif  // MESHRUN_MODEL_HPP_

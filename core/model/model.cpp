@@ -1,0 +1,548 @@
+#include "model/model.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "config/config.hpp"
+#include "errors.hpp"
+#include "support/suggest.hpp"
+
+namespace meshrun {
+namespace {
+
+using nlohmann::ordered_json;
+
+// Holds a string the plugin allocated with the host services; frees it.
+class PluginString {
+ public:
+  PluginString() = default;
+  ~PluginString() { host_services().deallocate(host_services().context, text_); }
+  PluginString(const PluginString&) = delete;
+  PluginString& operator=(const PluginString&) = delete;
+  char** out() { return &text_; }
+  std::string str() const { return text_ != nullptr ? text_ : ""; }
+
+ private:
+  char* text_ = nullptr;
+};
+
+[[noreturn]] void bad_description(const std::string& origin, const std::string& what) {
+  throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("model plugin {}: describe: {}", origin, what),
+              "model.model_type");
+}
+
+const ordered_json& field(const ordered_json& object, const char* name, const std::string& where,
+                          const std::string& origin) {
+  if (!object.is_object() || !object.contains(name)) {
+    bad_description(origin, fmt::format("{} has no \"{}\"", where, name));
+  }
+  return object.at(name);
+}
+
+std::string text_field(const ordered_json& object, const char* name, const std::string& where,
+                       const std::string& origin) {
+  const ordered_json& value = field(object, name, where, origin);
+  if (!value.is_string() || value.get<std::string>().empty()) {
+    bad_description(origin, fmt::format("{}.{} must be a non-empty string", where, name));
+  }
+  return value.get<std::string>();
+}
+
+const ordered_json& array_field(const ordered_json& object, const char* name,
+                                const std::string& origin) {
+  const ordered_json& value = field(object, name, "the description", origin);
+  if (!value.is_array() || value.empty()) {
+    bad_description(origin, fmt::format("\"{}\" must be a non-empty array", name));
+  }
+  return value;
+}
+
+std::vector<int64_t> shape_of(const ordered_json& parameter, const std::string& where,
+                              const std::string& origin) {
+  const ordered_json& shape = field(parameter, "shape", where, origin);
+  bool valid = shape.is_array() && !shape.empty();
+  std::vector<int64_t> dims;
+  for (size_t d = 0; valid && d < shape.size(); ++d) {
+    valid = shape[d].is_number_integer() && shape[d].get<int64_t>() > 0;
+    if (valid) dims.push_back(shape[d].get<int64_t>());
+  }
+  if (!valid) {
+    bad_description(origin, where + ".shape must be a non-empty array of positive integers");
+  }
+  return dims;
+}
+
+void read_units(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  std::set<std::string> seen;
+  for (const auto& unit : array_field(json, "units", origin)) {
+    if (!unit.is_string() || !seen.insert(unit.get<std::string>()).second) {
+      bad_description(origin, "\"units\" must hold distinct unit names");
+    }
+    d.units.push_back(unit.get<std::string>());
+  }
+  if (d.units.back() != "root") {
+    bad_description(origin, "the last unit must be \"root\" (it encloses the others), not '" +
+                                d.units.back() + "'");
+  }
+}
+
+void read_parameters(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  for (const auto& entry : array_field(json, "parameters", origin)) {
+    const std::string where = fmt::format("parameters[{}]", d.parameters.size());
+    ModelParameter parameter;
+    parameter.name = text_field(entry, "name", where, origin);
+    parameter.shape = shape_of(entry, where, origin);
+    parameter.numel = 1;
+    for (const int64_t extent : parameter.shape) parameter.numel *= extent;
+    const std::string unit = text_field(entry, "unit", where, origin);
+    const auto found = std::find(d.units.begin(), d.units.end(), unit);
+    if (found == d.units.end()) {
+      bad_description(origin,
+                      fmt::format("{} ('{}') is in unit '{}', which \"units\" does not list", where,
+                                  parameter.name, unit));
+    }
+    if (d.parameter_index(parameter.name) >= 0) {
+      bad_description(origin, fmt::format("parameter '{}' is listed twice", parameter.name));
+    }
+    parameter.unit = int32_t(found - d.units.begin());
+    parameter.offset = d.numel;
+    d.numel += parameter.numel;
+    d.parameters.push_back(std::move(parameter));
+  }
+}
+
+void read_modules(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  std::vector<bool> used(d.parameters.size(), false);
+  for (const auto& entry : array_field(json, "modules", origin)) {
+    const std::string where = fmt::format("modules[{}]", d.modules.size());
+    ModelModule module;
+    module.name = text_field(entry, "name", where, origin);
+    if (d.module_index(module.name) >= 0) {
+      bad_description(origin, fmt::format("module '{}' is listed twice", module.name));
+    }
+    const ordered_json& names = field(entry, "parameters", where, origin);
+    if (!names.is_array()) bad_description(origin, where + ".parameters must be an array");
+    for (const auto& name : names) {
+      const int64_t index = name.is_string() ? d.parameter_index(name.get<std::string>()) : -1;
+      if (index < 0) {
+        bad_description(origin, fmt::format("module '{}' uses {}, which is not a parameter",
+                                            module.name, name.dump()));
+      }
+      module.parameters.push_back(index);
+      used[size_t(index)] = true;
+    }
+    if (entry.contains("group") && entry.at("group").is_string()) {
+      module.group = entry.at("group").get<std::string>();
+    }
+    d.modules.push_back(std::move(module));
+  }
+  for (size_t p = 0; p < used.size(); ++p) {
+    if (!used[p]) {
+      bad_description(origin,
+                      fmt::format("parameter '{}' is used by no module", d.parameters[p].name));
+    }
+  }
+}
+
+void read_limits(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  const ordered_json& vocab = field(json, "vocab_size", "the description", origin);
+  if (!vocab.is_number_integer() || vocab.get<int64_t>() <= 0) {
+    bad_description(origin, "\"vocab_size\" must be a positive integer");
+  }
+  d.vocab_size = vocab.get<int64_t>();
+  if (json.contains("max_seq_len") && !json.at("max_seq_len").is_null()) {
+    const ordered_json& limit = json.at("max_seq_len");
+    if (!limit.is_number_integer() || limit.get<int64_t>() <= 0) {
+      bad_description(origin, "\"max_seq_len\" must be a positive integer or null");
+    }
+    d.max_seq_len = limit.get<int64_t>();
+  }
+  if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
+    d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
+  }
+  d.config = field(json, "config", "the description", origin);
+  if (!d.config.is_object()) bad_description(origin, "\"config\" must be a JSON object");
+}
+
+// "model.<key>: reason" from a plugin: the key, so the host can point at it.
+std::string key_of(const std::string& message) {
+  const auto colon = message.find(": ");
+  if (colon == std::string::npos || message.rfind("model.", 0) != 0) return "model";
+  return message.substr(0, colon);
+}
+
+void refuse_unknown_keys(const PluginLibrary& library, const ordered_json& config) {
+  const std::vector<std::string> known = model_config_keys(library);
+  for (const auto& [name, value] : config.items()) {
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    const std::string key = "model." + name;
+    throw Error(MESHRUN_INVALID_ARGUMENT,
+                fmt::format("{}: unknown key for model_type '{}'{}; valid keys in [model]: "
+                            "model_type, torch_dtype, checkpoint, {}",
+                            key, library.name(),
+                            did_you_mean(name, known) + misplaced_key_hint(name, "model"),
+                            join_names(known)),
+                key);
+  }
+}
+
+meshrun_model* create_model(const PluginInstance& instance, const ordered_json& config) {
+  const meshrun_model_api& api = *instance.library().api().model;
+  refuse_unknown_keys(instance.library(), config);
+  meshrun_model* model = nullptr;
+  const std::string text = config.dump();
+  if (meshrun_error* error = api.model_create(instance.handle(), text.c_str(), &model)) {
+    const int32_t code = error->code;
+    const std::string message = error->message != nullptr ? error->message : "";
+    meshrun_error_release(error);
+    throw Error(code, message, key_of(message));
+  }
+  if (model == nullptr) {
+    throw Error(MESHRUN_INTERNAL, fmt::format("model plugin {}: model_create succeeded but "
+                                              "returned no model",
+                                              instance.library().path()));
+  }
+  return model;
+}
+
+// A flat float32 argument of `numel` elements, or none (NULL) without data.
+class FloatArgument {
+ public:
+  FloatArgument(const float* data, int64_t numel)
+      : numel_(numel),
+        tensor_{const_cast<float*>(data), {kDLCPU, 0}, 1, dtype_float32(), &numel_, nullptr, 0} {}
+  FloatArgument(const FloatArgument&) = delete;
+  FloatArgument& operator=(const FloatArgument&) = delete;
+  DLTensor* get() { return tensor_.data != nullptr ? &tensor_ : nullptr; }
+
+ private:
+  int64_t numel_;
+  DLTensor tensor_;
+};
+
+}  // namespace
+
+int64_t ModelDescription::parameter_index(const std::string& name) const {
+  for (size_t p = 0; p < parameters.size(); ++p) {
+    if (parameters[p].name == name) return int64_t(p);
+  }
+  return -1;
+}
+
+int64_t ModelDescription::module_index(const std::string& name) const {
+  for (size_t m = 0; m < modules.size(); ++m) {
+    if (modules[m].name == name) return int64_t(m);
+  }
+  return -1;
+}
+
+ModelDescription parse_description(const std::string& text, const std::string& origin) {
+  ModelDescription d;
+  try {
+    d.json = ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    bad_description(origin, fmt::format("not JSON: {}", error.what()));
+  }
+  if (!d.json.is_object()) bad_description(origin, "the description is not a JSON object");
+  read_units(d.json, origin, d);
+  read_parameters(d.json, origin, d);
+  read_modules(d.json, origin, d);
+  read_limits(d.json, origin, d);
+  return d;
+}
+
+std::vector<std::string> model_config_keys(const PluginLibrary& library) {
+  std::vector<std::string> keys;
+  const char* const* list = library.api().model->config_keys;
+  for (; list != nullptr && *list != nullptr; ++list) keys.emplace_back(*list);
+  return keys;
+}
+
+Model::Model(std::shared_ptr<PluginLibrary> library, const ordered_json& config)
+    : instance_(std::move(library)), model_(create_model(instance_, config)) {
+  try {
+    PluginString text;
+    throw_if_error(api().describe(model_, text.out()),
+                   fmt::format("model plugin {}: describe", this->library().path()));
+    description_ = parse_description(text.str(), this->library().path());
+  } catch (...) {
+    api().model_destroy(model_);
+    throw;
+  }
+}
+
+Model::~Model() { api().model_destroy(model_); }
+
+bool Model::splits_backward() const {
+  return api().backward_input != nullptr && api().backward_weight != nullptr;
+}
+
+void Model::init_parameter(uint64_t seed, int64_t parameter, float* values) const {
+  const ModelParameter& p = description_.parameters.at(size_t(parameter));
+  DLTensor tensor{values,
+                  {kDLCPU, 0},
+                  int32_t(p.shape.size()),
+                  dtype_float32(),
+                  const_cast<int64_t*>(p.shape.data()),
+                  nullptr,
+                  0};
+  throw_if_error(api().init_parameter(model_, seed, parameter, &tensor),
+                 fmt::format("model plugin {}: init_parameter '{}'", library().path(), p.name));
+}
+
+void Model::init_parameters(uint64_t seed, float* values) const {
+  for (size_t p = 0; p < description_.parameters.size(); ++p) {
+    init_parameter(seed, int64_t(p), values + description_.parameters[p].offset);
+  }
+}
+
+// The C hook table over StageHooks: turns exceptions into error objects
+// and checks that the model asks only for parameters of the units it is in.
+struct ModelStage::Bridge {
+  Bridge(StageHooks& hooks, const ModelDescription& description, std::vector<bool> held)
+      : hooks(hooks), description(description), held(std::move(held)) {
+    table.struct_size = sizeof(table);
+    table.context = this;
+    table.pre_forward = &pre_forward;
+    table.post_forward = &post_forward;
+    table.pre_backward = &pre_backward;
+    table.post_backward = &post_backward;
+    table.gradient_ready = &gradient_ready;
+    table.parameter = &parameter;
+  }
+
+  template <class Body>
+  static meshrun_error* guarded(void* context, Body&& body) noexcept {
+    try {
+      body(*static_cast<Bridge*>(context));
+      return nullptr;
+    } catch (const Error& error) {
+      return host_services().make_error(host_services().context, error.code(), error.what());
+    } catch (const std::exception& error) {
+      return host_services().make_error(host_services().context, MESHRUN_INTERNAL, error.what());
+    } catch (...) {
+      return host_services().make_error(host_services().context, MESHRUN_INTERNAL,
+                                        "unknown C++ exception in a stage hook");
+    }
+  }
+
+  void check_unit(int32_t unit, const char* hook) const {
+    if (unit < 0 || size_t(unit) >= description.units.size()) {
+      throw Error(MESHRUN_OUT_OF_RANGE, fmt::format("{}: unit {} is outside [0, {})", hook, unit,
+                                                    description.units.size()));
+    }
+  }
+  void enter(int32_t unit, bool in_backward, const char* hook) {
+    check_unit(unit, hook);
+    entered[unit] = in_backward;
+  }
+  void leave(int32_t unit, const char* hook) {
+    check_unit(unit, hook);
+    if (entered.erase(unit) == 0) {
+      throw Error(MESHRUN_FAILED_PRECONDITION, fmt::format("{}({}) without its pre_ hook", hook,
+                                                           description.units[size_t(unit)]));
+    }
+  }
+  float* hidden(DLTensor* tensor, int64_t& numel) const {
+    if (tensor == nullptr || tensor->data == nullptr) return numel = 0, nullptr;
+    if (tensor->dtype.code != kDLFloat || tensor->dtype.bits != 32) {
+      throw Error(MESHRUN_INVALID_ARGUMENT, "hidden states at a unit boundary must be float32");
+    }
+    numel = 1;
+    for (int32_t d = 0; d < tensor->ndim; ++d) numel *= tensor->shape[d];
+    return reinterpret_cast<float*>(static_cast<char*>(tensor->data) + tensor->byte_offset);
+  }
+
+  static meshrun_error* pre_forward(void* context, int32_t unit, DLTensor* input) {
+    return guarded(context, [&](Bridge& b) {
+      b.enter(unit, false, "pre_forward");
+      int64_t numel = 0;
+      float* data = b.hidden(input, numel);
+      b.hooks.pre_forward(unit, data, numel);
+    });
+  }
+  static meshrun_error* post_forward(void* context, int32_t unit, DLTensor* output) {
+    return guarded(context, [&](Bridge& b) {
+      int64_t numel = 0;
+      float* data = b.hidden(output, numel);
+      b.hooks.post_forward(unit, data, numel);
+      b.leave(unit, "post_forward");
+    });
+  }
+  static meshrun_error* pre_backward(void* context, int32_t unit) {
+    return guarded(context, [&](Bridge& b) {
+      b.enter(unit, true, "pre_backward");
+      b.hooks.pre_backward(unit);
+    });
+  }
+  static meshrun_error* post_backward(void* context, int32_t unit) {
+    return guarded(context, [&](Bridge& b) {
+      b.hooks.post_backward(unit);
+      b.leave(unit, "post_backward");
+    });
+  }
+  static meshrun_error* gradient_ready(void* context, int64_t parameter) {
+    return guarded(context, [&](Bridge& b) {
+      b.check_held(parameter, "gradient_ready");
+      b.hooks.gradient_ready(parameter);
+    });
+  }
+  void check_held(int64_t parameter, const char* hook) const {
+    if (parameter < 0 || size_t(parameter) >= held.size() || !held[size_t(parameter)]) {
+      throw Error(MESHRUN_OUT_OF_RANGE,
+                  fmt::format("{}: parameter {} is not one of the stage's", hook, parameter));
+    }
+  }
+  static meshrun_error* parameter(void* context, int64_t index, DLTensor* value,
+                                  DLTensor* gradient) {
+    return guarded(context, [&](Bridge& b) {
+      b.check_held(index, "parameter");
+      const ModelParameter& p = b.description.parameters[size_t(index)];
+      const auto unit = b.entered.find(p.unit);
+      if (unit == b.entered.end()) {
+        throw Error(MESHRUN_FAILED_PRECONDITION,
+                    fmt::format("parameter '{}' asked for outside the pre_/post_ hooks of its "
+                                "unit '{}'",
+                                p.name, b.description.units[size_t(p.unit)]));
+      }
+      const ParameterStorage storage = b.hooks.parameter(index, unit->second);
+      int64_t* shape = const_cast<int64_t*>(p.shape.data());
+      const auto ndim = int32_t(p.shape.size());
+      if (value != nullptr) {
+        *value = DLTensor{storage.value, {kDLCPU, 0}, ndim, dtype_float32(), shape, nullptr, 0};
+      }
+      if (gradient != nullptr) {
+        *gradient =
+            DLTensor{storage.gradient, {kDLCPU, 0}, ndim, dtype_float32(), shape, nullptr, 0};
+      }
+    });
+  }
+
+  StageHooks& hooks;
+  const ModelDescription& description;
+  std::vector<bool> held;
+  std::map<int32_t, bool> entered;  // unit -> in a backward
+  meshrun_model_hooks table{};
+};
+
+StageContents stage_contents(const Model& model, const std::vector<std::string>& modules) {
+  const ModelDescription& d = model.description();
+  std::vector<bool> held(d.parameters.size(), false);
+  for (const std::string& name : modules) {
+    const int64_t index = d.module_index(name);
+    if (index < 0) {
+      throw invalid_argument(
+          fmt::format("model plugin {}: a stage names module '{}', which the "
+                      "description does not have",
+                      model.library().path(), name));
+    }
+    for (const int64_t p : d.modules[size_t(index)].parameters) held[size_t(p)] = true;
+  }
+  StageContents contents;
+  std::set<int32_t> units;
+  for (size_t p = 0; p < held.size(); ++p) {
+    if (!held[p]) continue;
+    contents.parameters.push_back(int64_t(p));
+    units.insert(d.parameters[p].unit);
+  }
+  contents.units.assign(units.begin(), units.end());
+  return contents;
+}
+
+ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modules,
+                       StageHooks& hooks, const StageCommunicators& comms,
+                       const std::string& plan_json, const std::string& options_json)
+    : model_(model), contents_(stage_contents(model, modules)) {
+  std::vector<bool> held(model.description().parameters.size(), false);
+  for (const int64_t p : contents_.parameters) held[size_t(p)] = true;
+  bridge_ = std::make_unique<Bridge>(hooks, model.description(), std::move(held));
+  std::vector<const char*> names;
+  for (const std::string& name : modules) names.push_back(name.c_str());
+
+  meshrun_model_stage_setup setup{};
+  setup.struct_size = sizeof(setup);
+  setup.num_modules = int64_t(names.size());
+  setup.modules = names.data();
+  setup.hooks = &bridge_->table;
+  Communicator* any = comms.tp != nullptr ? comms.tp : comms.cp;
+  setup.comm = any != nullptr ? &any->comm_api() : nullptr;
+  setup.tp = comms.tp != nullptr ? comms.tp->handle() : nullptr;
+  setup.cp = comms.cp != nullptr ? comms.cp->handle() : nullptr;
+  setup.ep = comms.ep != nullptr ? comms.ep->handle() : nullptr;
+  setup.plan_json = plan_json.c_str();
+  setup.options_json = options_json.c_str();
+  call(model.api().stage_create(model.handle(), &setup, &stage_), "stage_create");
+  if (stage_ == nullptr) {
+    throw Error(MESHRUN_INTERNAL, fmt::format("model plugin {}: stage_create succeeded but "
+                                              "returned no stage",
+                                              model.library().path()));
+  }
+}
+
+ModelStage::~ModelStage() { model_.api().stage_destroy(stage_); }
+
+void ModelStage::call(meshrun_error* error, const char* entry_point) const {
+  throw_if_error(error, fmt::format("model {} {}", model_.library().name(), entry_point));
+}
+
+void ModelStage::set_shape(int64_t batch, int64_t seq_len) {
+  call(model_.api().set_shape(stage_, batch, seq_len, &input_numel_, &output_numel_), "set_shape");
+  batch_ = batch;
+  seq_len_ = seq_len;
+}
+
+double ModelStage::forward(int32_t microbatch, const int32_t* tokens, const int32_t* targets,
+                           const float* input, float* output) {
+  int64_t shape[2] = {batch_, seq_len_};
+  DLTensor token_tensor{
+      const_cast<int32_t*>(tokens), {kDLCPU, 0}, 2, dtype_int32(), shape, nullptr, 0};
+  DLTensor target_tensor{
+      const_cast<int32_t*>(targets), {kDLCPU, 0}, 2, dtype_int32(), shape, nullptr, 0};
+  FloatArgument in(input, input_numel_), out(output, output_numel_);
+  double loss = 0;
+  call(model_.api().forward(stage_, microbatch, &token_tensor, &target_tensor, in.get(), out.get(),
+                            &loss),
+       "forward");
+  return loss;
+}
+
+void ModelStage::backward(int32_t microbatch, float loss_scale, const float* grad_output,
+                          float* grad_input) {
+  FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
+  call(model_.api().backward(stage_, microbatch, loss_scale, out.get(), in.get()), "backward");
+}
+
+void ModelStage::backward_input(int32_t microbatch, float loss_scale, const float* grad_output,
+                                float* grad_input) {
+  require_split_backward("backward_input");
+  FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
+  call(model_.api().backward_input(stage_, microbatch, loss_scale, out.get(), in.get()),
+       "backward_input");
+}
+
+void ModelStage::backward_weight(int32_t microbatch) {
+  require_split_backward("backward_weight");
+  call(model_.api().backward_weight(stage_, microbatch), "backward_weight");
+}
+
+void ModelStage::require_split_backward(const char* entry_point) const {
+  if (!model_.splits_backward()) {
+    throw Error(MESHRUN_UNIMPLEMENTED, fmt::format("model {} cannot split its backward (no {})",
+                                                   model_.library().name(), entry_point));
+  }
+}
+
+void ModelStage::discard(int32_t microbatch) {
+  call(model_.api().discard(stage_, microbatch), "discard");
+}
+
+int64_t ModelStage::activation_bytes() {
+  int64_t bytes = 0;
+  call(model_.api().activation_bytes(stage_, &bytes), "activation_bytes");
+  return bytes;
+}
+
+}  // namespace meshrun

@@ -1,0 +1,170 @@
+// The core's side of the model ABI (meshrun/model.h): a model plugin with
+// one configured model and its checked description, and stages of it that
+// the trainer drives, whose unit-boundary calls reach C++ StageHooks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.hpp"
+#include "meshrun/model.h"
+#include "plugin/loader.hpp"
+
+namespace meshrun {
+
+struct ModelParameter {
+  std::string name;  // Hugging Face name
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t offset = 0;  // in the flat parameter layout (description order)
+  int32_t unit = 0;    // index into ModelDescription::units
+};
+
+// A module a pipeline split may cut before or after.
+struct ModelModule {
+  std::string name;
+  std::vector<int64_t> parameters;  // indices of the parameters it uses
+  std::string group;                // modules of one non-empty group share a stage
+};
+
+// What `describe` said, checked (meshrun/model.h).
+struct ModelDescription {
+  nlohmann::ordered_json config;  // the Hugging Face config.json
+  std::vector<ModelParameter> parameters;
+  std::vector<std::string> units;  // the last is "root"
+  std::vector<ModelModule> modules;
+  int64_t vocab_size = 0;
+  std::optional<int64_t> max_seq_len;
+  std::string num_layers_key;   // e.g. "model.num_hidden_layers"
+  int64_t numel = 0;            // elements over all parameters
+  nlohmann::ordered_json json;  // as the plugin wrote it (for sidecars)
+
+  int32_t root_unit() const { return int32_t(units.size()) - 1; }
+  // The index of the parameter called `name`, or -1.
+  int64_t parameter_index(const std::string& name) const;
+  // The index of the module called `name`, or -1.
+  int64_t module_index(const std::string& name) const;
+};
+
+// Parses and checks a description; errors name `origin` (the plugin file)
+// and the field.
+ModelDescription parse_description(const std::string& text, const std::string& origin);
+
+// A model plugin instance with one configured model.
+class Model {
+ public:
+  // Loads nothing: `library` is the model plugin of config.model.model_type.
+  // `config` is the [model] table's architecture keys as JSON. Throws
+  // INVALID_ARGUMENT naming the key ("model.<key>: ...") for what the plugin
+  // refuses; keys outside the plugin's config_keys are refused first.
+  Model(std::shared_ptr<PluginLibrary> library, const nlohmann::ordered_json& config);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelDescription& description() const { return description_; }
+  const PluginLibrary& library() const { return instance_.library(); }
+  meshrun_model* handle() const { return model_; }
+  const meshrun_model_api& api() const { return *library().api().model; }
+  // The plugin can run backward as separate I and W halves.
+  bool splits_backward() const;
+
+  // Writes parameter `parameter`'s initial values (numel floats) for `seed`.
+  void init_parameter(uint64_t seed, int64_t parameter, float* values) const;
+  // Every parameter in the flat layout (description().numel floats).
+  void init_parameters(uint64_t seed, float* values) const;
+
+ private:
+  PluginInstance instance_;
+  meshrun_model* model_ = nullptr;
+  ModelDescription description_;
+};
+
+// The [model] keys a model plugin reads (its table's config_keys).
+std::vector<std::string> model_config_keys(const PluginLibrary& library);
+
+// What a stage of some modules holds: the parameters its modules use
+// (description indices, ascending) and their units (ascending: the root, if
+// held, last). Throws INVALID_ARGUMENT for a module the description lacks.
+struct StageContents {
+  std::vector<int64_t> parameters;
+  std::vector<int32_t> units;
+};
+StageContents stage_contents(const Model& model, const std::vector<std::string>& modules);
+
+// A parameter's storage as the host hands it to a stage.
+struct ParameterStorage {
+  float* value = nullptr;
+  float* gradient = nullptr;  // null outside a backward
+};
+
+// What a stage calls at unit boundaries (meshrun/model.h, "Hooks"); units
+// and parameters are the description's indices. Exceptions thrown here reach
+// the plugin as error objects and come back out of the stage's call.
+class StageHooks {
+ public:
+  virtual ~StageHooks() = default;
+  // `hidden` (numel floats, or null for the root) may be rewritten in place.
+  virtual void pre_forward(int32_t /*unit*/, float* /*hidden*/, int64_t /*numel*/) {}
+  virtual void post_forward(int32_t /*unit*/, float* /*hidden*/, int64_t /*numel*/) {}
+  virtual void pre_backward(int32_t /*unit*/) {}
+  virtual void post_backward(int32_t /*unit*/) {}
+  virtual void gradient_ready(int64_t /*parameter*/) {}
+  // Storage of a parameter of a unit between its pre_ and post_ hooks;
+  // `backward` says whether the gradient is wanted.
+  virtual ParameterStorage parameter(int64_t parameter, bool backward) = 0;
+};
+
+// The communicators a stage computes over.
+struct StageCommunicators {
+  Communicator* tp = nullptr;
+  Communicator* cp = nullptr;
+  Communicator* ep = nullptr;  // null without an MoE mesh
+};
+
+class ModelStage {
+ public:
+  // A stage computing `modules` (names from the description). `hooks`,
+  // `comms` and `model` must outlive the stage. Throws the plugin's error.
+  ModelStage(const Model& model, const std::vector<std::string>& modules, StageHooks& hooks,
+             const StageCommunicators& comms, const std::string& plan_json,
+             const std::string& options_json);
+  ~ModelStage();
+  ModelStage(const ModelStage&) = delete;
+  ModelStage& operator=(const ModelStage&) = delete;
+
+  const StageContents& contents() const { return contents_; }
+  const Model& model() const { return model_; }
+
+  void set_shape(int64_t batch, int64_t seq_len);
+  int64_t input_numel() const { return input_numel_; }
+  int64_t output_numel() const { return output_numel_; }
+
+  // See meshrun/model.h. tokens and targets are [batch, seq_len].
+  double forward(int32_t microbatch, const int32_t* tokens, const int32_t* targets,
+                 const float* input, float* output);
+  void backward(int32_t microbatch, float loss_scale, const float* grad_output, float* grad_input);
+  void backward_input(int32_t microbatch, float loss_scale, const float* grad_output,
+                      float* grad_input);
+  void backward_weight(int32_t microbatch);
+  void discard(int32_t microbatch);
+  int64_t activation_bytes();
+
+ private:
+  struct Bridge;
+  void call(meshrun_error* error, const char* entry_point) const;
+  void require_split_backward(const char* entry_point) const;
+
+  const Model& model_;
+  StageContents contents_;
+  std::unique_ptr<Bridge> bridge_;
+  meshrun_model_stage* stage_ = nullptr;
+  int64_t batch_ = 0, seq_len_ = 0, input_numel_ = 0, output_numel_ = 0;
+};
+
+}  // namespace meshrun

@@ -1,0 +1,67 @@
+#include "common/config_reader.hpp"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace meshrun::models {
+
+ConfigReader::ConfigReader(const char* config_json) {
+  try {
+    config_ = nlohmann::json::parse(config_json);
+  } catch (const nlohmann::json::exception& error) {
+    throw std::invalid_argument(std::string("model: the config is not JSON: ") + error.what());
+  }
+  if (!config_.is_object()) throw std::invalid_argument("model: the config is not a JSON object");
+}
+
+void ConfigReader::fail(const char* key, const std::string& expected) const {
+  throw std::invalid_argument("model." + std::string(key) + ": expected " + expected + ", got " +
+                              config_.at(key).dump());
+}
+
+int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min) const {
+  if (!has(key)) return fallback;
+  const auto& value = config_.at(key);
+  if (!value.is_number_integer() || value.get<int64_t>() < min) {
+    fail(key, "an integer >= " + std::to_string(min));
+  }
+  return value.get<int64_t>();
+}
+
+double ConfigReader::positive_number(const char* key, double fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = config_.at(key);
+  if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() <= 0) {
+    fail(key, "a finite number > 0");
+  }
+  return value.get<double>();
+}
+
+double ConfigReader::fraction(const char* key, double fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = config_.at(key);
+  if (!value.is_number() || value.get<double>() < 0 || value.get<double>() >= 1) {
+    fail(key, "a number in [0, 1)");
+  }
+  return value.get<double>();
+}
+
+bool ConfigReader::boolean(const char* key, bool fallback) const {
+  if (!has(key)) return fallback;
+  if (!config_.at(key).is_boolean()) fail(key, "a boolean (true or false)");
+  return config_.at(key).get<bool>();
+}
+
+std::string ConfigReader::choice(const char* key, const std::string& fallback,
+                                 const std::initializer_list<const char*>& choices) const {
+  if (!has(key)) return fallback;
+  const auto& value = config_.at(key);
+  std::string names;
+  for (const char* choice : choices) {
+    if (value.is_string() && value.get<std::string>() == choice) return choice;
+    names += (names.empty() ? "'" : ", '") + std::string(choice) + "'";
+  }
+  fail(key, "one of " + names);
+}
+
+}  // namespace meshrun::models

@@ -1,0 +1,25 @@
+#include "common/support.hpp"
+
+#include <cblas.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace meshrun::models {
+
+void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, const char* what) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab_size) {
+      throw std::out_of_range(std::string(what) + "[" + std::to_string(i) +
+                              "] = " + std::to_string(tokens[i]) + " is outside [0, vocab_size " +
+                              std::to_string(vocab_size) + ")");
+    }
+  }
+}
+
+void use_one_blas_thread_by_default() {
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+}
+
+}  // namespace meshrun::models

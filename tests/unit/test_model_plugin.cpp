@@ -1,0 +1,172 @@
+// The Llama model plugin through the model ABI, as the trainer drives it:
+// its [model] keys checked when the plan is made (errors at the key's place
+// in the file), its description, and a stage over host storage computing
+// exactly what the model library computes.
+#include <catch2/catch.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config/config.hpp"
+#include "errors.hpp"
+#include "llama_fixture.hpp"
+#include "model/model.hpp"
+#include "plan/plan.hpp"
+
+namespace {
+
+using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
+using meshrun::Config;
+using meshrun::Model;
+using meshrun::ModelStage;
+using meshrun::ParameterStorage;
+
+const meshrun::PluginLoader& loader() {
+  static const meshrun::PluginLoader instance = meshrun::PluginLoader::from_environment();
+  return instance;
+}
+
+meshrun::Plan plan_of(const std::string& toml, const std::vector<std::string>& overrides = {},
+                      int64_t world = 1) {
+  static std::vector<std::unique_ptr<Config>> configs;  // a Plan points at its config
+  configs.push_back(std::make_unique<Config>(meshrun::parse_config(toml, "cfg.toml", overrides)));
+  return meshrun::make_plan(*configs.back(), world, loader());
+}
+
+std::string plan_error(const std::string& toml, const std::vector<std::string>& overrides = {},
+                       int64_t world = 1) {
+  try {
+    plan_of(toml, overrides, world);
+  } catch (const meshrun::Error& error) {
+    CHECK(error.is_input_error());
+    return error.what();
+  }
+  FAIL("the plan was made");
+  return "";
+}
+
+const char* const kTiny = R"([model]
+model_type = "llama"
+vocab_size = 11
+hidden_size = 16
+intermediate_size = 12
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+)";
+
+TEST_CASE("model plugin: llama's keys are checked at plan time, at their place in the file",
+          "[model]") {
+  CHECK_THAT(plan_error(kTiny, {"model.hidden_size=102"}),
+             StartsWith("override 'model.hidden_size=102': model.hidden_size: 102 must be "
+                        "divisible by model.num_attention_heads (4)"));
+  CHECK_THAT(plan_error(std::string(kTiny) + "banana = 1\n"),
+             StartsWith("cfg.toml:9:1: model.banana: unknown key for model_type 'llama'; valid "
+                        "keys in [model]: model_type, torch_dtype, checkpoint, vocab_size, "));
+  CHECK_THAT(plan_error(kTiny, {"model.hiden_size=16"}), Contains("(did you mean 'hidden_size'?)"));
+  CHECK_THAT(plan_error(kTiny, {"model.tp_size=2"}), Contains("(it belongs in [distributed])"));
+  CHECK_THAT(plan_error(kTiny, {"model.num_key_value_heads=3"}),
+             StartsWith("override 'model.num_key_value_heads=3': model.num_key_value_heads: "));
+  CHECK_THAT(plan_error(kTiny, {"model.hidden_size=24", "model.num_attention_heads=8",
+                                "model.num_key_value_heads=8"}),
+             Contains("= 3 must be even"));
+  CHECK_THAT(plan_error(std::string(kTiny) + "tie_word_embeddings = 1\n"),
+             StartsWith("cfg.toml:9:1: model.tie_word_embeddings: expected a boolean (true or "
+                        "false), got 1"));
+  CHECK_THAT(plan_error(kTiny, {"model.rms_norm_eps=0"}),
+             Contains("model.rms_norm_eps: expected a finite number > 0, got 0"));
+  CHECK_THAT(plan_error(kTiny, {"model.num_hidden_layers=0"}),
+             Contains("model.num_hidden_layers: expected an integer >= 1, got 0"));
+  CHECK_THAT(plan_error(kTiny, {"model.rope_theta=inf"}),
+             Contains("model.rope_theta: expected a finite number > 0, got \"inf\""));
+  CHECK_THAT(plan_error(kTiny, {"model.model_type=gpt9"}),
+             Contains("model.model_type: no model plugin named 'gpt9'"));
+}
+
+TEST_CASE("model plugin: tied embeddings cannot be split over pipeline stages", "[model]") {
+  const std::string pipeline = std::string(kTiny) +
+                               "tie_word_embeddings = true\n[distributed]\npp_size = 2\n"
+                               "[distributed.pipeline]\n";
+  CHECK_THAT(plan_error(pipeline, {}, 2),
+             Contains("distributed.pp_size: parameter 'model.embed_tokens.weight' is used by "
+                      "modules 'model.embed_tokens' and 'lm_head'"));
+}
+
+TEST_CASE("model plugin: llama's description", "[model]") {
+  const meshrun::Plan plan = plan_of(kTiny, {"model.num_key_value_heads=4"});
+  const meshrun::ModelDescription& d = plan.model->description();
+  CHECK(d.config.at("num_key_value_heads") == 4);
+  CHECK(d.config.at("architectures") == nlohmann::ordered_json::array({"LlamaForCausalLM"}));
+  CHECK(d.units == std::vector<std::string>{"model.layers.0", "model.layers.1", "root"});
+  CHECK(d.parameters.size() == 1 + 2 * 9 + 2);
+  CHECK(d.parameters.back().name == "lm_head.weight");
+  CHECK(d.parameters.back().unit == 2);
+  REQUIRE(d.modules.size() == 5);
+  CHECK(d.modules[3].group == "head");
+  CHECK(d.vocab_size == 11);
+  CHECK_FALSE(d.max_seq_len.has_value());
+  CHECK(d.num_layers_key == "model.num_hidden_layers");
+  // The default num_key_value_heads is num_attention_heads, as Hugging Face's.
+  const meshrun::Plan defaulted = plan_of("[model]\nnum_attention_heads = 4\nhidden_size = 16\n");
+  CHECK(defaulted.model->description().config.at("num_key_value_heads") == 4);
+}
+
+// The host side a replicated strategy gives: the parameters in one flat
+// buffer in description order.
+class FlatHooks : public meshrun::StageHooks {
+ public:
+  explicit FlatHooks(const meshrun::ModelDescription& d)
+      : d_(d), values(size_t(d.numel)), gradients(size_t(d.numel)) {}
+  ParameterStorage parameter(int64_t parameter, bool backward) override {
+    const int64_t offset = d_.parameters[size_t(parameter)].offset;
+    return {values.data() + offset, backward ? gradients.data() + offset : nullptr};
+  }
+  void gradient_ready(int64_t parameter) override { ready.push_back(parameter); }
+
+  const meshrun::ModelDescription& d_;
+  std::vector<float> values, gradients;
+  std::vector<int64_t> ready;
+};
+
+TEST_CASE("model plugin: a stage through the ABI computes what the model library does", "[model]") {
+  const meshrun::Plan plan = plan_of(kTiny);
+  const Model& model = *plan.model;
+  const meshrun::ModelDescription& d = model.description();
+  FlatHooks hooks(d);
+  model.init_parameters(5, hooks.values.data());
+  std::vector<std::string> modules;
+  for (const auto& module : d.modules) modules.push_back(module.name);
+  ModelStage stage(model, modules, hooks, {}, "{}", "{}");
+
+  llama_fixture::OwnedModel reference({11, 16, 12, 2, 4, 2});
+  reference.init_weights(5);
+  CHECK(std::vector<float>(reference.param_buffer(),
+                           reference.param_buffer() + reference.num_parameters()) == hooks.values);
+
+  std::mt19937 engine(3);
+  std::uniform_int_distribution<int32_t> id(0, 10);
+  std::vector<int32_t> tokens(2 * 5), targets(2 * 5);
+  for (auto& t : tokens) t = id(engine);
+  for (auto& t : targets) t = id(engine);
+  stage.set_shape(2, 5);
+  CHECK(stage.input_numel() == 0);
+  CHECK(stage.output_numel() == 0);
+  const double loss = stage.forward(0, tokens.data(), targets.data(), nullptr, nullptr);
+  stage.backward(0, 1.0f, nullptr, nullptr);
+  CHECK(float(loss) == reference.forward(tokens.data(), targets.data(), 2, 5));
+  reference.backward();
+  CHECK(hooks.gradients ==
+        std::vector<float>(reference.grad_buffer(),
+                           reference.grad_buffer() + reference.num_parameters()));
+  CHECK(hooks.ready.size() == d.parameters.size());
+  CHECK(stage.activation_bytes() == 0);
+
+  targets[0] = 11;
+  CHECK_THROWS_WITH(stage.forward(0, tokens.data(), targets.data(), nullptr, nullptr),
+                    Contains("targets[0] = 11 is outside [0, vocab_size 11)"));
+  CHECK_THROWS_WITH(stage.backward(0, 1.0f, nullptr, nullptr),
+                    Contains("microbatch 0: backward without its forward"));
+}
+
+}  // namespace
