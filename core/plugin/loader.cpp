@@ -518,6 +518,11 @@ PluginInstance::PluginInstance(std::shared_ptr<PluginLibrary> library,
   if (meshrun_error* error = library_->api().create(&host, &instance)) {
     throw take_plugin_error(*library_, "create failed", error);
   }
+  // Every entry point takes the instance and refuses NULL, so the plugin
+  // would fail later, far from its cause.
+  if (instance == nullptr) {
+    fail(MESHRUN_INVALID_ARGUMENT, library_->path(), "create succeeded but returned no instance");
+  }
   instance_ = instance;
 }
 

@@ -315,7 +315,12 @@ TEST_CASE("instances can be created and destroyed repeatedly", "[conformance]") 
     meshrun_plugin_instance* second = nullptr;
     REQUIRE(api.create(&meshrun::host_services(), &first) == nullptr);
     REQUIRE(api.create(&meshrun::host_services(), &second) == nullptr);
-    CHECK((first == nullptr || first != second));
+    {
+      INFO("create succeeded but returned no instance");
+      CHECK(first != nullptr);
+      CHECK(second != nullptr);
+    }
+    CHECK(first != second);
     api.destroy(second);
     api.destroy(first);
   }
