@@ -6,6 +6,7 @@
 #include "errors.hpp"
 #include "meshrun/sidecar.h"
 #include "plan/plan.hpp"
+#include "plugin/call_scope.hpp"
 
 namespace meshrun {
 namespace {
@@ -59,7 +60,8 @@ nlohmann::ordered_json plan_model(const Config& config, const MeshContext& mesh,
   const PluginInstance instance(sidecar);
   const std::string request = request_of(config, mesh, schedule).dump();
   char* plan_json = nullptr;
-  meshrun_error* error = api.plan(instance.handle(), request.c_str(), &plan_json);
+  meshrun_error* error = call_plugin(
+      *sidecar, "plan", [&] { return api.plan(instance.handle(), request.c_str(), &plan_json); });
   if (error != nullptr) {
     const int32_t code = error->code;
     const std::string message = error->message != nullptr ? error->message : "";

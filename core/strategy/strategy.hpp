@@ -94,8 +94,11 @@ class Strategy {
 
  private:
   const meshrun_strategy_api& api() const { return *instance_.library().api().strategy; }
-  // Throws the plugin's error, if any, naming the strategy and `entry_point`.
-  void call(meshrun_error* error, const char* entry_point) const;
+  // Calls `entry_point` through `body`, which returns the plugin's error, in
+  // a PluginCallScope; throws that error, if any, naming the strategy and
+  // `entry_point`.
+  template <class Call>
+  void call(const char* entry_point, Call&& body) const;
 
   // The view `tensor`, the `what` ("parameters" or "gradients") view that
   // `where` (e.g. "unit_views(unit 3)") handed back, once it is a flat

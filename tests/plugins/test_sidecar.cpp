@@ -1,5 +1,6 @@
 // The test sidecars: a plan entry that behaves in the one way each plugin's
 // name says (TEST_SIDECAR_NAME selects it):
+//   crashy       dereferences NULL in plan, for the CLI's crash report;
 //   other_model  refuses every request, as a sidecar of another model family
 //                may refuse a Llama-shaped one: conformance passes it;
 //   no_units     answers with a plan without units: conformance refuses it.
@@ -16,12 +17,16 @@ constexpr std::string_view kName = TEST_SIDECAR_NAME;
 
 using meshrun::plugin::Error;
 
+// Volatile, so that the compiler keeps the crash.
+int* volatile nowhere = nullptr;
+
 meshrun_error* plan(meshrun_plugin_instance* instance, const char* request_json, char** out) {
   return meshrun::plugin::guard([&] {
     if (instance == nullptr || request_json == nullptr || out == nullptr) {
       throw Error(MESHRUN_INVALID_ARGUMENT,
                   "plan: instance, request_json and out must not be NULL");
     }
+    if (kName == "crashy") *nowhere = 1;
     if (!nlohmann::json::accept(request_json)) {
       throw Error(MESHRUN_INVALID_ARGUMENT, "plan: the request is not JSON");
     }
