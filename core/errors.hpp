@@ -20,10 +20,11 @@ class Error : public std::runtime_error {
   // The config key (dotted path) the error is about, when there is one, so a
   // caller that knows the config can prefix the key's file position.
   const std::string& key() const noexcept { return key_; }
-  // Bad input from the user (config, sizes, names): the CLI exits with 2.
+  // Bad input from the user (config, sizes, names, a plugin of an ABI
+  // version this build cannot use): the CLI exits with 2.
   bool is_input_error() const noexcept {
     return code_ == MESHRUN_INVALID_ARGUMENT || code_ == MESHRUN_NOT_FOUND ||
-           code_ == MESHRUN_OUT_OF_RANGE;
+           code_ == MESHRUN_OUT_OF_RANGE || code_ == MESHRUN_VERSION_MISMATCH;
   }
 
  private:

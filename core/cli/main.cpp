@@ -10,6 +10,7 @@
 #include "cli/commands.hpp"
 #include "errors.hpp"
 #include "meshrun/error.h"
+#include "plugin/call_scope.hpp"
 #include "support/suggest.hpp"
 
 namespace {
@@ -55,6 +56,7 @@ void print_usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  meshrun::install_plugin_crash_handler();
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     print_usage();
     return argc < 2 ? 2 : 0;

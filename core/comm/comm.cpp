@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "errors.hpp"
+#include "plugin/call_scope.hpp"
 
 namespace meshrun {
 
@@ -62,37 +63,46 @@ FlatTensor::FlatTensor(void* data, DLDataType dtype, int64_t numel, DLDevice dev
     : numel_(numel), tensor_{data, device, 1, dtype, &numel_, nullptr, 0} {}
 
 Request::Request(Request&& other) noexcept
-    : api_(other.api_), handle_(std::exchange(other.handle_, nullptr)) {}
+    : library_(other.library_), handle_(std::exchange(other.handle_, nullptr)) {}
 
 Request& Request::operator=(Request&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr) api_->request_destroy(handle_);
-    api_ = other.api_;
+    destroy_handle();
+    library_ = other.library_;
     handle_ = std::exchange(other.handle_, nullptr);
   }
   return *this;
 }
 
-Request::~Request() {
-  if (handle_ != nullptr) api_->request_destroy(handle_);
+Request::~Request() { destroy_handle(); }
+
+void Request::destroy_handle() {
+  if (handle_ == nullptr) return;
+  call_plugin(*library_, "request_destroy",
+              [&] { library_->api().comm->request_destroy(handle_); });
 }
 
 void Request::wait(double timeout_seconds) {
-  if (handle_ != nullptr) throw_if_error(api_->wait(handle_, timeout_seconds));
+  if (handle_ == nullptr) return;
+  throw_if_error(call_plugin(*library_, "wait",
+                             [&] { return library_->api().comm->wait(handle_, timeout_seconds); }));
 }
 
 bool Request::test() {
   if (handle_ == nullptr) return true;
   int32_t done = 0;
-  throw_if_error(api_->test(handle_, &done));
+  throw_if_error(
+      call_plugin(*library_, "test", [&] { return library_->api().comm->test(handle_, &done); }));
   return done != 0;
 }
 
 Communicator::Communicator(std::shared_ptr<const PluginLibrary> library,
                            meshrun_communicator* handle, std::string name)
     : library_(std::move(library)), handle_(handle), name_(std::move(name)) {
-  throw_if_error(api().rank(handle_, &rank_), "communicator " + name_);
-  throw_if_error(api().size(handle_, &size_), "communicator " + name_);
+  throw_if_error(call_plugin(*library_, "rank", [&] { return api().rank(handle_, &rank_); }),
+                 "communicator " + name_);
+  throw_if_error(call_plugin(*library_, "size", [&] { return api().size(handle_, &size_); }),
+                 "communicator " + name_);
 }
 
 Communicator::Communicator(Communicator&& other) noexcept
@@ -104,7 +114,7 @@ Communicator::Communicator(Communicator&& other) noexcept
 
 Communicator& Communicator::operator=(Communicator&& other) noexcept {
   if (this != &other) {
-    if (handle_ != nullptr) api().communicator_destroy(handle_);
+    destroy_handle();
     library_ = std::move(other.library_);
     handle_ = std::exchange(other.handle_, nullptr);
     name_ = std::move(other.name_);
@@ -114,67 +124,72 @@ Communicator& Communicator::operator=(Communicator&& other) noexcept {
   return *this;
 }
 
-Communicator::~Communicator() {
-  if (handle_ != nullptr) api().communicator_destroy(handle_);
+Communicator::~Communicator() { destroy_handle(); }
+
+void Communicator::destroy_handle() {
+  if (handle_ == nullptr) return;
+  call_plugin(*library_, "communicator_destroy", [&] { api().communicator_destroy(handle_); });
 }
 
 Communicator Communicator::split(int64_t color, int64_t key, const std::string& name) {
   meshrun_communicator* child = nullptr;
-  throw_if_error(api().split(handle_, color, key, name.c_str(), &child), "split " + name_);
+  throw_if_error(
+      call_plugin(*library_, "split",
+                  [&] { return api().split(handle_, color, key, name.c_str(), &child); }),
+      "split " + name_);
   return Communicator(library_, child, name);
 }
 
 void Communicator::set_stream(void* stream) {
-  throw_if_error(api().set_stream(handle_, stream), "set_stream on " + name_);
+  throw_if_error(
+      call_plugin(*library_, "set_stream", [&] { return api().set_stream(handle_, stream); }),
+      "set_stream on " + name_);
 }
 
-namespace {
-
-// Starts an operation through `start`, which receives the out-request slot.
-template <class Start>
-Request start(const meshrun_comm_api& api, const std::string& what, Start&& begin) {
-  meshrun_request* handle = nullptr;
-  throw_if_error(begin(&handle), what);
-  return Request(&api, handle);
+// Starts operation `entry_point` through `begin`, which receives the
+// out-request slot.
+template <class Begin>
+Request Communicator::start(const char* entry_point, Begin&& begin) {
+  meshrun_request* request = nullptr;
+  throw_if_error(call_plugin(*library_, entry_point, [&] { return begin(&request); }),
+                 std::string(entry_point) + " on " + name_);
+  return Request(*library_, request);
 }
-
-}  // namespace
 
 Request Communicator::all_reduce(const DLTensor& send, DLTensor& recv, ReduceOp op) {
-  return start(api(), "all_reduce on " + name_, [&](meshrun_request** out) {
+  return start("all_reduce", [&](meshrun_request** out) {
     return api().all_reduce(handle_, &send, &recv, static_cast<int32_t>(op), out);
   });
 }
 
 Request Communicator::all_gather(const DLTensor& send, DLTensor& recv) {
-  return start(api(), "all_gather on " + name_,
+  return start("all_gather",
                [&](meshrun_request** out) { return api().all_gather(handle_, &send, &recv, out); });
 }
 
 Request Communicator::reduce_scatter(const DLTensor& send, DLTensor& recv, ReduceOp op) {
-  return start(api(), "reduce_scatter on " + name_, [&](meshrun_request** out) {
+  return start("reduce_scatter", [&](meshrun_request** out) {
     return api().reduce_scatter(handle_, &send, &recv, static_cast<int32_t>(op), out);
   });
 }
 
 Request Communicator::broadcast(DLTensor& tensor, int64_t root) {
-  return start(api(), "broadcast on " + name_,
+  return start("broadcast",
                [&](meshrun_request** out) { return api().broadcast(handle_, &tensor, root, out); });
 }
 
 Request Communicator::send(const DLTensor& tensor, int64_t peer, int64_t tag) {
-  return start(api(), "send on " + name_,
+  return start("send",
                [&](meshrun_request** out) { return api().send(handle_, &tensor, peer, tag, out); });
 }
 
 Request Communicator::recv(DLTensor& tensor, int64_t peer, int64_t tag) {
-  return start(api(), "recv on " + name_,
+  return start("recv",
                [&](meshrun_request** out) { return api().recv(handle_, &tensor, peer, tag, out); });
 }
 
 Request Communicator::barrier() {
-  return start(api(), "barrier on " + name_,
-               [&](meshrun_request** out) { return api().barrier(handle_, out); });
+  return start("barrier", [&](meshrun_request** out) { return api().barrier(handle_, out); });
 }
 
 namespace {
@@ -204,7 +219,11 @@ Communicator CommBackend::world(double timeout_seconds, int32_t device_id,
   const meshrun_comm_options options{sizeof(meshrun_comm_options), timeout_seconds, device_id,
                                      nullptr};
   meshrun_communicator* handle = nullptr;
-  throw_if_error(library_->api().comm->world(instance_.handle(), bootstrap, &options, &handle),
+  throw_if_error(call_plugin(*library_, "world",
+                             [&] {
+                               return library_->api().comm->world(instance_.handle(), bootstrap,
+                                                                  &options, &handle);
+                             }),
                  "comm plugin " + library_->path() + ": world");
   return Communicator(library_, handle, "world");
 }

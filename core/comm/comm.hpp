@@ -55,7 +55,9 @@ class FlatTensor {
 class Request {
  public:
   Request() = default;
-  Request(const meshrun_comm_api* api, meshrun_request* handle) : api_(api), handle_(handle) {}
+  // Owns `handle`, made by the comm plugin `library`, which outlives it.
+  Request(const PluginLibrary& library, meshrun_request* handle)
+      : library_(&library), handle_(handle) {}
   Request(Request&& other) noexcept;
   Request& operator=(Request&& other) noexcept;
   ~Request();
@@ -67,7 +69,9 @@ class Request {
   bool test();
 
  private:
-  const meshrun_comm_api* api_ = nullptr;
+  void destroy_handle();
+
+  const PluginLibrary* library_ = nullptr;
   meshrun_request* handle_ = nullptr;
 };
 
@@ -104,6 +108,9 @@ class Communicator {
 
  private:
   const meshrun_comm_api& api() const { return *library_->api().comm; }
+  void destroy_handle();
+  template <class Begin>
+  Request start(const char* entry_point, Begin&& begin);
 
   std::shared_ptr<const PluginLibrary> library_;
   meshrun_communicator* handle_ = nullptr;

@@ -8,6 +8,7 @@
 
 #include "config/config.hpp"
 #include "errors.hpp"
+#include "plugin/call_scope.hpp"
 #include "support/suggest.hpp"
 
 namespace meshrun {
@@ -30,7 +31,8 @@ class PluginString {
 };
 
 [[noreturn]] void bad_description(const std::string& origin, const std::string& what) {
-  throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("model plugin {}: describe: {}", origin, what),
+  throw Error(MESHRUN_INVALID_ARGUMENT,
+              fmt::format("model.model_type: model plugin {}: describe: {}", origin, what),
               "model.model_type");
 }
 
@@ -194,7 +196,10 @@ meshrun_model* create_model(const PluginInstance& instance, const ordered_json& 
   refuse_unknown_keys(instance.library(), config);
   meshrun_model* model = nullptr;
   const std::string text = config.dump();
-  if (meshrun_error* error = api.model_create(instance.handle(), text.c_str(), &model)) {
+  meshrun_error* error = call_plugin(instance.library(), "model_create", [&] {
+    return api.model_create(instance.handle(), text.c_str(), &model);
+  });
+  if (error != nullptr) {
     const int32_t code = error->code;
     const std::string message = error->message != nullptr ? error->message : "";
     meshrun_error_release(error);
@@ -265,16 +270,21 @@ Model::Model(std::shared_ptr<PluginLibrary> library, const ordered_json& config)
     : instance_(std::move(library)), model_(create_model(instance_, config)) {
   try {
     PluginString text;
-    throw_if_error(api().describe(model_, text.out()),
+    throw_if_error(call_plugin(this->library(), "describe",
+                               [&] { return api().describe(model_, text.out()); }),
                    fmt::format("model plugin {}: describe", this->library().path()));
     description_ = parse_description(text.str(), this->library().path());
   } catch (...) {
-    api().model_destroy(model_);
+    destroy();
     throw;
   }
 }
 
-Model::~Model() { api().model_destroy(model_); }
+Model::~Model() { destroy(); }
+
+void Model::destroy() {
+  call_plugin(library(), "model_destroy", [&] { api().model_destroy(model_); });
+}
 
 bool Model::splits_backward() const {
   return api().backward_input != nullptr && api().backward_weight != nullptr;
@@ -289,8 +299,10 @@ void Model::init_parameter(uint64_t seed, int64_t parameter, float* values) cons
                   const_cast<int64_t*>(p.shape.data()),
                   nullptr,
                   0};
-  throw_if_error(api().init_parameter(model_, seed, parameter, &tensor),
-                 fmt::format("model plugin {}: init_parameter '{}'", library().path(), p.name));
+  throw_if_error(
+      call_plugin(library(), "init_parameter",
+                  [&] { return api().init_parameter(model_, seed, parameter, &tensor); }),
+      fmt::format("model plugin {}: init_parameter '{}'", library().path(), p.name));
 }
 
 void Model::init_parameters(uint64_t seed, float* values) const {
@@ -474,7 +486,7 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   setup.ep = comms.ep != nullptr ? comms.ep->handle() : nullptr;
   setup.plan_json = plan_json.c_str();
   setup.options_json = options_json.c_str();
-  call(model.api().stage_create(model.handle(), &setup, &stage_), "stage_create");
+  call("stage_create", [&] { return model.api().stage_create(model.handle(), &setup, &stage_); });
   if (stage_ == nullptr) {
     throw Error(MESHRUN_INTERNAL, fmt::format("model plugin {}: stage_create succeeded but "
                                               "returned no stage",
@@ -482,14 +494,20 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   }
 }
 
-ModelStage::~ModelStage() { model_.api().stage_destroy(stage_); }
+ModelStage::~ModelStage() {
+  call_plugin(model_.library(), "stage_destroy", [&] { model_.api().stage_destroy(stage_); });
+}
 
-void ModelStage::call(meshrun_error* error, const char* entry_point) const {
-  throw_if_error(error, fmt::format("model {} {}", model_.library().name(), entry_point));
+template <class Call>
+void ModelStage::call(const char* entry_point, Call&& call) const {
+  throw_if_error(call_plugin(model_.library(), entry_point, call),
+                 fmt::format("model {} {}", model_.library().name(), entry_point));
 }
 
 void ModelStage::set_shape(int64_t batch, int64_t seq_len) {
-  call(model_.api().set_shape(stage_, batch, seq_len, &input_numel_, &output_numel_), "set_shape");
+  call("set_shape", [&] {
+    return model_.api().set_shape(stage_, batch, seq_len, &input_numel_, &output_numel_);
+  });
   batch_ = batch;
   seq_len_ = seq_len;
 }
@@ -503,29 +521,32 @@ double ModelStage::forward(int32_t microbatch, const int32_t* tokens, const int3
       const_cast<int32_t*>(targets), {kDLCPU, 0}, 2, dtype_int32(), shape, nullptr, 0};
   FloatArgument in(input, input_numel_), out(output, output_numel_);
   double loss = 0;
-  call(model_.api().forward(stage_, microbatch, &token_tensor, &target_tensor, in.get(), out.get(),
-                            &loss),
-       "forward");
+  call("forward", [&] {
+    return model_.api().forward(stage_, microbatch, &token_tensor, &target_tensor, in.get(),
+                                out.get(), &loss);
+  });
   return loss;
 }
 
 void ModelStage::backward(int32_t microbatch, float loss_scale, const float* grad_output,
                           float* grad_input) {
   FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
-  call(model_.api().backward(stage_, microbatch, loss_scale, out.get(), in.get()), "backward");
+  call("backward",
+       [&] { return model_.api().backward(stage_, microbatch, loss_scale, out.get(), in.get()); });
 }
 
 void ModelStage::backward_input(int32_t microbatch, float loss_scale, const float* grad_output,
                                 float* grad_input) {
   require_split_backward("backward_input");
   FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
-  call(model_.api().backward_input(stage_, microbatch, loss_scale, out.get(), in.get()),
-       "backward_input");
+  call("backward_input", [&] {
+    return model_.api().backward_input(stage_, microbatch, loss_scale, out.get(), in.get());
+  });
 }
 
 void ModelStage::backward_weight(int32_t microbatch) {
   require_split_backward("backward_weight");
-  call(model_.api().backward_weight(stage_, microbatch), "backward_weight");
+  call("backward_weight", [&] { return model_.api().backward_weight(stage_, microbatch); });
 }
 
 void ModelStage::require_split_backward(const char* entry_point) const {
@@ -536,12 +557,12 @@ void ModelStage::require_split_backward(const char* entry_point) const {
 }
 
 void ModelStage::discard(int32_t microbatch) {
-  call(model_.api().discard(stage_, microbatch), "discard");
+  call("discard", [&] { return model_.api().discard(stage_, microbatch); });
 }
 
 int64_t ModelStage::activation_bytes() {
   int64_t bytes = 0;
-  call(model_.api().activation_bytes(stage_, &bytes), "activation_bytes");
+  call("activation_bytes", [&] { return model_.api().activation_bytes(stage_, &bytes); });
   return bytes;
 }
 

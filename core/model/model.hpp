@@ -80,6 +80,8 @@ class Model {
   void init_parameters(uint64_t seed, float* values) const;
 
  private:
+  void destroy();
+
   PluginInstance instance_;
   meshrun_model* model_ = nullptr;
   ModelDescription description_;
@@ -157,7 +159,9 @@ class ModelStage {
 
  private:
   struct Bridge;
-  void call(meshrun_error* error, const char* entry_point) const;
+  // Runs `call` (a call of the plugin's `entry_point`) and throws its error.
+  template <class Call>
+  void call(const char* entry_point, Call&& call) const;
   void require_split_backward(const char* entry_point) const;
 
   const Model& model_;

@@ -12,6 +12,7 @@
 #include "errors.hpp"
 #include "meshrun/sidecar.h"
 #include "plan/plan.hpp"
+#include "plugin/call_scope.hpp"
 
 namespace meshrun {
 namespace {
@@ -221,45 +222,53 @@ ordered_json sidecar_request(const Config& config, const MeshContext& mesh, cons
           {"pipeline", std::move(pipeline)}};
 }
 
-// The sidecar's message starts with the dotted key it concerns.
-[[noreturn]] void rethrow_sidecar_error(int32_t code, const std::string& message) {
+// An input error about the plugins that model.model_type selects.
+[[noreturn]] void refuse(const std::string& what) {
+  throw Error(MESHRUN_INVALID_ARGUMENT, "model.model_type: " + what, "model.model_type");
+}
+
+// The sidecar's message starts with the dotted config key it concerns;
+// without one it is about the sidecar itself.
+[[noreturn]] void rethrow_sidecar_error(const PluginLibrary& sidecar, int32_t code,
+                                        const std::string& message) {
   const auto colon = message.find(": ");
-  const bool keyed = colon != std::string::npos && message.find(' ') > colon;
-  throw Error(code, message, keyed ? message.substr(0, colon) : "model.model_type");
+  const std::string key = colon == std::string::npos ? "" : message.substr(0, colon);
+  const bool keyed = key.find(' ') == std::string::npos &&
+                     (key.rfind("model.", 0) == 0 || key.rfind("distributed.", 0) == 0 ||
+                      key.rfind("data.", 0) == 0 || key.rfind("train.", 0) == 0);
+  if (!keyed) refuse(fmt::format("sidecar {}: {}", sidecar.path(), message));
+  throw Error(code, message, key);
 }
 
 ordered_json ask_sidecar(const std::shared_ptr<PluginLibrary>& sidecar,
                          const ordered_json& request) {
   const meshrun_sidecar_api& api = *sidecar->api().sidecar;
   if (!MESHRUN_HAS_FIELD(meshrun_sidecar_api, &api, plan) || api.plan == nullptr) {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                fmt::format("sidecar {} (ABI {}.{}) cannot plan: its table has no `plan` (ABI "
-                            "1.2); remove it from the plugin path to use the default plan",
-                            sidecar->path(), sidecar->api().abi_major, sidecar->api().abi_minor),
-                "model.model_type");
+    refuse(
+        fmt::format("sidecar {} (ABI {}.{}) cannot plan: its table has no `plan` (ABI 1.2); "
+                    "remove it from the plugin path to use the default plan",
+                    sidecar->path(), sidecar->api().abi_major, sidecar->api().abi_minor));
   }
   const PluginInstance instance(sidecar);
   const std::string text = request.dump();
   char* plan_json = nullptr;
-  if (meshrun_error* error = api.plan(instance.handle(), text.c_str(), &plan_json)) {
+  meshrun_error* error = call_plugin(
+      *sidecar, "plan", [&] { return api.plan(instance.handle(), text.c_str(), &plan_json); });
+  if (error != nullptr) {
     const int32_t code = error->code;
     const std::string message = error->message != nullptr ? error->message : "";
     meshrun_error_release(error);
-    rethrow_sidecar_error(code, message);
+    rethrow_sidecar_error(*sidecar, code, message);
   }
   if (plan_json == nullptr) {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                fmt::format("sidecar {}: plan succeeded but returned no plan", sidecar->path()),
-                "model.model_type");
+    refuse(fmt::format("sidecar {}: plan succeeded but returned no plan", sidecar->path()));
   }
   const std::string answer = plan_json;
   host_services().deallocate(host_services().context, plan_json);
   try {
     return ordered_json::parse(answer);
   } catch (const nlohmann::json::exception& e) {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                fmt::format("sidecar {}: its plan is not JSON: {}", sidecar->path(), e.what()),
-                "model.model_type");
+    refuse(fmt::format("sidecar {}: its plan is not JSON: {}", sidecar->path(), e.what()));
   }
 }
 
@@ -288,10 +297,8 @@ class PlanCheck {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw Error(MESHRUN_INVALID_ARGUMENT,
-                fmt::format("sidecar {} made a plan that does not fit model plugin {}: {}",
-                            sidecar_, model_, what),
-                "model.model_type");
+    refuse(fmt::format("sidecar {} made a plan that does not fit model plugin {}: {}", sidecar_,
+                       model_, what));
   }
   const ordered_json& array(const ordered_json& plan, const char* name) const {
     if (!plan.contains(name) || !plan.at(name).is_array()) {

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "errors.hpp"
+#include "plugin/call_scope.hpp"
 #include "support/suggest.hpp"
 
 namespace meshrun {
@@ -336,7 +337,10 @@ PluginLibrary::PluginLibrary(void* handle, const meshrun_plugin_api* api, std::s
     : handle_(handle), api_(api), path_(std::move(path)) {}
 
 PluginLibrary::~PluginLibrary() {
-  if (handle_ != nullptr) dlclose(handle_);
+  if (handle_ == nullptr) return;
+  // dlclose runs the plugin's static destructors.
+  const PluginCallScope scope(*this, "unload (dlclose)");
+  dlclose(handle_);
 }
 
 PluginLoader::PluginLoader(std::vector<std::string> search_path, VersionPolicy policy)
@@ -411,7 +415,8 @@ std::shared_ptr<PluginLibrary> PluginLoader::load_file(const std::string& path,
     fail(MESHRUN_INVALID_ARGUMENT, path,
          "file name '" + file + "' does not follow meshrun_<kind>_<name>.so (name: [a-z0-9_]+)");
   }
-  if (!plugin_kind_from_name(parts->kind)) {
+  const auto file_kind = plugin_kind_from_name(parts->kind);
+  if (!file_kind) {
     fail(MESHRUN_INVALID_ARGUMENT, path,
          "file name names unknown plugin kind '" + parts->kind + "'" +
              did_you_mean(parts->kind, plugin_kind_names()) +
@@ -421,7 +426,11 @@ std::shared_ptr<PluginLibrary> PluginLoader::load_file(const std::string& path,
   // A path without '/' would make dlopen search the library path instead.
   const std::string open_path = path.find('/') == std::string::npos ? "./" + path : path;
   dlerror();
-  std::unique_ptr<void, DlClose> handle(dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL));
+  // dlopen runs the plugin's static initializers.
+  std::unique_ptr<void, DlClose> handle([&] {
+    const PluginCallScope scope(path, *file_kind, "load (dlopen)");
+    return dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  }());
   if (!handle) {
     const char* reason = dlerror();
     fail(MESHRUN_INVALID_ARGUMENT, path,
@@ -435,7 +444,10 @@ std::shared_ptr<PluginLibrary> PluginLoader::load_file(const std::string& path,
          " symbol: not a meshrun plugin, or built without "
          "exporting its entry point");
   }
-  const meshrun_plugin_api* api = reinterpret_cast<meshrun_plugin_get_api_fn>(entry)();
+  const meshrun_plugin_api* api = [&] {
+    const PluginCallScope scope(path, *file_kind, MESHRUN_PLUGIN_ENTRY_SYMBOL);
+    return reinterpret_cast<meshrun_plugin_get_api_fn>(entry)();
+  }();
   if (api == nullptr)
     fail(MESHRUN_INVALID_ARGUMENT, path, MESHRUN_PLUGIN_ENTRY_SYMBOL "() returned NULL");
   check_api(*api, path, *parts, policy_);
@@ -525,12 +537,20 @@ PluginInstance::PluginInstance(std::shared_ptr<PluginLibrary> library,
     : library_(std::move(library)) {
   if (!library_) throw invalid_argument("PluginInstance: no plugin library");
   meshrun_plugin_instance* instance = nullptr;
-  if (meshrun_error* error = library_->api().create(&host, &instance)) {
+  if (meshrun_error* error = call_plugin(
+          *library_, "create", [&] { return library_->api().create(&host, &instance); })) {
     throw take_plugin_error(*library_, "create failed", error);
+  }
+  // Every entry point takes the instance and refuses NULL, so the plugin
+  // would fail later, far from its cause.
+  if (instance == nullptr) {
+    fail(MESHRUN_INVALID_ARGUMENT, library_->path(), "create succeeded but returned no instance");
   }
   instance_ = instance;
 }
 
-PluginInstance::~PluginInstance() { library_->api().destroy(instance_); }
+PluginInstance::~PluginInstance() {
+  call_plugin(*library_, "destroy", [&] { library_->api().destroy(instance_); });
+}
 
 }  // namespace meshrun

@@ -128,7 +128,8 @@ Error take_plugin_error(const PluginLibrary& library, const std::string& what,
 
 // A live plugin instance: create() on construction, destroy() on
 // destruction. Throws meshrun::Error carrying the plugin's error (code and
-// message, prefixed with the plugin file) when create fails.
+// message, prefixed with the plugin file) when create fails, and
+// INVALID_ARGUMENT naming the file when it succeeds without an instance.
 class PluginInstance {
  public:
   explicit PluginInstance(std::shared_ptr<PluginLibrary> library,

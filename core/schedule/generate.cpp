@@ -8,6 +8,7 @@
 
 #include "errors.hpp"
 #include "meshrun/schedule.h"
+#include "plugin/call_scope.hpp"
 #include "schedule/schedule.hpp"
 
 namespace meshrun::schedule {
@@ -16,17 +17,20 @@ namespace {
 // A plugin instance for one call; the plugin's error, if create fails,
 // becomes a meshrun::Error naming the plugin.
 struct InstanceDeleter {
-  const meshrun_plugin_api* api;
-  void operator()(meshrun_plugin_instance* instance) const { api->destroy(instance); }
+  const PluginLibrary* plugin;
+  void operator()(meshrun_plugin_instance* instance) const {
+    call_plugin(*plugin, "destroy", [&] { plugin->api().destroy(instance); });
+  }
 };
 using InstanceHandle = std::unique_ptr<meshrun_plugin_instance, InstanceDeleter>;
 
 InstanceHandle create_instance(const PluginLibrary& plugin) {
   meshrun_plugin_instance* instance = nullptr;
-  if (meshrun_error* error = plugin.api().create(&host_services(), &instance)) {
+  if (meshrun_error* error = call_plugin(
+          plugin, "create", [&] { return plugin.api().create(&host_services(), &instance); })) {
     throw take_plugin_error(plugin, "create failed", error);
   }
-  return InstanceHandle(instance, InstanceDeleter{&plugin.api()});
+  return InstanceHandle(instance, InstanceDeleter{&plugin});
 }
 
 // The plugin's JSON text, freed through the host services that allocated it.
@@ -41,8 +45,10 @@ std::string call_generate(const PluginLibrary& plugin, int64_t pp, int64_t stage
   }
   const InstanceHandle instance = create_instance(plugin);
   char* text = nullptr;
-  if (meshrun_error* error = api.generate(instance.get(), pp, stages_per_rank, microbatches,
-                                          options_json.c_str(), &text)) {
+  if (meshrun_error* error = call_plugin(plugin, "generate", [&] {
+        return api.generate(instance.get(), pp, stages_per_rank, microbatches, options_json.c_str(),
+                            &text);
+      })) {
     throw take_plugin_error(plugin, "generate", error);
   }
   if (text == nullptr) {

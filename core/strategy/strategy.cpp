@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "errors.hpp"
+#include "plugin/call_scope.hpp"
 
 namespace meshrun {
 
@@ -49,6 +50,12 @@ bool has_sharded_entry_points(const meshrun_strategy_api& s) {
 
 }  // namespace
 
+template <class Call>
+void Strategy::call(const char* entry_point, Call&& body) const {
+  throw_if_error(call_plugin(library(), entry_point, std::forward<Call>(body)),
+                 fmt::format("strategy {} {}", library().name(), entry_point));
+}
+
 bool strategy_can_train(const PluginLibrary& library) {
   const meshrun_strategy_api* s = library.api().strategy;
   return s != nullptr && s->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_2 && s->setup != nullptr &&
@@ -86,7 +93,7 @@ Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_pa
   setup.parameter_names = name_pointers_.data();
   setup.options_json = options_json_.c_str();
   if (sharded()) fill_units(setup, units);
-  call(api().setup(instance_.handle(), &setup), "setup");
+  call("setup", [&] { return api().setup(instance_.handle(), &setup); });
 }
 
 void Strategy::fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units) {
@@ -111,30 +118,42 @@ void Strategy::fill_units(meshrun_strategy_setup& setup, const StrategyUnits* un
   setup.root_unit = units_.root_unit;
   setup.parameter_units = units_.parameter_units.data();
   setup.parameter_rows = units_.parameter_rows.data();
+  // What the unit views must hold. Units out of range are the strategy's
+  // to refuse in setup.
+  const auto num_units = static_cast<size_t>(std::max(units_.num_units, 0));
+  unit_numel_.assign(num_units, 0);
+  in_backward_.assign(num_units, false);
+  for (size_t p = 0; p < num_parameters; ++p) {
+    const auto unit = static_cast<size_t>(units_.parameter_units[p]);
+    if (unit < num_units) {
+      unit_numel_[unit] += buffers_.parameter_offsets[p + 1] - buffers_.parameter_offsets[p];
+    }
+  }
 }
 
 bool Strategy::sharded() const { return table_is_sharded(api()); }
 
 void Strategy::broadcast_parameters() {
-  call(api().broadcast_parameters(instance_.handle()), "broadcast_parameters");
+  call("broadcast_parameters", [&] { return api().broadcast_parameters(instance_.handle()); });
 }
 
 void Strategy::begin_micro_batch(bool sync) {
-  call(api().begin_micro_batch(instance_.handle(), sync ? 1 : 0), "begin_micro_batch");
+  call("begin_micro_batch",
+       [&] { return api().begin_micro_batch(instance_.handle(), sync ? 1 : 0); });
 }
 
 void Strategy::gradients_ready(int64_t begin, int64_t end) {
-  call(api().gradients_ready(instance_.handle(), begin, end), "gradients_ready");
+  call("gradients_ready", [&] { return api().gradients_ready(instance_.handle(), begin, end); });
 }
 
 void Strategy::finish_gradients() {
-  call(api().finish_gradients(instance_.handle()), "finish_gradients");
+  call("finish_gradients", [&] { return api().finish_gradients(instance_.handle()); });
 }
 
 StrategyMemory Strategy::memory() {
   meshrun_strategy_memory memory{};
   memory.struct_size = sizeof(meshrun_strategy_memory);
-  call(api().memory(instance_.handle(), &memory), "memory");
+  call("memory", [&] { return api().memory(instance_.handle(), &memory); });
   // A strategy of ABI 1.2 leaves the peak unwritten (zero).
   return {memory.buffers, std::max(memory.buffers, memory.buffers_peak),
           std::max(memory.buffers, memory.buffers_reserved)};
@@ -142,46 +161,77 @@ StrategyMemory Strategy::memory() {
 
 void Strategy::pre_forward(int32_t unit) {
   require_sharded("pre_forward");
-  call(api().pre_forward(instance_.handle(), unit), "pre_forward");
+  call("pre_forward", [&] { return api().pre_forward(instance_.handle(), unit); });
 }
 
 void Strategy::post_forward(int32_t unit) {
   require_sharded("post_forward");
-  call(api().post_forward(instance_.handle(), unit), "post_forward");
+  call("post_forward", [&] { return api().post_forward(instance_.handle(), unit); });
 }
 
 void Strategy::pre_backward(int32_t unit) {
   require_sharded("pre_backward");
-  call(api().pre_backward(instance_.handle(), unit), "pre_backward");
+  call("pre_backward", [&] { return api().pre_backward(instance_.handle(), unit); });
+  if (unit >= 0 && static_cast<size_t>(unit) < in_backward_.size()) {
+    in_backward_[static_cast<size_t>(unit)] = true;
+  }
 }
 
 void Strategy::post_backward(int32_t unit) {
   require_sharded("post_backward");
-  call(api().post_backward(instance_.handle(), unit), "post_backward");
+  if (unit >= 0 && static_cast<size_t>(unit) < in_backward_.size()) {
+    in_backward_[static_cast<size_t>(unit)] = false;
+  }
+  call("post_backward", [&] { return api().post_backward(instance_.handle(), unit); });
 }
 
 std::pair<FloatView, FloatView> Strategy::unit_views(int32_t unit) {
   require_sharded("unit_views");
   DLTensor parameters{};
   DLTensor gradients{};
-  call(api().unit_views(instance_.handle(), unit, &parameters, &gradients), "unit_views");
-  return {float_view(parameters, "unit_views"), float_view(gradients, "unit_views")};
+  call("unit_views",
+       [&] { return api().unit_views(instance_.handle(), unit, &parameters, &gradients); });
+  const std::string where = fmt::format("unit_views(unit {})", unit);
+  if (unit < 0 || static_cast<size_t>(unit) >= unit_numel_.size()) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("strategy {} {}: views handed back for a unit not in [0, {})",
+                            library().name(), where, unit_numel_.size()));
+  }
+  const int64_t numel = unit_numel_[static_cast<size_t>(unit)];
+  const char* expected = "the unit's parameter elements";
+  const FloatView parameter_view = float_view(parameters, where, "parameters", false);
+  check_length(parameter_view, numel, where, "parameters", expected);
+  // Gradient views exist in the unit's backward only.
+  const bool in_backward = in_backward_[static_cast<size_t>(unit)];
+  const std::string gradients_where = in_backward ? where + " in the unit's backward" : where;
+  const FloatView gradient_view = float_view(gradients, gradients_where, "gradients", !in_backward);
+  if (gradient_view.data != nullptr) {
+    check_length(gradient_view, numel, gradients_where, "gradients", expected);
+  }
+  return {parameter_view, gradient_view};
 }
 
 std::pair<FloatView, FloatView> Strategy::local_shard() {
   require_sharded("local_shard");
   DLTensor parameters{};
   DLTensor gradients{};
-  call(api().local_shard(instance_.handle(), &parameters, &gradients), "local_shard");
-  return {float_view(parameters, "local_shard"), float_view(gradients, "local_shard")};
+  call("local_shard",
+       [&] { return api().local_shard(instance_.handle(), &parameters, &gradients); });
+  const FloatView parameter_view = float_view(parameters, "local_shard", "parameters", false);
+  const FloatView gradient_view = float_view(gradients, "local_shard", "gradients", false);
+  check_length(gradient_view, parameter_view.numel, "local_shard", "gradients",
+               "as many as the parameters view");
+  return {parameter_view, gradient_view};
 }
 
 std::vector<meshrun_shard_segment> Strategy::shard_segments() {
   require_sharded("shard_segments");
   int64_t count = 0;
-  call(api().shard_segments(instance_.handle(), nullptr, 0, &count), "shard_segments");
+  call("shard_segments",
+       [&] { return api().shard_segments(instance_.handle(), nullptr, 0, &count); });
   std::vector<meshrun_shard_segment> segments(static_cast<size_t>(count));
-  call(api().shard_segments(instance_.handle(), segments.data(), count, &count), "shard_segments");
+  call("shard_segments",
+       [&] { return api().shard_segments(instance_.handle(), segments.data(), count, &count); });
   segments.resize(std::min(segments.size(), static_cast<size_t>(count)));
   return segments;
 }
@@ -189,19 +239,43 @@ std::vector<meshrun_shard_segment> Strategy::shard_segments() {
 void Strategy::gather_parameters(float* full, int64_t numel) {
   require_sharded("gather_parameters");
   DLTensor tensor = flat_float32(full, numel);
-  call(api().gather_parameters(instance_.handle(), &tensor), "gather_parameters");
+  call("gather_parameters", [&] { return api().gather_parameters(instance_.handle(), &tensor); });
 }
 
-FloatView Strategy::float_view(const DLTensor& tensor, const char* entry_point) const {
-  if (tensor.data == nullptr) return {};
-  if (tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 ||
-      tensor.ndim != 1 || tensor.shape == nullptr ||
-      (tensor.strides != nullptr && tensor.strides[0] != 1)) {
-    throw Error(MESHRUN_INTERNAL, fmt::format("strategy {} {}: the view is not flat float32",
-                                              library().name(), entry_point));
+FloatView Strategy::float_view(const DLTensor& tensor, const std::string& where, const char* what,
+                               bool may_be_null) const {
+  if (tensor.data == nullptr && may_be_null) return {};
+  const auto fail = [&](const std::string& problem) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("strategy {} {}: {} view {}", library().name(), where, what, problem));
+  };
+  if (tensor.device.device_type != kDLCPU) {
+    fail(fmt::format("is on device type {}, expected kDLCPU ({})",
+                     static_cast<int>(tensor.device.device_type), static_cast<int>(kDLCPU)));
   }
+  const DLDataType dtype = tensor.dtype;
+  if (dtype.code != kDLFloat || dtype.bits != 32 || dtype.lanes != 1) {
+    fail(fmt::format("has dtype code {} bits {}{}, expected float32", dtype.code, dtype.bits,
+                     dtype.lanes != 1 ? fmt::format(" lanes {}", dtype.lanes) : ""));
+  }
+  if (tensor.ndim != 1) fail(fmt::format("has {} dimensions, expected 1", tensor.ndim));
+  if (tensor.shape == nullptr) fail("has no shape (shape is NULL)");
+  if (tensor.shape[0] < 0) fail(fmt::format("has {} elements", tensor.shape[0]));
+  if (tensor.strides != nullptr && tensor.strides[0] != 1) {
+    fail(fmt::format("has stride {}, expected 1", tensor.strides[0]));
+  }
+  // A view of no elements needs no memory.
+  if (tensor.data == nullptr && tensor.shape[0] > 0) fail("has data NULL");
   return {reinterpret_cast<float*>(static_cast<std::byte*>(tensor.data) + tensor.byte_offset),
           tensor.shape[0]};
+}
+
+void Strategy::check_length(const FloatView& view, int64_t numel, const std::string& where,
+                            const char* what, const char* expected) const {
+  if (view.numel == numel) return;
+  throw Error(MESHRUN_INTERNAL,
+              fmt::format("strategy {} {}: {} view has {} elements, expected {} ({})",
+                          library().name(), where, what, view.numel, numel, expected));
 }
 
 void Strategy::require_sharded(const char* entry_point) const {
@@ -210,10 +284,6 @@ void Strategy::require_sharded(const char* entry_point) const {
                 fmt::format("strategy {} does not shard parameters: it has no {} (ABI 1.3)",
                             library().name(), entry_point));
   }
-}
-
-void Strategy::call(meshrun_error* error, const char* entry_point) const {
-  throw_if_error(error, fmt::format("strategy {} {}", library().name(), entry_point));
 }
 
 }  // namespace meshrun

@@ -94,12 +94,22 @@ class Strategy {
 
  private:
   const meshrun_strategy_api& api() const { return *instance_.library().api().strategy; }
-  // Throws the plugin's error, if any, naming the strategy and `entry_point`.
-  void call(meshrun_error* error, const char* entry_point) const;
+  // Calls `entry_point` through `body`, which returns the plugin's error, in
+  // a PluginCallScope; throws that error, if any, naming the strategy and
+  // `entry_point`.
+  template <class Call>
+  void call(const char* entry_point, Call&& body) const;
 
-  // The unit view of a sharded strategy's DLTensor; throws INTERNAL when
-  // the plugin handed back something else than a flat float32 view.
-  FloatView float_view(const DLTensor& tensor, const char* entry_point) const;
+  // The view `tensor`, the `what` ("parameters" or "gradients") view that
+  // `where` (e.g. "unit_views(unit 3)") handed back, once it is a flat
+  // float32 host view; empty when its data is NULL and `may_be_null`.
+  // Throws INTERNAL naming the first property that fails.
+  FloatView float_view(const DLTensor& tensor, const std::string& where, const char* what,
+                       bool may_be_null) const;
+  // Throws INTERNAL unless `view` has `numel` elements; `expected` says
+  // where that number comes from.
+  void check_length(const FloatView& view, int64_t numel, const std::string& where,
+                    const char* what, const char* expected) const;
   // Checks `units` and points setup's ABI 1.3 fields at a copy of them.
   void fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units);
   // Throws UNIMPLEMENTED naming `entry_point` unless the strategy is sharded.
@@ -109,6 +119,8 @@ class Strategy {
   // the instance is declared last: destroyed first.
   StrategyBuffers buffers_;
   StrategyUnits units_;
+  std::vector<int64_t> unit_numel_;  // parameter elements of each unit
+  std::vector<bool> in_backward_;    // of each unit: from pre_backward to post_backward
   std::vector<const char*> name_pointers_;
   std::string options_json_;
   PluginInstance instance_;

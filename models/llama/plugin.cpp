@@ -215,7 +215,7 @@ class Stage {
 };
 
 const meshrun_model_api kModelApi =
-    meshrun::plugin::ModelTable<LlamaModel, Stage>::make("llama", kConfigKeys, true);
+    meshrun::plugin::ModelTable<LlamaModel, Stage>::make("llama", kConfigKeys);
 
 const meshrun_plugin_api kApi = [] {
   meshrun_plugin_api api{};

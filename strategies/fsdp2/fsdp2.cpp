@@ -93,12 +93,8 @@ void Fsdp2::setup(const meshrun_strategy_setup* setup) {
 
   offsets_ = input.offsets;
   local_numel_ = layout->local_numel();
-  shard_parameters_.resize(static_cast<size_t>(local_numel_));
-  // Copied out: the host may free its full weights after setup.
-  layout->shard(
-      reinterpret_cast<const float*>(static_cast<const std::byte*>(setup->parameters.data) +
-                                     setup->parameters.byte_offset),
-      shard_parameters_.data());
+  shard_parameters_.assign(static_cast<size_t>(local_numel_), 0.0f);
+  shard_rank_zero_weights(*setup, *layout);
   shard_gradients_.assign(static_cast<size_t>(local_numel_), 0.0f);
   segments_ = layout->segments();
   layout_ = std::move(layout);
@@ -107,6 +103,31 @@ void Fsdp2::setup(const meshrun_strategy_setup* setup) {
       std::to_string(setup->num_units) + " units, " + std::to_string(local_numel_) +
           " local shard elements of " + std::to_string(offsets_.back()) + ", param_dtype " +
           dtype_name(options_.param_dtype) + ", reduce_dtype " + dtype_name(options_.reduce_dtype));
+}
+
+// The shard of data-parallel rank 0's weights, as FSDP1's
+// sync_module_states takes it: they are copied out here because the host may
+// free its full weights after setup, and broadcast_parameters, which only
+// equalizes replicas, could not bring shard-group ranks that started from
+// other weights to rank 0's. They come in pieces, so that no rank holds a
+// second full copy.
+void Fsdp2::shard_rank_zero_weights(const meshrun_strategy_setup& setup,
+                                    const ShardLayout& layout) {
+  int64_t rank = 0;
+  throw_if_error(setup.comm->rank(setup.data_parallel, &rank), "rank in the data-parallel group");
+  float* weights = reinterpret_cast<float*>(static_cast<std::byte*>(setup.parameters.data) +
+                                            setup.parameters.byte_offset);
+  const int64_t numel = offsets_.back();
+  std::vector<float> received(static_cast<size_t>(rank == 0 ? 0 : std::min(numel, kWeightPiece)));
+  for (int64_t begin = 0; begin < numel; begin += kWeightPiece) {
+    int64_t count = std::min(kWeightPiece, numel - begin);
+    // Rank 0 sends from the host's weights, which a broadcast leaves as they are.
+    float* piece = rank == 0 ? weights + begin : received.data();
+    DLTensor tensor = float32_tensor(piece, count);
+    throw_if_error(setup.comm->broadcast(setup.data_parallel, &tensor, 0, nullptr),
+                   "broadcast of the weights from data-parallel rank 0");
+    layout.shard(piece, begin, count, shard_parameters_.data());
+  }
 }
 
 void Fsdp2::log(int32_t level, const std::string& message) const {

@@ -61,6 +61,9 @@ class Fsdp2 {
  private:
   enum class Phase { idle, forward, backward };
 
+  // Elements of the weights setup broadcasts at once: 4 MiB.
+  static constexpr int64_t kWeightPiece = int64_t{1} << 20;
+
   struct Unit {
     explicit Unit(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
     Phase phase = Phase::idle;
@@ -79,6 +82,7 @@ class Fsdp2 {
   void check_idle(int32_t unit, const char* call) const;
   void check_between_units(const char* call) const;
   void check_outside_step(const char* call) const;
+  void shard_rank_zero_weights(const meshrun_strategy_setup& setup, const ShardLayout& layout);
   void make_units(const meshrun_strategy_setup& setup);
   bool reshards_after_forward(int32_t unit) const;
   std::vector<int32_t> forward_prefetch(int32_t unit) const;

@@ -1,5 +1,6 @@
 #include "layout.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 
@@ -49,10 +50,14 @@ std::vector<meshrun_shard_segment> ShardLayout::segments() const {
   return segments;
 }
 
-void ShardLayout::shard(const float* full, float* local) const {
-  std::memset(local, 0, static_cast<size_t>(local_numel_) * sizeof(float));
+void ShardLayout::shard(const float* piece, int64_t begin, int64_t count, float* local) const {
+  const int64_t end = begin + count;
   for (const meshrun_shard_segment& segment : segments()) {
-    copy(full + segment.global_begin, local + segment.local_begin, segment.count);
+    const int64_t first = std::max(segment.global_begin, begin);
+    const int64_t last = std::min(segment.global_begin + segment.count, end);
+    if (first >= last) continue;
+    copy(piece + (first - begin), local + segment.local_begin + (first - segment.global_begin),
+         last - first);
   }
 }
 

@@ -65,9 +65,10 @@ class ShardLayout {
 
   // This rank's pieces of the parameters, in local order (meshrun/strategy.h).
   std::vector<meshrun_shard_segment> segments() const;
-  // Writes this rank's chunks of `full` (the setup's layout) into `local`
-  // (local_numel() elements), padding with zeros.
-  void shard(const float* full, float* local) const;
+  // Writes this rank's parts of elements [begin, begin + count) of the
+  // setup's layout, held at `piece`, into `local` (local_numel() elements);
+  // padding is left as it is.
+  void shard(const float* piece, int64_t begin, int64_t count, float* local) const;
   // Writes every parameter into `full` (the setup's layout) from `gathered`:
   // every rank's local shard, ranks() x local_numel() elements, rank order.
   void unshard(const float* gathered, float* full) const;

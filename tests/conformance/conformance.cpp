@@ -19,6 +19,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,8 +89,9 @@ const meshrun_plugin_api& callable_api() {
 }
 
 // Checks an error the plugin returned (code, message, its own destroy) and
-// releases it through that destroy.
-void check_and_release_error(meshrun_error* error, int32_t expected_code) {
+// releases it through that destroy. Without `expected_code`, any code of
+// meshrun/error.h will do.
+void check_and_release_error(meshrun_error* error, std::optional<int32_t> expected_code) {
   REQUIRE(error != nullptr);
   REQUIRE(error->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_error, destroy));
   REQUIRE(error->destroy != nullptr);
@@ -96,7 +100,11 @@ void check_and_release_error(meshrun_error* error, int32_t expected_code) {
   INFO("error code " << error->code << ": " << message);
   const int32_t code = error->code;
   error->destroy(error);
-  CHECK(code == expected_code);
+  if (expected_code) {
+    CHECK(code == *expected_code);
+  } else {
+    CHECK((code > MESHRUN_OK && code <= MESHRUN_DEADLINE_EXCEEDED));
+  }
   CHECK(!message.empty());
 }
 
@@ -325,7 +333,12 @@ TEST_CASE("instances can be created and destroyed repeatedly", "[conformance]") 
     meshrun_plugin_instance* second = nullptr;
     REQUIRE(api.create(&meshrun::host_services(), &first) == nullptr);
     REQUIRE(api.create(&meshrun::host_services(), &second) == nullptr);
-    CHECK((first == nullptr || first != second));
+    {
+      INFO("create succeeded but returned no instance");
+      CHECK(first != nullptr);
+      CHECK(second != nullptr);
+    }
+    CHECK(first != second);
     api.destroy(second);
     api.destroy(first);
   }
@@ -363,6 +376,101 @@ TEST_CASE("a schedule's generate refuses bad arguments and returns actions the h
   REQUIRE(out != nullptr);
   CHECK(std::string(out).rfind("{", 0) == 0);
   host.deallocate(host.context, out);
+  api.destroy(instance);
+}
+
+// Host services that remember the blocks they allocate and their sizes
+// (`context` points to the record), so that a string a plugin returns can be
+// checked to be one of them, NUL-terminated within it.
+using AllocatedBlocks = std::map<const void*, size_t>;
+
+void* recording_allocate(void* context, size_t bytes, size_t alignment) {
+  const meshrun_host_services& host = meshrun::host_services();
+  void* block = host.allocate(host.context, bytes, alignment);
+  if (block != nullptr) (*static_cast<AllocatedBlocks*>(context))[block] = bytes;
+  return block;
+}
+
+void recording_deallocate(void* context, void* pointer) {
+  static_cast<AllocatedBlocks*>(context)->erase(pointer);
+  const meshrun_host_services& host = meshrun::host_services();
+  host.deallocate(host.context, pointer);
+}
+
+meshrun_host_services recording_host(AllocatedBlocks& blocks) {
+  meshrun_host_services host = meshrun::host_services();
+  host.context = &blocks;
+  host.allocate = &recording_allocate;
+  host.deallocate = &recording_deallocate;
+  return host;
+}
+
+// A request with the fields docs/plan.md gives, for a small Llama-shaped
+// model of the sidecar's model type on one rank.
+std::string minimal_plan_request(const char* model_type) {
+  return nlohmann::json{
+      {"model",
+       {{"model_type", model_type},
+        {"vocab_size", 128},
+        {"hidden_size", 64},
+        {"intermediate_size", 128},
+        {"num_hidden_layers", 2},
+        {"num_attention_heads", 4},
+        {"num_key_value_heads", 2},
+        {"tie_word_embeddings", false}}},
+      {"mesh", {{"pp", 1}, {"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}, {"ep", 1}}},
+      {"pipeline", nlohmann::json::object()}}
+      .dump();
+}
+
+TEST_CASE("a sidecar's plan refuses bad arguments and returns a plan the host frees",
+          "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (api.sidecar == nullptr || !MESHRUN_HAS_FIELD(meshrun_sidecar_api, api.sidecar, plan) ||
+      api.sidecar->plan == nullptr) {
+    SUCCEED("no plan entry (a sidecar table before ABI 1.2, or another kind)");
+    return;
+  }
+  const meshrun_sidecar_api& sidecar = *api.sidecar;
+  AllocatedBlocks blocks;
+  const meshrun_host_services host = recording_host(blocks);
+  meshrun_plugin_instance* instance = nullptr;
+  REQUIRE(api.create(&host, &instance) == nullptr);
+  const std::string request = minimal_plan_request(sidecar.model_type);
+  char* const sentinel = reinterpret_cast<char*>(&plugin_path);
+  char* out = sentinel;
+  check_and_release_error(sidecar.plan(nullptr, request.c_str(), &out), MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(sidecar.plan(instance, nullptr, &out), MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(sidecar.plan(instance, request.c_str(), nullptr),
+                          MESHRUN_INVALID_ARGUMENT);
+  {
+    INFO("a request that is not JSON");
+    check_and_release_error(sidecar.plan(instance, "{\"model\": [", &out), std::nullopt);
+  }
+  CHECK(out == sentinel);
+  meshrun_error* error = sidecar.plan(instance, request.c_str(), &out);
+  if (error != nullptr) {
+    // A sidecar for another family may refuse a Llama-shaped model.
+    check_and_release_error(error, std::nullopt);
+    CHECK(out == sentinel);
+  } else {
+    REQUIRE(out != sentinel);
+    REQUIRE(out != nullptr);
+    const auto block = blocks.find(out);
+    {
+      INFO("the plan must be allocated with the host services' allocate, NUL-terminated");
+      REQUIRE(block != blocks.end());
+      REQUIRE(std::memchr(out, '\0', block->second) != nullptr);
+    }
+    const std::string text = out;
+    host.deallocate(host.context, out);
+    INFO("plan: " << text);
+    const nlohmann::json plan = nlohmann::json::parse(text, nullptr, false);
+    REQUIRE_FALSE(plan.is_discarded());
+    REQUIRE(plan.is_object());
+    INFO("the plan's units must be an array");
+    CHECK((plan.contains("units") && plan["units"].is_array()));
+  }
   api.destroy(instance);
 }
 

@@ -58,6 +58,16 @@ meshrun_error* failing_create(const meshrun_host_services* /*host*/,
   return &error->header;
 }
 
+// null_instance: create checks its arguments like any other, then reports
+// success without making an instance.
+meshrun_error* create_without_instance(const meshrun_host_services* host,
+                                       meshrun_plugin_instance** out) noexcept {
+  return meshrun::plugin::guard([&] {
+    if (out == nullptr) throw meshrun::plugin::Error(MESHRUN_INVALID_ARGUMENT, "out is NULL");
+    meshrun::plugin::require_host(host);
+  });
+}
+
 // Built field by field from a zeroed table, so fields appended by later ABI
 // minors need no initializer here.
 const meshrun_strategy_api kStrategyApi = [] {
@@ -116,6 +126,7 @@ constexpr meshrun_plugin_api make_api() {
     api.create = &failing_create;
     api.extensions = &kErrorCounter.header;
   }
+  if (kName == "null_instance") api.create = &create_without_instance;
   if (kName == "newer_minor") {
     api.struct_size = sizeof(NewerPluginApi);
     api.abi_minor = MESHRUN_ABI_VERSION_MINOR + 7;

@@ -19,8 +19,10 @@
 // communicators split here); every prefetch setting gives the same bits;
 // which units stay gathered after forward (reshard_after_forward and
 // AutoModel's heuristic), through unit_views and memory(); gather_parameters
-// and the next step see the updated shard; broadcast_parameters equalizes
-// replicas; bad setups and calls out of order are refused. Rank 0 prints one
+// and the next step see the updated shard; ranks that start from different
+// weights all hold data-parallel rank 0's after setup and
+// broadcast_parameters, and broadcast_parameters equalizes replicas that
+// drifted apart; bad setups and calls out of order are refused. Rank 0 prints one
 // line per section; a failing rank prints what failed. Exits 0 when every
 // rank passed.
 //
@@ -577,11 +579,11 @@ void refuses_calls_out_of_order(Context& c) {
   s.finish_gradients();
 }
 
-// The host's optimizer step, simulated: +1 on every shard element.
-void add_one_to_shard(Strategy& strategy) {
+// Adds `delta` to every shard element (not the padding).
+void add_to_shard(Strategy& strategy, float delta) {
   for (const meshrun_shard_segment& s : strategy.shard_segments()) {
     float* parameters = strategy.local_shard().first.data + s.local_begin;
-    for (int64_t k = 0; k < s.count; ++k) parameters[k] += 1.0f;
+    for (int64_t k = 0; k < s.count; ++k) parameters[k] += delta;
   }
 }
 
@@ -595,20 +597,39 @@ void gathers_updated_parameters(Context& c, const Groups& groups, const std::str
   // An evaluation leaves the root and the last layer gathered; the next
   // step must not use them once the shard has changed.
   forward(c, *strategy, model, model.weights, "evaluation");
-  add_one_to_shard(*strategy);
+  // The host's optimizer step, simulated.
+  add_to_shard(*strategy, 1.0f);
   std::vector<float> full(static_cast<size_t>(model.numel()), -1.0f);
   strategy->gather_parameters(full.data(), model.numel());
   c.checker.check(full == updated, name + ": gather_parameters returns the updated weights");
   step(c, *strategy, model, 1, updated, "the step after the update");
 }
 
+void starts_from_rank_zero(Context& c, const Groups& groups, const std::string& name) {
+  c.section(name +
+            ": ranks that start apart all hold dp rank 0's weights after setup and "
+            "broadcast_parameters");
+  Model model;
+  // Rank r's weights are off by r.
+  const auto rank = static_cast<float>(groups.data_parallel.rank());
+  for (float& value : model.weights) value += rank;
+  const auto strategy = make_strategy(c, model, groups, options_with());
+  // Borrowed for setup only: the host may reuse them.
+  std::fill(model.weights.begin(), model.weights.end(), -1.0f);
+  strategy->broadcast_parameters();
+  std::vector<float> full(static_cast<size_t>(model.numel()), -2.0f);
+  strategy->gather_parameters(full.data(), model.numel());
+  std::vector<float> rank_zero;
+  for (int64_t i = 0; i < model.numel(); ++i) rank_zero.push_back(initial_weight(i));
+  c.checker.check(full == rank_zero, name + ": gather_parameters differs from dp rank 0's weights");
+}
+
 void broadcasts_replicas(Context& c) {
   c.section("HSDP: broadcast_parameters makes replicas equal to replicate-group rank 0's shard");
   Model model;
-  // Replicas start apart: replica r's weights are off by r.
-  const auto replica = static_cast<float>(c.hsdp.replicate.rank());
-  for (float& value : model.weights) value += replica;
   const auto strategy = make_strategy(c, model, c.hsdp, options_with());
+  // Replicas drift apart after setup: replica r's shard is off by r.
+  add_to_shard(*strategy, static_cast<float>(c.hsdp.replicate.rank()));
   strategy->broadcast_parameters();
   const float* parameters = strategy->local_shard().first.data;
   bool equal = true;
@@ -648,6 +669,8 @@ int run() {
   refuses_calls_out_of_order(c);
   gathers_updated_parameters(c, c.fsdp, "FSDP over 4 ranks");
   gathers_updated_parameters(c, c.hsdp, "HSDP 2 x 2");
+  starts_from_rank_zero(c, c.fsdp, "FSDP over 4 ranks");
+  starts_from_rank_zero(c, c.hsdp, "HSDP 2 x 2");
   broadcasts_replicas(c);
   return meshrun::test::verdict(world, checker, "fsdp2 test");
 }

@@ -263,6 +263,14 @@ TEST_CASE("plugin loader: a failing create carries the plugin's code and message
   CHECK(*counter.destroyed_errors == destroyed_before + 1);
 }
 
+TEST_CASE("plugin loader: a create that succeeds without an instance is refused", "[plugin]") {
+  const auto library = PluginLoader({kTestDir}).load(PluginKind::strategy, "null_instance");
+  const auto error = error_from([&] { meshrun::PluginInstance instance(library); });
+  CHECK(error.code() == MESHRUN_INVALID_ARGUMENT);
+  CHECK_THAT(error.what(), Contains("plugin " + library->path() + ": ") &&
+                               Contains("create succeeded but returned no instance"));
+}
+
 TEST_CASE("plugin loader: shipped plugins load by name", "[plugin]") {
   const PluginLoader loader({kShippedDir});
   CHECK(loader.available(PluginKind::strategy) ==

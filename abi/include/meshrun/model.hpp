@@ -21,12 +21,15 @@
 //     double forward(int32_t mb, const int32_t* tokens, const int32_t* targets,
 //                    const float* input, float* output);
 //     void backward(int32_t mb, float loss_scale, const float* grad_output, float* grad_input);
-//     void backward_input(...);  void backward_weight(int32_t mb);  // when split_backward
+//     void backward_input(...);  void backward_weight(int32_t mb);  // optional
 //     void discard(int32_t mb);
 //     int64_t activation_bytes() const;
 //   };
 //   static const meshrun_model_api model_api =
-//       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys, true);
+//       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys);
+//
+// The table's backward_input and backward_weight are set when MyStage has
+// both (a split backward for zero-bubble schedules), else NULL.
 //
 // A stage reaches the host through ModelHooks, whose calls throw HostError.
 #ifndef MESHRUN_MODEL_HPP_
@@ -99,8 +102,7 @@ inline char* host_string(const meshrun_host_services& host, const std::string& t
 template <class Model, class Stage>
 class ModelTable {
  public:
-  static meshrun_model_api make(const char* model_type, const char* const* config_keys,
-                                bool split_backward) {
+  static meshrun_model_api make(const char* model_type, const char* const* config_keys) {
     meshrun_model_api api{};
     api.struct_size = sizeof(meshrun_model_api);
     api.model_type = model_type;
@@ -114,7 +116,7 @@ class ModelTable {
     api.set_shape = &set_shape;
     api.forward = &forward;
     api.backward = &backward;
-    if (split_backward) {
+    if constexpr (kSplitsBackward) {
       api.backward_input = &backward_input;
       api.backward_weight = &backward_weight;
     }
@@ -124,6 +126,11 @@ class ModelTable {
   }
 
  private:
+  static constexpr bool kSplitsBackward = requires(Stage & stage) {
+    stage.backward_input(0, 1.0f, nullptr, nullptr);
+    stage.backward_weight(0);
+  };
+
   template <class Body>
   static meshrun_error* guard(Body&& body) noexcept {
     return plugin::guard([&] {

@@ -110,8 +110,11 @@ struct meshrun_strategy_api {
   /* ---- ABI 1.2 ---- */
 
   /* Prepares the strategy (buckets, shards) over `setup`. Once per instance.
-   * Errors: INVALID_ARGUMENT (bad setup, an option the strategy rejects,
-   * naming the key), FAILED_PRECONDITION (called twice). */
+   * A sharded strategy's setup is collective over the data-parallel
+   * communicator: it takes its shard of data-parallel rank 0's `parameters`
+   * (the full weights are borrowed for this call only), so every rank must
+   * call it. Errors: INVALID_ARGUMENT (bad setup, an option the strategy
+   * rejects, naming the key), FAILED_PRECONDITION (called twice). */
   meshrun_error* (*setup)(meshrun_plugin_instance* instance, const meshrun_strategy_setup* setup);
   /* Makes every rank's parameters equal to data-parallel rank 0's; returns
    * when done. Collective over the data-parallel communicator. */
