@@ -9,37 +9,14 @@
 #include <fstream>
 #include <sstream>
 
-#include "errors.hpp"
-#include "meshrun/plugin.hpp"
-#include "runtime/runtime.hpp"
-
-struct meshrun_runtime {
-  meshrun::Runtime runtime;
-};
+#include "host_api/host_api.hpp"
 
 namespace {
 
 using meshrun::Axis;
 using meshrun::Error;
-
-// Runs `body`, turning a meshrun::Error into an error object with its code;
-// anything else becomes INTERNAL (the plugin helper's guard does that).
-template <class Body>
-meshrun_error* guarded(Body&& body) noexcept {
-  return meshrun::plugin::guard([&] {
-    try {
-      body();
-    } catch (const Error& error) {
-      throw meshrun::plugin::Error(error.code(), error.what());
-    }
-  });
-}
-
-void require(const void* pointer, const char* name) {
-  if (pointer == nullptr) {
-    throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("argument '{}' is NULL", name));
-  }
-}
+using meshrun::host_api::guarded;
+using meshrun::host_api::require;
 
 Axis axis_named(const char* name) {
   require(name, "axis");
@@ -101,7 +78,8 @@ meshrun_error* meshrun_runtime_create_from_text(const char* toml_text, const cha
   return guarded([&] {
     require(toml_text, "toml_text");
     require(out, "out");
-    *out = new meshrun_runtime{meshrun::Runtime(toml_text, source_name ? source_name : "<string>")};
+    *out = new meshrun_runtime{meshrun::Runtime(toml_text, source_name ? source_name : "<string>"),
+                               {}};
   });
 }
 
@@ -109,7 +87,7 @@ meshrun_error* meshrun_runtime_create_from_file(const char* path, meshrun_runtim
   return guarded([&] {
     require(path, "path");
     require(out, "out");
-    *out = new meshrun_runtime{meshrun::Runtime(read_file(path), path)};
+    *out = new meshrun_runtime{meshrun::Runtime(read_file(path), path), {}};
   });
 }
 
@@ -199,5 +177,38 @@ meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime* runtime, char** 
 }
 
 void meshrun_string_destroy(char* string) { std::free(string); }
+
+meshrun_error* meshrun_runtime_join(meshrun_runtime* runtime) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    runtime->runtime.join();
+  });
+}
+
+meshrun_error* meshrun_runtime_rank(const meshrun_runtime* runtime, int64_t* out_rank,
+                                    int64_t* out_world_size, int64_t* out_local_rank) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    const auto& job = runtime->runtime.job();
+    if (out_rank != nullptr) *out_rank = job->world().rank();
+    if (out_world_size != nullptr) *out_world_size = job->world().size();
+    if (out_local_rank != nullptr) *out_local_rank = job->local_rank();
+  });
+}
+
+meshrun_error* meshrun_runtime_comm(meshrun_runtime* runtime, const char* axis,
+                                    meshrun_comm** out) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    require(axis, "axis");
+    require(out, "out");
+    auto& comm = runtime->comms[axis];
+    if (!comm) {
+      const auto& job = runtime->runtime.job();
+      comm = std::make_unique<meshrun_comm>(meshrun_comm{job, &job->communicator(axis)});
+    }
+    *out = comm.get();
+  });
+}
 
 }  // extern "C"

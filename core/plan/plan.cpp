@@ -87,11 +87,13 @@ MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
   }
 }
 
-Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader) {
+Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader,
+               bool with_model) {
   Plan plan;
   plan.config = &config;
   plan.strategy = load_strategy(config, loader);
   plan.mesh = resolve_config_mesh(config, world_size, *plan.strategy);
+  if (!with_model) return plan;
   plan.model = make_model(config, loader);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
@@ -177,7 +179,8 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
       {"moe", mesh.has_moe() ? sizes_json(mesh, kMoeAxes) : nlohmann::ordered_json(nullptr)},
       {"plugins",
        {{"strategy", plugin_json(plan.strategy)},
-        {"model", plugin_json(plan.model->library())},
+        {"model",
+         plan.model ? plugin_json(plan.model->library()) : nlohmann::ordered_json(nullptr)},
         {"sidecar", plugin_json(plan.sidecar)},
         {"schedule", plugin_json(plan.schedule)}}},
       {"warnings", config.warnings},
@@ -288,10 +291,12 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
       mesh.world_size(), plan.config->distributed.strategy, mesh_family_name(mesh.family()));
   for (const auto& warning : plan.config->warnings) text += "warning: " + warning + "\n";
   text += plugin_line("strategy", *plan.strategy);
-  text += plugin_line("model", plan.model->library());
-  text += sidecar_line(plan);
-  text += schedule_line(plan);
-  text += model_lines(plan.model->description(), plan.model_plan);
+  if (plan.model) {
+    text += plugin_line("model", plan.model->library());
+    text += sidecar_line(plan);
+    text += schedule_line(plan);
+    text += model_lines(plan.model->description(), plan.model_plan);
+  }
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);
   text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)

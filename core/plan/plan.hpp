@@ -21,7 +21,7 @@ struct Plan {
   const Config* config = nullptr;
   MeshContext mesh;
   std::shared_ptr<PluginLibrary> strategy;
-  std::shared_ptr<const Model> model;       // the model plugin, configured
+  std::shared_ptr<const Model> model;       // the model plugin, configured; null: no model planned
   std::shared_ptr<PluginLibrary> sidecar;   // null: the model has no sidecar installed
   std::shared_ptr<PluginLibrary> schedule;  // null without a pipeline (pp_size 1)
   // The plan of the model (docs/plan.md): units, parameter placement,
@@ -31,9 +31,11 @@ struct Plan {
 
 // Loads the strategy, model, sidecar (when the model family has one) and
 // (with pp_size > 1) schedule plugins the config names, resolves the mesh
-// with the strategy's mesh family and plans the model. Errors are prefixed
-// with the position of the key they concern.
-Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader);
+// with the strategy's mesh family and plans the model — unless `with_model`
+// is false (a host program that computes its own model). Errors are
+// prefixed with the position of the key they concern.
+Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader,
+               bool with_model = true);
 
 // The plan of `model` on `mesh`: the default plan (units from the model's
 // description, AutoModel's pipeline split), or `sidecar`'s refinement of it,

@@ -32,9 +32,30 @@ void Runtime::build_mesh(int64_t world_size, int64_t rank) {
     throw Error(MESHRUN_OUT_OF_RANGE, fmt::format("rank {} is outside [0, {}) for world_size {}",
                                                   rank, world_size, world_size));
   }
-  plan_ = make_plan(config_, world_size, loader_);
-  plan_->config = &config_;
+  plan_ = make_plan(config_, world_size, loader_, names_a_model());
   rank_ = rank;
+}
+
+void Runtime::join() {
+  if (plan_) throw Error(MESHRUN_FAILED_PRECONDITION, "the mesh is already built");
+  auto job = std::make_shared<Job>(config_, loader_);
+  Plan plan = make_plan(config_, job->world().size(), loader_, names_a_model());
+  job->split_axes(plan.mesh);
+  rank_ = job->world().rank();
+  plan_ = std::move(plan);
+  job_ = std::move(job);
+}
+
+// A host program that computes its own model plans none: only a config with
+// a [model] table names one.
+bool Runtime::names_a_model() const { return config_.positions.count("model") > 0; }
+
+const std::shared_ptr<Job>& Runtime::job() const {
+  if (!job_) {
+    throw Error(MESHRUN_FAILED_PRECONDITION,
+                "the runtime has not joined a job: call meshrun_runtime_join first");
+  }
+  return job_;
 }
 
 const Plan& Runtime::plan() const {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <utility>
@@ -284,6 +286,32 @@ void Strategy::require_sharded(const char* entry_point) const {
                 fmt::format("strategy {} does not shard parameters: it has no {} (ABI 1.3)",
                             library().name(), entry_point));
   }
+}
+
+std::string strategy_options_json(const DistributedConfig& d) {
+  if (d.strategy != "fsdp2") {
+    return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
+                          {"broadcast_buffers", d.broadcast_buffers},
+                          {"find_unused_parameters", d.find_unused_parameters},
+                          {"gradient_as_bucket_view", d.gradient_as_bucket_view},
+                          {"static_graph", d.static_graph}}
+        .dump();
+  }
+  const MixedPrecisionConfig& mp = d.mp_policy;
+  nlohmann::json options{{"pp_size", d.pp_size},
+                         {"dp_replicate_size", d.dp_replicate_size},
+                         {"reshard_after_forward", nullptr},
+                         {"defer_fsdp_grad_sync", d.defer_fsdp_grad_sync},
+                         {"enable_fsdp2_prefetch", d.enable_fsdp2_prefetch},
+                         {"fsdp2_forward_prefetch_depth", d.fsdp2_forward_prefetch_depth},
+                         {"fsdp2_backward_prefetch_depth", d.fsdp2_backward_prefetch_depth},
+                         {"mp_policy",
+                          {{"param_dtype", mp.param_dtype},
+                           {"reduce_dtype", mp.reduce_dtype},
+                           {"output_dtype", mp.output_dtype},
+                           {"cast_forward_inputs", mp.cast_forward_inputs}}}};
+  if (d.reshard_after_forward) options["reshard_after_forward"] = *d.reshard_after_forward;
+  return options.dump();
 }
 
 }  // namespace meshrun

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "comm/comm.hpp"
+#include "config/config.hpp"
 #include "meshrun/strategy.h"
 #include "plugin/loader.hpp"
 
@@ -55,6 +56,10 @@ struct StrategyMemory {
 // point of ABI 1.2 and, when it is sharded, of ABI 1.3 (megatron_fsdp still
 // ships mesh rules only).
 bool strategy_can_train(const PluginLibrary& library);
+
+// The [distributed] keys a strategy plugin reads, as AutoModel names them
+// (DDPConfig or FSDP2Config): the JSON object of its setup's options_json.
+std::string strategy_options_json(const DistributedConfig& distributed);
 
 class Strategy {
  public:

@@ -15,18 +15,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// FNV-1a of the model type and every parameter's name and shape: a resumed
-// run must have the same parameters in the same layout.
-std::string architecture_hash(const ModelConfig& config, const ModelDescription& description) {
-  nlohmann::ordered_json parameters = nlohmann::ordered_json::array();
-  for (const auto& p : description.parameters) parameters.push_back({p.name, p.shape});
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : config.model_type + parameters.dump()) {
-    hash = (hash ^ uint8_t(c)) * 0x100000001b3ull;
-  }
-  return fmt::format("{:016x}", hash);
-}
-
 std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
@@ -59,19 +47,19 @@ void check_names_and_shapes(const Config& config, const SafetensorsFile& file,
   }
 }
 
-nlohmann::json read_index_json(const Config& config) {
-  const std::string path = (fs::path(config.checkpoint.resume_from) / "index.json").string();
+nlohmann::json read_index_json(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "index.json").string();
   std::ifstream in(path);
   if (!in) {
-    throw config_error(config, "checkpoint.resume_from",
-                       fmt::format("'{}' has no index.json (not a sharded checkpoint, or its save "
-                                   "did not finish)",
-                                   config.checkpoint.resume_from));
+    throw Error(MESHRUN_NOT_FOUND,
+                fmt::format("'{}' has no index.json (not a sharded checkpoint, or its save did "
+                            "not finish)",
+                            dir));
   }
   try {
     return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& error) {
-    throw config_error(config, "checkpoint.resume_from", fmt::format("{}: {}", path, error.what()));
+    throw invalid_argument(fmt::format("{}: {}", path, error.what()));
   }
 }
 
@@ -148,7 +136,34 @@ std::string shard_file(int64_t rank) { return fmt::format("shard_{}.safetensors"
 
 }  // namespace
 
-void save_sharded(const std::string& dir, const Config& config, const ModelDescription& description,
+CheckpointLayout checkpoint_layout(const std::string& kind, const std::vector<std::string>& names,
+                                   const std::vector<std::vector<int64_t>>& shapes) {
+  nlohmann::ordered_json parameters = nlohmann::ordered_json::array();
+  CheckpointLayout layout;
+  for (size_t p = 0; p < names.size(); ++p) {
+    parameters.push_back({names[p], shapes[p]});
+    int64_t numel = 1;
+    for (const int64_t extent : shapes[p]) numel *= extent;
+    layout.numel += numel;
+  }
+  // FNV-1a: a resumed run must have the same parameters in the same layout.
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : kind + parameters.dump()) hash = (hash ^ uint8_t(c)) * 0x100000001b3ull;
+  layout.hash = fmt::format("{:016x}", hash);
+  return layout;
+}
+
+CheckpointLayout checkpoint_layout(const ModelConfig& config, const ModelDescription& description) {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : description.parameters) {
+    names.push_back(p.name);
+    shapes.push_back(p.shape);
+  }
+  return checkpoint_layout(config.model_type, names, shapes);
+}
+
+void save_sharded(const std::string& dir, const CheckpointLayout& layout, int64_t seed,
                   int64_t step, const std::vector<HeldRange>& ranges,
                   const std::vector<FlatBuffer>& buffers, Communicator& world) {
   fs::create_directories(dir);
@@ -185,46 +200,58 @@ void save_sharded(const std::string& dir, const Config& config, const ModelDescr
   write_json((fs::path(dir) / "index.json").string(),
              {{"step", step},
               {"world_size", world.size()},
-              {"numel", description.numel},
+              {"numel", layout.numel},
               {"buffers", buffer_names},
               {"slices", slices},
-              {"data", {{"seed", config.train.seed}, {"next_step", step}}},
-              {"config_hash", architecture_hash(config.model, description)}});
+              {"data", {{"seed", seed}, {"next_step", step}}},
+              {"config_hash", layout.hash}});
 }
 
-CheckpointIndex read_index(const Config& config, const ModelDescription& description) {
-  const nlohmann::json json = read_index_json(config);
-  const auto fail = [&](const std::string& what) {
-    return config_error(config, "checkpoint.resume_from",
-                        fmt::format("'{}': {}", config.checkpoint.resume_from, what));
-  };
+CheckpointIndex read_index(const std::string& dir, const CheckpointLayout& layout) {
+  const nlohmann::json json = read_index_json(dir);
   CheckpointIndex index;
   try {
-    index.dir = config.checkpoint.resume_from;
+    index.dir = dir;
     index.step = json.at("step").get<int64_t>();
     index.world_size = json.at("world_size").get<int64_t>();
     index.numel = json.at("numel").get<int64_t>();
+    index.seed = json.at("data").at("seed").get<int64_t>();
     for (const auto& slice : json.at("slices")) {
       index.slices.push_back({slice.at("file").get<std::string>(), slice.at("part").get<int64_t>(),
                               slice.at("begin").get<int64_t>(), slice.at("end").get<int64_t>()});
     }
-    if (json.at("config_hash").get<std::string>() != architecture_hash(config.model, description) ||
-        index.numel != description.numel) {
-      throw fail("was written for another model architecture than [model] describes");
-    }
-    if (json.at("data").at("seed").get<int64_t>() != config.train.seed) {
-      throw config_error(
-          config, "train.seed",
-          fmt::format("{} differs from the seed of checkpoint '{}' ({}); resuming "
-                      "needs the same data order",
-                      config.train.seed, index.dir, json.at("data").at("seed").get<int64_t>()));
+    index.buffers = json.at("buffers").get<std::vector<std::string>>();
+    if (json.at("config_hash").get<std::string>() != layout.hash || index.numel != layout.numel) {
+      throw invalid_argument(fmt::format("'{}' was written for other parameters", dir));
     }
   } catch (const nlohmann::json::exception& error) {
-    throw fail(fmt::format("malformed index.json: {}", error.what()));
+    throw invalid_argument(fmt::format("'{}': malformed index.json: {}", dir, error.what()));
+  }
+  return index;
+}
+
+CheckpointIndex read_index(const Config& config, const ModelDescription& description) {
+  const std::string& dir = config.checkpoint.resume_from;
+  CheckpointIndex index;
+  try {
+    index = read_index(dir, checkpoint_layout(config.model, description));
+  } catch (const Error& error) {
+    throw config_error(
+        config, "checkpoint.resume_from",
+        std::string(error.what()) + (error.code() == MESHRUN_INVALID_ARGUMENT
+                                         ? " (another model architecture than [model] describes?)"
+                                         : ""));
+  }
+  if (index.seed != config.train.seed) {
+    throw config_error(config, "train.seed",
+                       fmt::format("{} differs from the seed of checkpoint '{}' ({}); resuming "
+                                   "needs the same data order",
+                                   config.train.seed, dir, index.seed));
   }
   if (index.step > config.train.steps) {
-    throw fail(
-        fmt::format("is at step {}, beyond train.steps ({})", index.step, config.train.steps));
+    throw config_error(config, "checkpoint.resume_from",
+                       fmt::format("'{}' is at step {}, beyond train.steps ({})", dir, index.step,
+                                   config.train.steps));
   }
   return index;
 }

@@ -52,12 +52,25 @@ struct HeldRange {
   int64_t count = 0;
 };
 
+// What a sharded checkpoint is of: the elements of the flat layout and a
+// hash of the parameters' names and shapes (and the model type), so that a
+// checkpoint is loaded only into the parameters it was saved from.
+struct CheckpointLayout {
+  int64_t numel = 0;
+  std::string hash;
+};
+CheckpointLayout checkpoint_layout(const std::string& kind, const std::vector<std::string>& names,
+                                   const std::vector<std::vector<int64_t>>& shapes);
+CheckpointLayout checkpoint_layout(const ModelConfig& config, const ModelDescription& description);
+
 // What index.json says.
 struct CheckpointIndex {
   std::string dir;
   int64_t step = 0;  // optimizer steps taken; the run resumes at this step
   int64_t world_size = 0;
   int64_t numel = 0;
+  int64_t seed = 0;                  // train.seed of the run that saved it
+  std::vector<std::string> buffers;  // "params", "exp_avg", ...
   // Tensor "<buffer>.<part>" of `file` holds elements [begin, end).
   struct Slice {
     std::string file;
@@ -69,15 +82,18 @@ struct CheckpointIndex {
 
 // Collective over `world`: every rank writes the `ranges` it is asked to
 // save (none: no file) of each of `buffers` to shard_RANK.safetensors, then
-// rank 0 writes index.json. Over all ranks the ranges must cover the numel
-// elements of the flat layout.
-void save_sharded(const std::string& dir, const Config& config, const ModelDescription& description,
+// rank 0 writes index.json. Over all ranks the ranges must cover the
+// layout's elements.
+void save_sharded(const std::string& dir, const CheckpointLayout& layout, int64_t seed,
                   int64_t step, const std::vector<HeldRange>& ranges,
                   const std::vector<FlatBuffer>& buffers, Communicator& world);
 
-// Reads and checks checkpoint.resume_from's index.json against the config
-// (seed, number of steps) and the model's parameters. Errors name
-// checkpoint.resume_from.
+// Reads DIR/index.json and checks it is of `layout`. Throws NOT_FOUND
+// without one, INVALID_ARGUMENT for a malformed one or other parameters.
+CheckpointIndex read_index(const std::string& dir, const CheckpointLayout& layout);
+
+// checkpoint.resume_from's index, checked against the model's parameters and
+// the config (seed, number of steps); errors name the key.
 CheckpointIndex read_index(const Config& config, const ModelDescription& description);
 
 // Fills the `ranges` of every buffer from the slices overlapping them.

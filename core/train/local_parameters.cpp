@@ -47,14 +47,14 @@ void start_weights(const Config& config, const Model& model, FlatParameters& par
   round_to(parameters.values.data(), parameters.numel(), config.model.torch_dtype);
 }
 
-LocalParameters replicated_parameters(FlatParameters& parameters, Communicator& world) {
+LocalParameters replicated_parameters(float* values, float* gradients,
+                                      const std::vector<int64_t>& offsets, Communicator& world) {
   LocalParameters local;
-  local.params = parameters.values.data();
-  local.grads = parameters.gradients.data();
-  local.numel = parameters.numel();
-  for (size_t k = 0; k < parameters.indices.size(); ++k) {
-    const int64_t offset = parameters.offsets[k];
-    local.held.push_back({offset, offset, parameters.offsets[k + 1] - offset});
+  local.params = values;
+  local.grads = gradients;
+  local.numel = offsets.back();
+  for (size_t k = 0; k + 1 < offsets.size(); ++k) {
+    local.held.push_back({offsets[k], offsets[k], offsets[k + 1] - offsets[k]});
     local.held_parameter.push_back(int64_t(k));
   }
   const int64_t begin = world.rank() * local.numel / world.size();

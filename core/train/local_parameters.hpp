@@ -53,8 +53,11 @@ struct LocalParameters {
   Communicator* norm_group = nullptr;
 };
 
-// The trainer's flat buffers; rank r of `world` saves its 1/W of them.
-LocalParameters replicated_parameters(FlatParameters& parameters, Communicator& world);
+// Flat buffers of every parameter (parameter i at [offsets[i],
+// offsets[i+1])) that a replicated strategy works in; rank r of `world`
+// saves its 1/W of them.
+LocalParameters replicated_parameters(float* values, float* gradients,
+                                      const std::vector<int64_t>& offsets, Communicator& world);
 
 // The strategy's local shard; the norm is summed over `shard_group`, and
 // only replica 0 of each shard saves it (the replicas hold equal shards).

@@ -276,7 +276,8 @@ void PipelineTrainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
   save_sharded(
-      dir.string(), ctx_.config, ctx_.plan.model->description(), step, rank_ranges(true),
+      dir.string(), checkpoint_layout(ctx_.config.model, ctx_.plan.model->description()),
+      ctx_.config.train.seed, step, rank_ranges(true),
       {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}},
       ctx_.world);
 }

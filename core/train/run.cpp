@@ -41,34 +41,6 @@ void check_batch(const Config& config, int64_t dp) {
   }
 }
 
-// The strategy's keys of [distributed] as AutoModel names them (DDPConfig
-// or FSDP2Config), for the strategy plugin.
-std::string strategy_options(const DistributedConfig& d) {
-  if (d.strategy != "fsdp2") {
-    return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
-                          {"broadcast_buffers", d.broadcast_buffers},
-                          {"find_unused_parameters", d.find_unused_parameters},
-                          {"gradient_as_bucket_view", d.gradient_as_bucket_view},
-                          {"static_graph", d.static_graph}}
-        .dump();
-  }
-  const MixedPrecisionConfig& mp = d.mp_policy;
-  nlohmann::json options{{"pp_size", d.pp_size},
-                         {"dp_replicate_size", d.dp_replicate_size},
-                         {"reshard_after_forward", nullptr},
-                         {"defer_fsdp_grad_sync", d.defer_fsdp_grad_sync},
-                         {"enable_fsdp2_prefetch", d.enable_fsdp2_prefetch},
-                         {"fsdp2_forward_prefetch_depth", d.fsdp2_forward_prefetch_depth},
-                         {"fsdp2_backward_prefetch_depth", d.fsdp2_backward_prefetch_depth},
-                         {"mp_policy",
-                          {{"param_dtype", mp.param_dtype},
-                           {"reduce_dtype", mp.reduce_dtype},
-                           {"output_dtype", mp.output_dtype},
-                           {"cast_forward_inputs", mp.cast_forward_inputs}}}};
-  if (d.reshard_after_forward) options["reshard_after_forward"] = *d.reshard_after_forward;
-  return options.dump();
-}
-
 // The trainer runs data and pipeline parallelism: no model computes tensor,
 // context or expert parallel yet (the plan shows those layouts; `meshrun
 // plan` prints them).
@@ -139,8 +111,8 @@ void check_pipeline(const Config& config, const Plan& plan) {
   if (splits_backward(schedule) && !plan.model->splits_backward()) {
     throw config_error(config, key,
                        fmt::format("schedule {} splits the backward into I and W, which model "
-                                   "plugin {} cannot (it has no backward_input); use gpipe, 1f1b "
-                                   "or interleaved_1f1b",
+                                   "plugin {} cannot (it has no backward_input); use gpipe, 1f1b, "
+                                   "interleaved_1f1b or looped_bfs",
                                    schedule.name, plan.model->library().path()));
   }
 }
@@ -187,7 +159,7 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
   StageUnits units = stage_units(model.description(), contents);
   units.strategy.shard_group = &axes.axis(Axis::dp_shard_cp);
   units.strategy.replicate_group = &axes.axis(Axis::dp_replicate);
-  const std::string options = strategy_options(config.distributed);
+  const std::string options = strategy_options_json(config.distributed);
   Strategy strategy(plan.strategy, axes.axis(Axis::dp),
                     parameters.strategy_buffers(model.description()), options, &units.strategy);
   // The strategy copied its shard: the full weights are no longer needed.
@@ -217,8 +189,8 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
   }
   PipelineTrainer trainer({config, data, plan, world, axes.axis(Axis::pp), axes.axis(Axis::dp),
                            axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
-                           computing_axes(axes, plan.mesh), strategy_options(config.distributed),
-                           output_dir});
+                           computing_axes(axes, plan.mesh),
+                           strategy_options_json(config.distributed), output_dir});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, plan.model->description()));
   }

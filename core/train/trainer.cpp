@@ -26,7 +26,10 @@ std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
 }
 
 LocalParameters local_parameters(const TrainContext& ctx) {
-  if (!ctx.strategy.sharded()) return replicated_parameters(ctx.parameters, ctx.world);
+  if (!ctx.strategy.sharded()) {
+    FlatParameters& p = ctx.parameters;
+    return replicated_parameters(p.values.data(), p.gradients.data(), p.offsets, ctx.world);
+  }
   return sharded_parameters(ctx.strategy, ctx.shard_group, ctx.replicate_group);
 }
 
@@ -149,8 +152,8 @@ double Trainer::evaluate(int64_t count) {
 void Trainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
-  save_sharded(dir.string(), ctx_.config, ctx_.model.description(), step, local_.saved,
-               checkpoint_buffers(), ctx_.world);
+  save_sharded(dir.string(), checkpoint_layout(ctx_.config.model, ctx_.model.description()),
+               ctx_.config.train.seed, step, local_.saved, checkpoint_buffers(), ctx_.world);
 }
 
 MemoryUse Trainer::memory_use() {

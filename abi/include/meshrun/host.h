@@ -1,11 +1,19 @@
 /*
  * meshrun/host.h — the host API of libmeshrun, for programs that drive the
  * runtime: the CLI, C/C++ hosts, and other languages through FFI (Python
- * ctypes first; see examples/python/meshrun.py).
+ * ctypes first: python/meshrun).
  *
  * Lifecycle of a runtime: created (config parsed and validated) -> mesh built
- * -> ... -> destroyed. A call made in the wrong state returns a
+ * (build_mesh, for planning: any world size; or join, as one rank of a
+ * running job) -> ... -> destroyed. A call made in the wrong state returns a
  * FAILED_PRECONDITION error; nothing is undefined behaviour.
+ *
+ * A program that computes its own model (PyTorch, JAX, C) joins the job,
+ * runs collectives on the communicators of the mesh axes, and hands its
+ * parameters to the configured strategy, calling its hooks around each unit
+ * of the model (ABI 1.5, below). Objects it creates from a runtime (a
+ * strategy, an operation in flight) keep what they need of it alive: they
+ * may be destroyed before or after it.
  *
  * Ownership: every `meshrun_error*` returned is owned by the caller (release
  * with meshrun_error_release). Out-parameters are written only on success.
@@ -19,6 +27,7 @@
 #ifndef MESHRUN_HOST_H_
 #define MESHRUN_HOST_H_
 
+#include <dlpack/dlpack.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -114,6 +123,199 @@ MESHRUN_HOST_API meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime*
 
 /* Frees a string returned by this API; NULL is accepted. */
 MESHRUN_HOST_API void meshrun_string_destroy(char* string);
+
+/* ---- ABI 1.5: a rank of a running job ---- */
+
+/* Joins the job this process runs in as one rank: reads the launcher's
+ * environment (meshrun launch or mpirun, srun, PMI; none: a job of one rank),
+ * loads the comm backend the config names (comm.backend) and makes the world
+ * communicator, resolves the mesh for the world's size (loading the strategy
+ * plugin, and the model plugin when the config has a [model] table), and
+ * makes one communicator per mesh axis. Collective over the job: every rank
+ * calls it. Errors: FAILED_PRECONDITION (the mesh is already built), the
+ * comm backend's errors, and the mesh's (INVALID_ARGUMENT for sizes that do
+ * not fit the world, naming the key). */
+MESHRUN_HOST_API meshrun_error* meshrun_runtime_join(meshrun_runtime* runtime);
+
+/* This process's rank in the joined job, the job's size, and its rank among
+ * the ranks of its node (0 when the launcher does not say). Any pointer may
+ * be NULL. Errors: FAILED_PRECONDITION before join. */
+MESHRUN_HOST_API meshrun_error* meshrun_runtime_rank(const meshrun_runtime* runtime,
+                                                     int64_t* out_rank, int64_t* out_world_size,
+                                                     int64_t* out_local_rank);
+
+/* The communicator of one mesh axis of a joined runtime (axis names as at
+ * the top of this header, plus "world"). Owned by the runtime; valid until
+ * the runtime and every strategy and operation made from it are destroyed.
+ * Errors: FAILED_PRECONDITION before join, NOT_FOUND for an unknown axis. */
+typedef struct meshrun_comm meshrun_comm;
+MESHRUN_HOST_API meshrun_error* meshrun_runtime_comm(meshrun_runtime* runtime, const char* axis,
+                                                     meshrun_comm** out);
+
+/* This process's rank in the communicator and the communicator's size. */
+MESHRUN_HOST_API meshrun_error* meshrun_comm_rank(const meshrun_comm* comm, int64_t* out_rank);
+MESHRUN_HOST_API meshrun_error* meshrun_comm_size(const meshrun_comm* comm, int64_t* out_size);
+
+/* An operation in flight; opaque, owned by the caller. */
+typedef struct meshrun_op meshrun_op;
+
+/* Collectives and point-to-point transfers on caller-owned DLPack tensors,
+ * with the semantics of meshrun/comm.h (compact tensors of the backend's
+ * device, dtype float32, bfloat16, float16, int32 or int64; `op` one of
+ * MESHRUN_REDUCE_*; a send tensor whose data equals the receive tensor's is
+ * in place). With out_op NULL a call returns when the operation is done;
+ * otherwise it starts the operation and *out_op receives a request to
+ * complete with meshrun_op_wait or poll with meshrun_op_test — the tensors'
+ * memory must stay valid and untouched until then. The DLTensor structs
+ * themselves are borrowed for the call only. Errors: those of the comm
+ * backend (INVALID_ARGUMENT for shapes, dtypes or devices it refuses,
+ * UNAVAILABLE, DEADLINE_EXCEEDED naming the operation and the rank). */
+MESHRUN_HOST_API meshrun_error* meshrun_all_reduce(meshrun_comm* comm, const DLTensor* send,
+                                                   DLTensor* recv, int32_t op, meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_all_gather(meshrun_comm* comm, const DLTensor* send,
+                                                   DLTensor* recv, meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_reduce_scatter(meshrun_comm* comm, const DLTensor* send,
+                                                       DLTensor* recv, int32_t op,
+                                                       meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_broadcast(meshrun_comm* comm, DLTensor* tensor,
+                                                  int64_t root, meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_send(meshrun_comm* comm, const DLTensor* tensor,
+                                             int64_t peer, int64_t tag, meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_recv(meshrun_comm* comm, DLTensor* tensor, int64_t peer,
+                                             int64_t tag, meshrun_op** out_op);
+MESHRUN_HOST_API meshrun_error* meshrun_barrier(meshrun_comm* comm, meshrun_op** out_op);
+
+/* Blocks until the operation is done and returns its result; timeout < 0
+ * uses the comm timeout of the config (comm.timeout_minutes). On expiry:
+ * DEADLINE_EXCEEDED, and the operation stays in flight. */
+MESHRUN_HOST_API meshrun_error* meshrun_op_wait(meshrun_op* op, double timeout_seconds);
+/* *out_done = 1 when the operation is done (wait then returns at once). */
+MESHRUN_HOST_API meshrun_error* meshrun_op_test(meshrun_op* op, int32_t* out_done);
+/* Releases an operation, first waiting for it up to the comm timeout if it
+ * is still in flight; NULL is accepted. */
+MESHRUN_HOST_API void meshrun_op_destroy(meshrun_op* op);
+
+/* ---- ABI 1.5: the configured strategy over the caller's parameters ---- */
+
+/* What the caller's model is, for a strategy: its parameters in one order,
+ * each contiguous in two caller-owned flat float32 CPU buffers (parameters
+ * and gradients, the same layout: parameter i is elements [offset_i,
+ * offset_i + numels[i]), offsets cumulative from 0), and the units they form
+ * (meshrun/strategy.h: the parameters a sharded strategy gathers together;
+ * units other than `root_unit` are layers in forward order, the root
+ * encloses them). Borrowed for the create call. */
+typedef struct meshrun_strategy_parameters {
+  size_t struct_size;
+  int64_t num_parameters;
+  const char* const* names; /* num_parameters names (checkpoints use them) */
+  const int64_t* numels;    /* elements of each parameter */
+  const int64_t* rows;      /* size of dim 0 of each (1 for a scalar) */
+  const int32_t* units;     /* the unit of each, in [0, num_units) */
+  int32_t num_units;
+  int32_t root_unit;
+  /* The initial values, and their gradients' buffer. A replicated strategy
+   * (ddp) works in them until destroyed, so they must stay valid that long;
+   * a sharded one (fsdp2) takes its shard during create, after which the
+   * caller may free both. */
+  DLTensor parameters;
+  DLTensor gradients;
+  const meshrun_extension* extensions;
+} meshrun_strategy_parameters;
+
+/* The configured strategy (distributed.strategy, with its [distributed]
+ * keys) over the caller's parameters, on the data-parallel communicators of
+ * the joined runtime. A sharded strategy takes data-parallel rank 0's
+ * initial values. Owned by the caller (destroy with meshrun_strategy_destroy).
+ * Collective over the data-parallel ranks. Errors: FAILED_PRECONDITION
+ * before join; INVALID_ARGUMENT for a description that does not hold
+ * together (naming the field) or a strategy that refuses the config. */
+typedef struct meshrun_strategy meshrun_strategy;
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_create(meshrun_runtime* runtime,
+                                                        const meshrun_strategy_parameters* params,
+                                                        meshrun_strategy** out);
+/* Destroys a strategy; NULL is accepted. */
+MESHRUN_HOST_API void meshrun_strategy_destroy(meshrun_strategy* strategy);
+
+/* *out = 1 when the strategy shards the parameters (then the unit hooks
+ * and unit_views apply), 0 when it replicates them. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_sharded(const meshrun_strategy* strategy,
+                                                         int32_t* out);
+
+/* The strategy's entry points, in the order meshrun/strategy.h gives:
+ * broadcast_parameters once; per step, per micro-batch begin_micro_batch
+ * (sync = 1 on the step's last), then its forward and backward — a
+ * replicated strategy wants gradient_ready(p) as each parameter's gradient
+ * is final, a sharded one pre_/post_forward and pre_/post_backward around
+ * each unit — and finish_gradients after the last backward. Errors as the
+ * strategy's: FAILED_PRECONDITION out of order, OUT_OF_RANGE for a unit or
+ * parameter outside its range, the comm's errors. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_broadcast_parameters(meshrun_strategy* strategy);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_begin_micro_batch(meshrun_strategy* strategy,
+                                                                   int32_t sync);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_gradient_ready(meshrun_strategy* strategy,
+                                                                int64_t parameter);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_finish_gradients(meshrun_strategy* strategy);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_pre_forward(meshrun_strategy* strategy,
+                                                             int32_t unit);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_post_forward(meshrun_strategy* strategy,
+                                                              int32_t unit);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_pre_backward(meshrun_strategy* strategy,
+                                                              int32_t unit);
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_post_backward(meshrun_strategy* strategy,
+                                                               int32_t unit);
+
+/* Views of a sharded strategy's gathered unit: its parameters in index order,
+ * contiguous, and (inside the unit's backward, else data NULL) their
+ * gradients, which the caller accumulates into. 1-D float32 CPU tensors
+ * whose shape arrays the strategy owns; valid until the unit's next
+ * post_forward or post_backward. Either pointer may be NULL. Errors:
+ * UNIMPLEMENTED for a replicated strategy, FAILED_PRECONDITION when the unit
+ * is not gathered. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_unit_views(meshrun_strategy* strategy,
+                                                            int32_t unit, DLTensor* parameters,
+                                                            DLTensor* gradients);
+
+/* What this rank's optimizer updates: the caller's whole buffers under a
+ * replicated strategy, this rank's shard under a sharded one (padding
+ * elements stay zero). Views valid until the strategy is destroyed. After
+ * finish_gradients the gradients hold the sum over the step's micro-batches
+ * of the data-parallel average; the caller zeroes them before a step's first
+ * micro-batch and updates the parameters in place. Either pointer may be
+ * NULL. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy,
+                                                             DLTensor* parameters,
+                                                             DLTensor* gradients);
+
+/* The squared L2 norm of the whole gradient over every data-parallel rank
+ * (for clipping): collective over the shard group. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy,
+                                                                       double* out);
+
+/* Fills `full` (float32, every parameter in the caller's layout) with the
+ * current parameters; collective over the data-parallel ranks; outside a
+ * step. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy,
+                                                                   DLTensor* full);
+
+/* Saves a sharded checkpoint into the folder `dir` (created; meshrun
+ * train's format, docs/checkpoints: every rank writes its part, rank 0
+ * index.json last): the local shard's parameters and `num_buffers` more
+ * buffers of the local shard's layout named `names` (e.g. an optimizer's
+ * moments), with `step`. Collective over the job. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy,
+                                                                 const char* dir, int64_t step,
+                                                                 int64_t num_buffers,
+                                                                 const char* const* names,
+                                                                 const DLTensor* buffers);
+
+/* Loads a checkpoint saved by any world size and strategy over the same
+ * parameters (names and sizes) into the local shard and the named buffers;
+ * *out_step receives its step. Errors: NOT_FOUND without index.json,
+ * INVALID_ARGUMENT for a checkpoint of other parameters or without a named
+ * buffer. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_load_checkpoint(
+    meshrun_strategy* strategy, const char* dir, int64_t num_buffers, const char* const* names,
+    DLTensor* buffers, int64_t* out_step);
 
 #ifdef __cplusplus
 } /* extern "C" */

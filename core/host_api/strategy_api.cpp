@@ -1,0 +1,309 @@
+// The host API's strategies (meshrun/host.h, ABI 1.5): the configured
+// strategy plugin over the caller's flat parameter and gradient buffers, on
+// the data-parallel communicators of the joined job, its hooks, its local
+// shard for the caller's optimizer, and checkpoints in meshrun train's format.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "host_api/host_api.hpp"
+#include "strategy/strategy.hpp"
+#include "train/checkpoint.hpp"
+#include "train/local_parameters.hpp"
+#include "train/optimizer.hpp"
+
+struct meshrun_strategy {
+  std::shared_ptr<meshrun::Job> job;  // first: outlives the strategy
+  meshrun::StrategyUnits units;
+  std::vector<int64_t> offsets;  // num_parameters + 1
+  std::unique_ptr<meshrun::Strategy> strategy;
+  meshrun::train::LocalParameters local;
+  meshrun::train::CheckpointLayout layout;
+  int64_t seed = 0;
+  // The shape arrays of the views handed out (DLTensor points at them).
+  std::vector<std::array<int64_t, 2>> unit_shapes;
+  int64_t local_shape = 0;
+};
+
+namespace {
+
+using meshrun::Error;
+using meshrun::host_api::guarded;
+using meshrun::host_api::require;
+
+[[noreturn]] void bad_parameters(const std::string& what) {
+  throw Error(MESHRUN_INVALID_ARGUMENT, "meshrun_strategy_parameters: " + what);
+}
+
+// A caller's flat float32 CPU buffer of `numel` elements, or a refusal
+// naming `name`.
+float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& name) {
+  int64_t elements = 1;
+  for (int32_t d = 0; d < tensor.ndim; ++d) elements *= tensor.shape[d];
+  const bool compact = tensor.strides == nullptr || (tensor.ndim == 1 && tensor.strides[0] == 1);
+  if (tensor.data == nullptr || tensor.device.device_type != kDLCPU ||
+      tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 ||
+      !compact || elements != numel) {
+    bad_parameters(
+        fmt::format("{} must be a compact float32 CPU tensor of {} elements (every "
+                    "parameter), got {} elements",
+                    name, numel, elements));
+  }
+  return reinterpret_cast<float*>(static_cast<std::byte*>(tensor.data) + tensor.byte_offset);
+}
+
+// Checks the description and returns the parameter offsets.
+std::vector<int64_t> checked_offsets(const meshrun_strategy_parameters& p) {
+  if (p.struct_size < MESHRUN_STRUCT_SIZE(meshrun_strategy_parameters, extensions)) {
+    bad_parameters("struct_size too small");
+  }
+  if (p.num_parameters < 1) bad_parameters("num_parameters must be >= 1");
+  require(p.names, "params->names");
+  require(p.numels, "params->numels");
+  require(p.rows, "params->rows");
+  require(p.units, "params->units");
+  if (p.num_units < 1 || p.root_unit < 0 || p.root_unit >= p.num_units) {
+    bad_parameters(
+        fmt::format("root_unit {} must be in [0, num_units {})", p.root_unit, p.num_units));
+  }
+  std::vector<int64_t> offsets{0};
+  for (int64_t i = 0; i < p.num_parameters; ++i) {
+    if (p.names[i] == nullptr) bad_parameters(fmt::format("names[{}] is NULL", i));
+    if (p.numels[i] < 1 || p.rows[i] < 1 || p.numels[i] % p.rows[i] != 0) {
+      bad_parameters(
+          fmt::format("parameter {} ('{}'): numels {} must be >= 1 and a multiple of "
+                      "rows {}",
+                      i, p.names[i], p.numels[i], p.rows[i]));
+    }
+    if (p.units[i] < 0 || p.units[i] >= p.num_units) {
+      bad_parameters(fmt::format("parameter {} ('{}'): unit {} is outside [0, num_units {})", i,
+                                 p.names[i], p.units[i], p.num_units));
+    }
+    offsets.push_back(offsets.back() + p.numels[i]);
+  }
+  return offsets;
+}
+
+meshrun::train::CheckpointLayout layout_of(const meshrun_strategy_parameters& p) {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t i = 0; i < p.num_parameters; ++i) {
+    names.emplace_back(p.names[i]);
+    shapes.push_back({p.numels[i]});
+  }
+  return meshrun::train::checkpoint_layout("host", names, shapes);
+}
+
+void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, meshrun_strategy& s) {
+  const meshrun::Plan& plan = runtime->runtime.plan();
+  s.job = runtime->runtime.job();
+  s.offsets = checked_offsets(p);
+  const int64_t numel = s.offsets.back();
+  float* values = flat_float32(p.parameters, numel, "parameters");
+  float* gradients = flat_float32(p.gradients, numel, "gradients");
+  meshrun::StrategyBuffers buffers{values, gradients, numel, s.offsets, {}};
+  for (int64_t i = 0; i < p.num_parameters; ++i) buffers.parameter_names.emplace_back(p.names[i]);
+  s.units.shard_group = &s.job->communicator("dp_shard_cp");
+  s.units.replicate_group = &s.job->communicator("dp_replicate");
+  s.units.num_units = p.num_units;
+  s.units.root_unit = p.root_unit;
+  s.units.parameter_units.assign(p.units, p.units + p.num_parameters);
+  s.units.parameter_rows.assign(p.rows, p.rows + p.num_parameters);
+  meshrun::Communicator& data_parallel = s.job->communicator("dp");
+  s.strategy = std::make_unique<meshrun::Strategy>(
+      plan.strategy, data_parallel, std::move(buffers),
+      meshrun::strategy_options_json(runtime->runtime.config().distributed), &s.units);
+  s.local = s.strategy->sharded() ? meshrun::train::sharded_parameters(
+                                        *s.strategy, *s.units.shard_group, *s.units.replicate_group)
+                                  : meshrun::train::replicated_parameters(
+                                        values, gradients, s.offsets, s.job->world());
+  s.layout = layout_of(p);
+  s.seed = runtime->runtime.config().train.seed;
+  s.unit_shapes.resize(size_t(p.num_units));
+}
+
+meshrun::Strategy& strategy_of(meshrun_strategy* strategy) {
+  require(strategy, "strategy");
+  return *strategy->strategy;
+}
+
+void set_view(DLTensor* out, const meshrun::FloatView& view, int64_t& shape) {
+  if (out == nullptr) return;
+  shape = view.numel;
+  *out = DLTensor{view.data, {kDLCPU, 0}, 1, meshrun::dtype_float32(), &shape, nullptr, 0};
+}
+
+// The caller's named buffers in the local shard's layout, after the
+// parameters themselves.
+std::vector<meshrun::train::FlatBuffer> checkpoint_buffers(meshrun_strategy& s, int64_t count,
+                                                           const char* const* names,
+                                                           const DLTensor* buffers) {
+  std::vector<meshrun::train::FlatBuffer> all{{"params", s.local.params}};
+  if (count > 0) {
+    require(names, "names");
+    require(buffers, "buffers");
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    require(names[k], "names[k]");
+    const std::string name = names[k];
+    if (name == "params" || name.empty()) {
+      throw Error(MESHRUN_INVALID_ARGUMENT,
+                  fmt::format("checkpoint buffer {}: the name '{}' is taken or empty", k, name));
+    }
+    all.push_back({name, flat_float32(buffers[k], s.local.numel, "buffer '" + name + "'")});
+  }
+  return all;
+}
+
+}  // namespace
+
+extern "C" {
+
+meshrun_error* meshrun_strategy_create(meshrun_runtime* runtime,
+                                       const meshrun_strategy_parameters* params,
+                                       meshrun_strategy** out) {
+  return guarded([&] {
+    require(runtime, "runtime");
+    require(params, "params");
+    require(out, "out");
+    auto strategy = std::make_unique<meshrun_strategy>();
+    create(runtime, *params, *strategy);
+    *out = strategy.release();
+  });
+}
+
+void meshrun_strategy_destroy(meshrun_strategy* strategy) { delete strategy; }
+
+meshrun_error* meshrun_strategy_sharded(const meshrun_strategy* strategy, int32_t* out) {
+  return guarded([&] {
+    require(strategy, "strategy");
+    require(out, "out");
+    *out = strategy->strategy->sharded() ? 1 : 0;
+  });
+}
+
+meshrun_error* meshrun_strategy_broadcast_parameters(meshrun_strategy* strategy) {
+  return guarded([&] { strategy_of(strategy).broadcast_parameters(); });
+}
+
+meshrun_error* meshrun_strategy_begin_micro_batch(meshrun_strategy* strategy, int32_t sync) {
+  return guarded([&] { strategy_of(strategy).begin_micro_batch(sync != 0); });
+}
+
+meshrun_error* meshrun_strategy_gradient_ready(meshrun_strategy* strategy, int64_t parameter) {
+  return guarded([&] {
+    meshrun::Strategy& s = strategy_of(strategy);
+    const auto& offsets = strategy->offsets;
+    if (parameter < 0 || parameter + 1 >= int64_t(offsets.size())) {
+      throw Error(MESHRUN_OUT_OF_RANGE,
+                  fmt::format("parameter {} is outside [0, {})", parameter, offsets.size() - 1));
+    }
+    s.gradients_ready(offsets[size_t(parameter)], offsets[size_t(parameter) + 1]);
+  });
+}
+
+meshrun_error* meshrun_strategy_finish_gradients(meshrun_strategy* strategy) {
+  return guarded([&] { strategy_of(strategy).finish_gradients(); });
+}
+
+meshrun_error* meshrun_strategy_pre_forward(meshrun_strategy* strategy, int32_t unit) {
+  return guarded([&] { strategy_of(strategy).pre_forward(unit); });
+}
+
+meshrun_error* meshrun_strategy_post_forward(meshrun_strategy* strategy, int32_t unit) {
+  return guarded([&] { strategy_of(strategy).post_forward(unit); });
+}
+
+meshrun_error* meshrun_strategy_pre_backward(meshrun_strategy* strategy, int32_t unit) {
+  return guarded([&] { strategy_of(strategy).pre_backward(unit); });
+}
+
+meshrun_error* meshrun_strategy_post_backward(meshrun_strategy* strategy, int32_t unit) {
+  return guarded([&] { strategy_of(strategy).post_backward(unit); });
+}
+
+meshrun_error* meshrun_strategy_unit_views(meshrun_strategy* strategy, int32_t unit,
+                                           DLTensor* parameters, DLTensor* gradients) {
+  return guarded([&] {
+    const auto [values, grads] = strategy_of(strategy).unit_views(unit);
+    auto& shapes = strategy->unit_shapes.at(size_t(unit));
+    set_view(parameters, values, shapes[0]);
+    set_view(gradients, grads, shapes[1]);
+  });
+}
+
+meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy, DLTensor* parameters,
+                                            DLTensor* gradients) {
+  return guarded([&] {
+    strategy_of(strategy);
+    const auto& local = strategy->local;
+    set_view(parameters, {local.params, local.numel}, strategy->local_shape);
+    set_view(gradients, {local.grads, local.numel}, strategy->local_shape);
+  });
+}
+
+meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy, double* out) {
+  return guarded([&] {
+    strategy_of(strategy);
+    require(out, "out");
+    const auto& local = strategy->local;
+    auto squared = float(meshrun::train::squared_norm(local.grads, local.numel));
+    if (local.norm_group != nullptr) {
+      meshrun::FlatTensor tensor(&squared, meshrun::dtype_float32(), 1);
+      local.norm_group->all_reduce(tensor.get(), meshrun::ReduceOp::sum).wait();
+    }
+    *out = squared;
+  });
+}
+
+meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy, DLTensor* full) {
+  return guarded([&] {
+    meshrun::Strategy& s = strategy_of(strategy);
+    require(full, "full");
+    const int64_t numel = strategy->offsets.back();
+    float* data = flat_float32(*full, numel, "full");
+    if (s.sharded()) {
+      s.gather_parameters(data, numel);
+    } else {
+      std::copy_n(strategy->local.params, numel, data);
+    }
+  });
+}
+
+meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, const char* dir,
+                                                int64_t step, int64_t num_buffers,
+                                                const char* const* names, const DLTensor* buffers) {
+  return guarded([&] {
+    strategy_of(strategy);
+    require(dir, "dir");
+    meshrun::train::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
+                                 checkpoint_buffers(*strategy, num_buffers, names, buffers),
+                                 strategy->job->world());
+  });
+}
+
+meshrun_error* meshrun_strategy_load_checkpoint(meshrun_strategy* strategy, const char* dir,
+                                                int64_t num_buffers, const char* const* names,
+                                                DLTensor* buffers, int64_t* out_step) {
+  return guarded([&] {
+    strategy_of(strategy);
+    require(dir, "dir");
+    const auto index = meshrun::train::read_index(dir, strategy->layout);
+    const auto wanted = checkpoint_buffers(*strategy, num_buffers, names, buffers);
+    for (const auto& buffer : wanted) {
+      if (std::find(index.buffers.begin(), index.buffers.end(), buffer.name) ==
+          index.buffers.end()) {
+        throw Error(MESHRUN_INVALID_ARGUMENT,
+                    fmt::format("checkpoint '{}' holds no buffer '{}'", dir, buffer.name));
+      }
+    }
+    meshrun::train::load_sharded(index, strategy->local.held, wanted);
+    if (out_step != nullptr) *out_step = index.step;
+  });
+}
+
+}  // extern "C"
