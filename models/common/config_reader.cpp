@@ -28,6 +28,10 @@ int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min) co
   return value.get<int64_t>();
 }
 
+int64_t ConfigReader::nullable_integer(const char* key, int64_t fallback, int64_t min) const {
+  return has(key) && config_.at(key).is_null() ? fallback : integer(key, fallback, min);
+}
+
 double ConfigReader::positive_number(const char* key, double fallback) const {
   if (!has(key)) return fallback;
   const auto& value = config_.at(key);
@@ -62,6 +66,14 @@ std::string ConfigReader::choice(const char* key, const std::string& fallback,
     names += (names.empty() ? "'" : ", '") + std::string(choice) + "'";
   }
   fail(key, "one of " + names);
+}
+
+void ConfigReader::require_number(const char* key, double only, const std::string& why) const {
+  if (!has(key)) return;
+  const auto& value = config_.at(key);
+  if (!value.is_number() || value.get<double>() != only) {
+    fail(key, nlohmann::json(only).dump() + " (" + why + ")");
+  }
 }
 
 }  // namespace meshrun::models

@@ -21,11 +21,17 @@ class ConfigReader {
   // The value of `key` when set, else `fallback`. Throws
   // std::invalid_argument("model.<key>: expected ..., got ...").
   int64_t integer(const char* key, int64_t fallback, int64_t min = 1) const;
+  // As integer(), with JSON null as unset (Hugging Face writes some
+  // defaults as null, "n_inner": null).
+  int64_t nullable_integer(const char* key, int64_t fallback, int64_t min = 1) const;
   double positive_number(const char* key, double fallback) const;
   double fraction(const char* key, double fallback) const;  // in [0, 1)
   bool boolean(const char* key, bool fallback) const;
   std::string choice(const char* key, const std::string& fallback,
                      const std::initializer_list<const char*>& choices) const;
+  // Throws unless `key` is unset or the number `only`; `why` says why no
+  // other value is taken.
+  void require_number(const char* key, double only, const std::string& why) const;
 
  private:
   [[noreturn]] void fail(const char* key, const std::string& expected) const;

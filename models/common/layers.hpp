@@ -9,6 +9,7 @@
 // Hugging Face's shape [out, in]. Backward kernels take the upstream
 // gradient dL/dy and accumulate (+=) into parameter gradients; activation
 // gradients are overwritten unless the comment says they accumulate.
+// GPT-2's Conv1D stores its weight transposed, [in, out].
 #pragma once
 
 #include <algorithm>
@@ -74,6 +75,48 @@ void linear_backward_weight(Real* d_weight, const Real* dy, const Real* x, int64
 }
 
 // ---------------------------------------------------------------------------
+// Conv1D, GPT-2's linear, without bias: y[N, out] = x[N, in] W[in, out]
+
+template <typename Real>
+void conv1d_forward(Real* y, const Real* x, const Real* weight, int64_t rows, int64_t in,
+                    int64_t out) {
+  gemm(false, false, rows, out, in, Real(1), x, in, weight, out, Real(0), y, out);
+}
+
+// In two parts, as the linear's:
+//   input:  dx[N, in] = dy[N, out] W[in, out]^T
+//   weight: dW[in, out] += x^T dy
+template <typename Real>
+void conv1d_backward_input(Real* dx, const Real* dy, const Real* weight, int64_t rows, int64_t in,
+                           int64_t out) {
+  gemm(false, true, rows, in, out, Real(1), dy, out, weight, out, Real(0), dx, in);
+}
+
+template <typename Real>
+void conv1d_backward_weight(Real* d_weight, const Real* dy, const Real* x, int64_t rows, int64_t in,
+                            int64_t out) {
+  gemm(true, false, in, out, rows, Real(1), x, in, dy, out, Real(1), d_weight, out);
+}
+
+// ---------------------------------------------------------------------------
+// Bias: y[r, :] += b, in place on a linear's output.
+
+template <typename Real>
+void bias_forward(Real* y, const Real* bias, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] += bias[i];
+  }
+}
+
+// db += sum over rows of dy[r, :]
+template <typename Real>
+void bias_backward(Real* d_bias, const Real* dy, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < dim; ++i) d_bias[i] += dy[r * dim + i];
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Residual connection: out = x + delta. Its backward hands dL/dout to both
 // inputs unchanged, which the model does by keeping one gradient buffer for
 // the residual stream that the branches accumulate into.
@@ -118,6 +161,55 @@ void rmsnorm_backward(Real* dx, Real* d_weight, const Real* dy, const Real* x, c
     for (int64_t i = 0; i < dim; ++i) {
       dx[r * dim + i] += s * (dy_row[i] * weight[i] - x_row[i] * coefficient);
       d_weight[i] += dy_row[i] * x_row[i] * s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// LayerNorm per row: y_i = (x_i - m) r w_i + b_i, m = mean_j x_j,
+// r = (mean_j (x_j - m)^2 + eps)^(-1/2). m and r are kept per row.
+
+template <typename Real>
+void layernorm_forward(Real* y, Real* mean, Real* rstd, const Real* x, const Real* weight,
+                       const Real* bias, int64_t rows, int64_t dim, double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* x_row = x + r * dim;
+    Real sum = 0;
+    for (int64_t i = 0; i < dim; ++i) sum += x_row[i];
+    const Real m = sum / Real(dim);
+    Real sum_squares = 0;
+    for (int64_t i = 0; i < dim; ++i) sum_squares += (x_row[i] - m) * (x_row[i] - m);
+    const Real s = Real(1) / std::sqrt(sum_squares / Real(dim) + Real(eps));
+    for (int64_t i = 0; i < dim; ++i) y[r * dim + i] = (x_row[i] - m) * s * weight[i] + bias[i];
+    mean[r] = m;
+    rstd[r] = s;
+  }
+}
+
+// With n_i = (x_i - m) r the normalized input and g_i = dy_i w_i:
+//   dx_i += r (g_i - mean_j g_j - n_i mean_j g_j n_j)
+//   dw_i += sum over rows of dy_i n_i,  db_i += sum over rows of dy_i
+// dx accumulates, as rmsnorm_backward's.
+template <typename Real>
+void layernorm_backward(Real* dx, Real* d_weight, Real* d_bias, const Real* dy, const Real* x,
+                        const Real* weight, const Real* mean, const Real* rstd, int64_t rows,
+                        int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* x_row = x + r * dim;
+    const Real* dy_row = dy + r * dim;
+    const Real m = mean[r], s = rstd[r];
+    Real g_sum = 0, gn_sum = 0;
+    for (int64_t i = 0; i < dim; ++i) {
+      const Real g = dy_row[i] * weight[i];
+      g_sum += g;
+      gn_sum += g * (x_row[i] - m) * s;
+    }
+    const Real g_mean = g_sum / Real(dim), gn_mean = gn_sum / Real(dim);
+    for (int64_t i = 0; i < dim; ++i) {
+      const Real n = (x_row[i] - m) * s;
+      dx[r * dim + i] += s * (dy_row[i] * weight[i] - g_mean - n * gn_mean);
+      d_weight[i] += dy_row[i] * n;
+      d_bias[i] += dy_row[i];
     }
   }
 }
@@ -338,6 +430,36 @@ void swiglu_backward(Real* d_gate_up, const Real* d_out, const Real* gate_up, in
       d_gate[i] = dy * up[i] * sigmoid * (Real(1) + gate[i] * (Real(1) - sigmoid));
       d_up[i] = dy * gate[i] * sigmoid;
     }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// GELU, tanh approximation (Hugging Face's "gelu_new", GPT-2's):
+//   y = x/2 (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+
+inline constexpr double kSqrt2OverPi = 0.7978845608028654;
+
+template <typename Real>
+Real gelu_tanh_argument(Real x) {
+  return Real(kSqrt2OverPi) * (x + Real(0.044715) * x * x * x);
+}
+
+template <typename Real>
+void gelu_forward(Real* y, const Real* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    y[i] = Real(0.5) * x[i] * (Real(1) + std::tanh(gelu_tanh_argument(x[i])));
+  }
+}
+
+// dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) du/dx,
+// du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+// dx may be dy: each dx_i reads only dy_i, so the backward runs in place.
+template <typename Real>
+void gelu_backward(Real* dx, const Real* dy, const Real* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const Real t = std::tanh(gelu_tanh_argument(x[i]));
+    const Real du = Real(kSqrt2OverPi) * (Real(1) + Real(3 * 0.044715) * x[i] * x[i]);
+    dx[i] = dy[i] * (Real(0.5) * (Real(1) + t) + Real(0.5) * x[i] * (Real(1) - t * t) * du);
   }
 }
 

@@ -1,17 +1,17 @@
 #include "llama/decoder.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
-#include <utility>
+
+#include "common/support.hpp"
 
 namespace meshrun::llama {
 
 using namespace kernels;
+using models::bytes_of;
+using models::WeightLayout;
 
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument("llama: " + message);
-}
+constexpr WeightLayout kOutIn = WeightLayout::out_in;
 
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len)
     : attention{batch, seq_len, c.num_attention_heads, c.num_key_value_heads,
@@ -54,15 +54,37 @@ HeadActivations::HeadActivations(const DecoderPass& pass)
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
 
-void ImmediateWeightGradients::linear(const ParameterView* first, const ParameterView* last,
-                                      const float* dy, std::vector<float>& x, int64_t rows,
-                                      int64_t in, int64_t out) {
-  linear_backward_weight(first->grad, dy, x.data(), rows, in, out);
-  for (const ParameterView* view = last; view >= first; --view) ready(*view);
+// q, k, v and gate, up act as one fused projection each: the host lays a
+// unit's parameters out one after another (meshrun/model.h).
+void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
+  const auto adjacent = [&](LayerTensor first, LayerTensor last) {
+    for (int t = first; t < last; ++t) {
+      if (layer[t].data + layer[t].numel != layer[t + 1].data ||
+          (backward && layer[t].grad + layer[t].numel != layer[t + 1].grad)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  if (!adjacent(kQ, kV) || !adjacent(kGate, kUp)) {
+    throw std::invalid_argument("llama: the host gave " +
+                                layer[kQ].name.substr(0, layer[kQ].name.rfind(".self_attn")) +
+                                " storage that is not one block in parameter order");
+  }
 }
 
-void layer_forward(DecoderPass& pass, const ParameterView* layer, const float* x,
-                   LayerActivations& saved, float* out) {
+void Llama::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                              float* out) {
+  kernels::embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden);
+}
+
+void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
+  kernels::embedding_backward(embedding->grad, tokens, pass.d_residual.data(), pass.rows(),
+                              pass.hidden);
+}
+
+void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                          LayerActivations& saved, float* out) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
 
@@ -87,54 +109,55 @@ void layer_forward(DecoderPass& pass, const ParameterView* layer, const float* x
 // Each residual add passes its gradient through, so the norms' backward
 // accumulates into d_residual. Every linear's input gradient comes first and
 // its weight gradient goes to `gradients` right after, while dy is at hand.
-void layer_backward(DecoderPass& pass, const ParameterView* layer, const float* x,
-                    LayerActivations& saved, WeightGradients& gradients) {
+void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* x,
+                           LayerActivations& saved, WeightGradients& gradients) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, Q = shape.q_dim();
   float* d_residual = pass.d_residual.data();
 
   linear_backward_input(pass.d_mlp.data(), d_residual, layer[kDown].data, N, I, H);
-  gradients.linear(&layer[kDown], &layer[kDown], d_residual, saved.mlp, N, I, H);
+  gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_residual, saved.mlp);
   swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
   linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
-  gradients.linear(&layer[kGate], &layer[kUp], pass.d_gate_up.data(), saved.norm2, N, H, 2 * I);
+  gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
+                   saved.norm2);
   rmsnorm_backward(d_residual, layer[kPostNorm].grad, pass.d_norm.data(), saved.h.data(),
                    layer[kPostNorm].data, saved.rstd2.data(), N, H);
-  gradients.norm_ready(layer[kPostNorm]);
+  gradients.vector_ready(layer[kPostNorm]);
 
   linear_backward_input(pass.d_attention.data(), d_residual, layer[kO].data, N, Q, H);
-  gradients.linear(&layer[kO], &layer[kO], d_residual, saved.attention, N, Q, H);
+  gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_residual, saved.attention);
   attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
                      saved.qkv.data(), saved.probs.data(), shape);
   rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
                         shape.qkv_dim());
-  gradients.linear(&layer[kQ], &layer[kV], pass.d_qkv.data(), saved.norm1, N, H, shape.qkv_dim());
+  gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),
+                   saved.norm1);
   rmsnorm_backward(d_residual, layer[kInputNorm].grad, pass.d_norm.data(), x,
                    layer[kInputNorm].data, saved.rstd1.data(), N, H);
-  gradients.norm_ready(layer[kInputNorm]);
+  gradients.vector_ready(layer[kInputNorm]);
 }
 
-double head_forward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
-                    const float* x, const int32_t* targets, HeadActivations& saved) {
-  const int64_t N = pass.rows(), H = pass.hidden, V = pass.vocab;
-  rmsnorm_forward(saved.final_norm.data(), saved.final_rstd.data(), x, norm.data, N, H, pass.eps);
-  linear_forward(saved.logits.data(), saved.final_norm.data(), lm_head.data, N, H, V);
-  return cross_entropy_forward(saved.logits.data(), targets, N, V);
+double Llama::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                           const float* x, const int32_t* targets, HeadActivations& saved) {
+  const int64_t N = pass.rows(), H = pass.hidden;
+  rmsnorm_forward(saved.final_norm.data(), saved.final_rstd.data(), x, head->data, N, H, pass.eps);
+  return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
+                                      targets, N, H, pass.vocab);
 }
 
-void head_backward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
-                   const float* x, const int32_t* targets, float loss_scale, HeadActivations& saved,
-                   WeightGradients& gradients) {
-  const int64_t N = pass.rows(), H = pass.hidden, V = pass.vocab;
-  cross_entropy_backward(saved.logits.data(), targets, N, V, loss_scale);
-  linear_backward_input(pass.d_norm.data(), saved.logits.data(), lm_head.data, N, H, V);
-  gradients.linear(&lm_head, &lm_head, saved.logits.data(), saved.final_norm, N, H, V);
+void Llama::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                          const float* x, const int32_t* targets, float loss_scale,
+                          HeadActivations& saved, WeightGradients& gradients) {
+  const int64_t N = pass.rows(), H = pass.hidden;
+  models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
+                                targets, loss_scale, N, H, pass.vocab, gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
-  rmsnorm_backward(pass.d_residual.data(), norm.grad, pass.d_norm.data(), x, norm.data,
+  rmsnorm_backward(pass.d_residual.data(), head->grad, pass.d_norm.data(), x, head->data,
                    saved.final_rstd.data(), N, H);
-  gradients.norm_ready(norm);
+  gradients.vector_ready(*head);
 }
 
 }  // namespace meshrun::llama

@@ -1,7 +1,8 @@
 // The pieces of the Llama decoder a stage (stage.hpp) is made of: the
-// forward and backward of a decoder layer and of the head (final norm,
-// lm_head, loss) over explicit parameter views, with what each keeps for its
-// backward. Internal to the model library.
+// forward and backward of the embedding, a decoder layer and the head
+// (final norm, lm_head, loss) over explicit parameter views, with what each
+// keeps for its backward, as the family models::TransformerStage computes
+// (common/stage.hpp). Internal to the model library.
 #pragma once
 
 #include <cstdint>
@@ -9,20 +10,14 @@
 #include <vector>
 
 #include "common/layers.hpp"
-#include "common/support.hpp"
+#include "common/stage.hpp"
 #include "llama/model.hpp"
 
 namespace meshrun::llama {
 
 using kernels::AttentionShape;
 using kernels::RotaryTable;
-
-// Throws std::invalid_argument("llama: " + message) unless condition.
-void require(bool condition, const std::string& message);
-
-using models::bytes_of;
-using models::check_tokens;
-using models::use_one_blas_thread_by_default;
+using models::WeightGradients;
 
 // A decoder layer's tensors, in buffer order. q, k, v are adjacent, so they
 // act as one fused [q+2kv, H] projection; gate and up likewise as one [2I, H].
@@ -69,52 +64,50 @@ struct HeadActivations {
   std::vector<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
 };
 
-// Where a backward sends the weight gradients it owes, so that one backward
-// serves a full backward (computed at once, announced to hooks) and a
-// pipeline's input-only backward (kept for a later weight pass).
-class WeightGradients {
- public:
-  virtual ~WeightGradients() = default;
-  // dW += dy^T x for the linear whose weight spans the adjacent views
-  // [first, last] (q/k/v and gate/up are fused). dy is [rows, out] scratch,
-  // valid during the call. This is x's last use in the backward, so the
-  // receiver may move it away.
-  virtual void linear(const ParameterView* first, const ParameterView* last, const float* dy,
-                      std::vector<float>& x, int64_t rows, int64_t in, int64_t out) = 0;
-  // The gradient of a norm weight, computed along the input gradient (it is
-  // cheap), is final.
-  virtual void norm_ready(const ParameterView& view) = 0;
+// The Llama family of models::TransformerStage.
+struct Llama {
+  using Config = LlamaConfig;
+  using Pass = DecoderPass;
+  using LayerActivations = llama::LayerActivations;
+  using HeadActivations = llama::HeadActivations;
+  static constexpr const char* kName = "llama";
+  static constexpr int64_t kEmbeddingTensors = 1;
+  static constexpr int64_t kLayerTensors = kTensorsPerLayer;
+
+  static void check_config(const Config& config) { llama::check_config(config); }
+  static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
+  static std::vector<ParameterView> parameters(const Config& config) {
+    return model_parameters(config);
+  }
+  static void init_parameter(const Config& /*config*/, const std::vector<ParameterView>& parameters,
+                             uint64_t seed, int64_t index, float* values) {
+    llama::init_parameter(parameters, seed, index, values);
+  }
+  // Throws std::invalid_argument unless q, k, v and gate, up are adjacent.
+  static void check_layer_storage(const ParameterView* layer, bool backward);
+
+  // out = embed_tokens[tokens]
+  static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                                float* out);
+  static void embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens);
+  // h = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)))))
+  // out = h + down_proj(swiglu(gate_up_proj(rmsnorm(h))))
+  // `layer` points at the layer's first view; the others follow in
+  // LayerTensor order.
+  static void layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                            LayerActivations& saved, float* out);
+  // On entry pass.d_residual holds dL/d(out); on exit dL/dx. x is the
+  // layer's input, as in its forward.
+  static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
+                             LayerActivations& saved, WeightGradients& gradients);
+  // The mean cross-entropy of lm_head(rmsnorm(x)) against targets; `head`
+  // is model.norm's view.
+  static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                             const float* x, const int32_t* targets, HeadActivations& saved);
+  // Overwrites pass.d_residual with d(loss_scale * loss)/dx.
+  static void head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                            const float* x, const int32_t* targets, float loss_scale,
+                            HeadActivations& saved, WeightGradients& gradients);
 };
-
-// Computes each linear's weight gradient when it is owed; announces every
-// gradient through ready(), last view first.
-class ImmediateWeightGradients : public WeightGradients {
- public:
-  void linear(const ParameterView* first, const ParameterView* last, const float* dy,
-              std::vector<float>& x, int64_t rows, int64_t in, int64_t out) override;
-  void norm_ready(const ParameterView& view) override { ready(view); }
-
- protected:
-  virtual void ready(const ParameterView& /*view*/) {}
-};
-
-// h = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)))))
-// out = h + down_proj(swiglu(gate_up_proj(rmsnorm(h))))
-// `layer` points at the layer's first view; the others follow in LayerTensor
-// order.
-void layer_forward(DecoderPass& pass, const ParameterView* layer, const float* x,
-                   LayerActivations& saved, float* out);
-// On entry pass.d_residual holds dL/d(out); on exit dL/dx. x is the layer's
-// input, as in its forward.
-void layer_backward(DecoderPass& pass, const ParameterView* layer, const float* x,
-                    LayerActivations& saved, WeightGradients& gradients);
-
-// The mean cross-entropy of lm_head(rmsnorm(x)) against targets.
-double head_forward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
-                    const float* x, const int32_t* targets, HeadActivations& saved);
-// Overwrites pass.d_residual with d(loss_scale * loss)/dx.
-void head_backward(DecoderPass& pass, const ParameterView& norm, const ParameterView& lm_head,
-                   const float* x, const int32_t* targets, float loss_scale, HeadActivations& saved,
-                   WeightGradients& gradients);
 
 }  // namespace meshrun::llama

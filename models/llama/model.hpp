@@ -7,8 +7,9 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <vector>
+
+#include "common/parameters.hpp"
 
 namespace meshrun::llama {
 
@@ -26,20 +27,7 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
 };
 
-// One parameter tensor: its Hugging Face name and shape ([out, in] for
-// linear weights), its index among the model's parameters and its unit
-// (decoder layer l is unit l, the root — embedding, final norm, lm_head —
-// unit num_hidden_layers), and where its values and gradient are while a
-// stage computes with it.
-struct ParameterView {
-  std::string name;
-  std::vector<int64_t> shape;
-  int64_t numel = 0;
-  int64_t index = 0;
-  int64_t unit = 0;
-  float* data = nullptr;
-  float* grad = nullptr;
-};
+using models::ParameterView;
 
 // Throws std::invalid_argument("model.<key>: ...") for sizes the
 // architecture cannot take (the counts themselves are positive).

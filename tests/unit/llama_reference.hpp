@@ -5,47 +5,23 @@
 // RMSNorm) the optimized model must reproduce.
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "llama/model.hpp"
+#include "reference_math.hpp"
 
 namespace llama_reference {
 
-using Vector = std::vector<double>;
-using Weights = std::map<std::string, Vector>;
-
-inline Weights weights_of(const std::vector<meshrun::llama::ParameterView>& parameters) {
-  Weights weights;
-  for (const auto& view : parameters) {
-    weights[view.name] = Vector(view.data, view.data + view.numel);
-  }
-  return weights;
-}
-
-inline Vector slice(const Vector& v, int64_t start, int64_t count) {
-  return Vector(v.begin() + start, v.begin() + start + count);
-}
-
-// W x for W of shape [out, in].
-inline Vector matvec(const Vector& w, const Vector& x) {
-  const int64_t in = int64_t(x.size()), out = int64_t(w.size()) / in;
-  Vector y(out, 0.0);
-  for (int64_t o = 0; o < out; ++o) {
-    for (int64_t i = 0; i < in; ++i) y[o] += w[o * in + i] * x[i];
-  }
-  return y;
-}
-
-inline double dot(const Vector& a, const Vector& b) {
-  double sum = 0;
-  for (size_t i = 0; i < a.size(); ++i) sum += a[i] * b[i];
-  return sum;
-}
+using reference::dot;
+using reference::matvec;
+using reference::slice;
+using reference::Vector;
+using reference::Weights;
+using reference::weights_of;
 
 // LlamaRMSNorm: weight * (x / sqrt(mean(x^2) + eps)).
 inline Vector rmsnorm(const Vector& x, const Vector& weight, double eps) {
@@ -82,15 +58,6 @@ inline Vector rotary(const Vector& x, int64_t pos, double theta) {
   return y;
 }
 
-inline Vector softmax(const Vector& z) {
-  const double max = *std::max_element(z.begin(), z.end());
-  Vector p(z.size());
-  double sum = 0;
-  for (size_t i = 0; i < z.size(); ++i) sum += p[i] = std::exp(z[i] - max);
-  for (double& value : p) value /= sum;
-  return p;
-}
-
 // One LlamaDecoderLayer over a sequence of token vectors, in place.
 inline void decoder_layer(std::vector<Vector>& x, const meshrun::llama::LlamaConfig& config,
                           const Weights& w, const std::string& prefix) {
@@ -110,16 +77,11 @@ inline void decoder_layer(std::vector<Vector>& x, const meshrun::llama::LlamaCon
     for (int64_t h = 0; h < config.num_attention_heads; ++h) {
       const int64_t kv_head = h / group;  // repeat_kv
       const Vector query = rotary(slice(q[t], h * d, d), t, config.rope_theta);
-      Vector scores(t + 1);  // causal: keys at positions s <= t only
-      for (int64_t s = 0; s <= t; ++s) {
-        const Vector key = rotary(slice(k[s], kv_head * d, d), s, config.rope_theta);
-        scores[s] = dot(query, key) / std::sqrt(double(d));
-      }
-      const Vector probs = softmax(scores);
-      Vector head(d, 0.0);
-      for (int64_t s = 0; s <= t; ++s) {
-        for (int64_t i = 0; i < d; ++i) head[i] += probs[s] * v[s][kv_head * d + i];
-      }
+      const Vector head =
+          reference::causal_attention(query, t, 1.0 / std::sqrt(double(d)), [&](int64_t s) {
+            return std::pair(rotary(slice(k[s], kv_head * d, d), s, config.rope_theta),
+                             slice(v[s], kv_head * d, d));
+          });
       attention.insert(attention.end(), head.begin(), head.end());
     }
     const Vector projected = matvec(w.at(prefix + "self_attn.o_proj.weight"), attention);
@@ -145,23 +107,17 @@ inline double loss(const meshrun::llama::LlamaConfig& config, const Weights& w,
   const int64_t hidden = config.hidden_size;
   const Vector& embed = w.at("model.embed_tokens.weight");
   const Vector& lm_head = config.tie_word_embeddings ? embed : w.at("lm_head.weight");
-  double total = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    std::vector<Vector> x(seq_len);
-    for (int64_t t = 0; t < seq_len; ++t) {
-      x[t] = slice(embed, tokens[b * seq_len + t] * hidden, hidden);
-    }
-    for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-      decoder_layer(x, config, w, "model.layers." + std::to_string(layer) + ".");
-    }
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const Vector logits =
-          matvec(lm_head, rmsnorm(x[t], w.at("model.norm.weight"), config.rms_norm_eps));
-      const Vector probs = softmax(logits);
-      total -= std::log(probs[targets[b * seq_len + t]]);
-    }
-  }
-  return total / double(batch * seq_len);
+  return reference::causal_lm_loss(
+      tokens, targets, batch, seq_len,
+      [&](int32_t token, int64_t) { return slice(embed, token * hidden, hidden); },
+      [&](std::vector<Vector>& x) {
+        for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+          decoder_layer(x, config, w, "model.layers." + std::to_string(layer) + ".");
+        }
+      },
+      [&](const Vector& x) {
+        return matvec(lm_head, rmsnorm(x, w.at("model.norm.weight"), config.rms_norm_eps));
+      });
 }
 
 }  // namespace llama_reference

@@ -182,4 +182,71 @@ TEST_CASE("llama cross-entropy backward matches finite differences", "[llama][la
   check_gradient("d_logits", logits, d_logits, loss);
 }
 
+TEST_CASE("gpt2 conv1d and bias backward match finite differences", "[gpt2][layers]") {
+  const int64_t rows = 3, in = 5, out = 4;
+  Vector x = random_vector(rows * in, 1), weight = random_vector(in * out, 2);
+  Vector bias = random_vector(out, 3);
+  const Vector upstream = random_vector(rows * out, 4);
+  auto loss = [&] {
+    Vector y(rows * out);
+    conv1d_forward(y.data(), x.data(), weight.data(), rows, in, out);
+    bias_forward(y.data(), bias.data(), rows, out);
+    return dot(upstream, y);
+  };
+  Vector dx(rows * in), d_weight(in * out, 0.0), d_bias(out, 0.0);
+  conv1d_backward_input(dx.data(), upstream.data(), weight.data(), rows, in, out);
+  conv1d_backward_weight(d_weight.data(), upstream.data(), x.data(), rows, in, out);
+  bias_backward(d_bias.data(), upstream.data(), rows, out);
+  check_gradient("dx", x, dx, loss);
+  check_gradient("d_weight", weight, d_weight, loss);
+  check_gradient("d_bias", bias, d_bias, loss);
+}
+
+TEST_CASE("gpt2 layernorm backward matches finite differences", "[gpt2][layers]") {
+  const int64_t rows = 3, dim = 8;
+  const double eps = 1e-5;
+  // Rows off zero mean, so that subtracting it matters.
+  Vector x = random_vector(rows * dim, 1), weight = random_vector(dim, 2);
+  for (double& value : x) value += 0.5;
+  Vector bias = random_vector(dim, 3);
+  const Vector upstream = random_vector(rows * dim, 4);
+  Vector y(rows * dim), mean(rows), rstd(rows);
+  auto loss = [&] {
+    layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), weight.data(), bias.data(),
+                      rows, dim, eps);
+    return dot(upstream, y);
+  };
+  loss();
+  Vector dx(rows * dim, 0.0), d_weight(dim, 0.0), d_bias(dim, 0.0);
+  layernorm_backward(dx.data(), d_weight.data(), d_bias.data(), upstream.data(), x.data(),
+                     weight.data(), mean.data(), rstd.data(), rows, dim);
+  check_gradient("dx", x, dx, loss);
+  check_gradient("d_weight", weight, d_weight, loss);
+  check_gradient("d_bias", bias, d_bias, loss);
+}
+
+TEST_CASE("gpt2 gelu_new matches Hugging Face's values, its backward finite differences",
+          "[gpt2][layers]") {
+  // Inputs across both tails and the bend around 0.
+  Vector x = random_vector(12, 1, 2.5);
+  const Vector upstream = random_vector(x.size(), 2);
+  auto loss = [&] {
+    Vector y(x.size());
+    gelu_forward(y.data(), x.data(), int64_t(x.size()));
+    return dot(upstream, y);
+  };
+  // Hugging Face's gelu_new at a few points, computed apart in Python.
+  const double points[] = {-3.0, -1.0, 0.5, 2.0};
+  const double expected[] = {-0.0036373920817729943, -0.15880800939172324, 0.34571400982514394,
+                             1.954597694087775};
+  for (int i = 0; i < 4; ++i) {
+    double value = 0;
+    gelu_forward(&value, &points[i], 1);
+    CHECK(value == Approx(expected[i]).epsilon(1e-12));
+  }
+  Vector dx(x.size());
+  gelu_backward(dx.data(), upstream.data(), x.data(), int64_t(x.size()));
+  check_gradient("dx", x, dx, loss);
+}
+
 }  // namespace

@@ -8,9 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <iterator>
-#include <limits>
-#include <map>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -22,13 +19,12 @@
 #include "llama/model.hpp"
 #include "llama_fixture.hpp"
 #include "llama_reference.hpp"
+#include "model_checks.hpp"
 
 namespace {
 
 using meshrun::llama::LlamaConfig;
-using meshrun::llama::LlamaStage;
 using meshrun::llama::ParameterView;
-using meshrun::llama::StageHooks;
 using LlamaModel = llama_fixture::OwnedModel;
 
 constexpr int64_t kBatch = 2;
@@ -57,18 +53,8 @@ LlamaConfig wide_config() {
   return config;
 }
 
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-
-Batch random_batch(int64_t vocab, int64_t batch, int64_t seq_len, uint32_t seed) {
-  std::mt19937 engine(seed);
-  std::uniform_int_distribution<int32_t> token(0, int32_t(vocab - 1));
-  Batch result{std::vector<int32_t>(batch * seq_len), std::vector<int32_t>(batch * seq_len)};
-  for (int32_t& t : result.tokens) t = token(engine);
-  for (int32_t& t : result.targets) t = token(engine);
-  return result;
-}
+using stage_fixture::Batch;
+using stage_fixture::random_batch;
 
 // Weights far from the 0.02 initialization, so attention is peaked rather
 // than uniform and every convention (mask, rotary, head mapping) shows in
@@ -87,12 +73,12 @@ void randomize(LlamaModel& model, uint32_t seed) {
   }
 }
 
-std::vector<float> unit_gradients(const LlamaModel& model, int64_t unit) {
-  std::vector<float> gradients;
-  for (const ParameterView& view : model.parameters()) {
-    if (view.unit == unit) gradients.insert(gradients.end(), view.grad, view.grad + view.numel);
-  }
-  return gradients;
+// The reference loss of a batch [kBatch, kSeqLen] from weights by name.
+auto reference_of(const LlamaConfig& config) {
+  return [config](const reference::Weights& weights, const Batch& batch) {
+    return llama_reference::loss(config, weights, batch.tokens.data(), batch.targets.data(), kBatch,
+                                 kSeqLen);
+  };
 }
 
 float forward_backward(LlamaModel& model, const Batch& batch) {
@@ -101,12 +87,11 @@ float forward_backward(LlamaModel& model, const Batch& batch) {
   return loss;
 }
 
-TEST_CASE("llama parameters: Hugging Face names, shapes and order; units by layer", "[llama]") {
+TEST_CASE("llama parameters: Hugging Face names, shapes and order, units by layer", "[llama]") {
   const bool tied = GENERATE(false, true);
   const auto parameters = meshrun::llama::model_parameters(narrow_config(tied));
   const int64_t V = 11, H = 8, I = 12, q = 8, kv = 4;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> expected = {
-      {"model.embed_tokens.weight", {V, H}}};
+  model_checks::NamedShapes expected = {{"model.embed_tokens.weight", {V, H}}};
   for (int layer = 0; layer < 2; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
     expected.insert(expected.end(), {{p + "input_layernorm.weight", {H}},
@@ -122,15 +107,7 @@ TEST_CASE("llama parameters: Hugging Face names, shapes and order; units by laye
   expected.push_back({"model.norm.weight", {H}});
   if (!tied) expected.push_back({"lm_head.weight", {V, H}});
 
-  REQUIRE(parameters.size() == expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    INFO(expected[i].first);
-    CHECK(parameters[i].name == expected[i].first);
-    CHECK(parameters[i].shape == expected[i].second);
-    CHECK(parameters[i].index == int64_t(i));
-    const bool in_layer = expected[i].first.rfind("model.layers.", 0) == 0;
-    CHECK(parameters[i].unit == (in_layer ? expected[i].first[13] - '0' : 2));
-  }
+  model_checks::check_parameter_list(parameters, expected, "model.layers.", 2);
 }
 
 TEST_CASE("llama forward matches a naive double-precision Hugging Face reference", "[llama]") {
@@ -139,13 +116,11 @@ TEST_CASE("llama forward matches a naive double-precision Hugging Face reference
   LlamaModel model(config);
   randomize(model, 1);
   const Batch batch = random_batch(config.vocab_size, kBatch, kSeqLen, 2);
-  const double expected =
-      llama_reference::loss(config, llama_reference::weights_of(model.parameters()),
-                            batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
-  const float loss = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  const double expected = reference_of(config)(reference::weights_of(model.parameters()), batch);
   // float32 against double: ~1e-7 apart; a wrong convention moves the loss
   // by far more than 1e-5.
-  CHECK(loss == Approx(expected).epsilon(1e-5));
+  CHECK(model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen) ==
+        Approx(expected).epsilon(1e-5));
 }
 
 // Numeric gradients of the double reference (eps 1e-6: accurate to ~1e-9)
@@ -158,18 +133,8 @@ TEST_CASE("llama gradients of every parameter match finite differences of the re
   INFO("hidden " << config.hidden_size << " tied " << config.tie_word_embeddings);
   LlamaModel model(config);
   randomize(model, 3);
-  const Batch batch = random_batch(config.vocab_size, kBatch, kSeqLen, 4);
-  forward_backward(model, batch);
-
-  llama_reference::Weights weights = llama_reference::weights_of(model.parameters());
-  for (const ParameterView& view : model.parameters()) {
-    llama_reference::Vector& values = weights.at(view.name);
-    const auto numeric = finite_differences::central(values.data(), view.numel, 1e-6, [&] {
-      return llama_reference::loss(config, weights, batch.tokens.data(), batch.targets.data(),
-                                   kBatch, kSeqLen);
-    });
-    finite_differences::require_close(view.name, view.grad, numeric, 1e-5, 1e-4);
-  }
+  model_checks::check_gradients(model, random_batch(config.vocab_size, kBatch, kSeqLen, 4), kBatch,
+                                kSeqLen, reference_of(config), 1e-5, 1e-4);
 }
 
 // The model against its own float32 forward, independent of the reference.
@@ -208,83 +173,14 @@ TEST_CASE("llama backward accumulates into the gradients", "[llama]") {
   CHECK(std::all_of(grads, grads + model.num_parameters(), [](float g) { return g == 0; }));
 }
 
-class RecordingHooks : public StageHooks {
- public:
-  explicit RecordingHooks(const LlamaModel& model) : model_(model) {}
-  void pre_forward(int64_t unit, float*, int64_t) override {
-    events.push_back("pre_forward " + name(unit));
-  }
-  void post_forward(int64_t unit, float*, int64_t) override {
-    events.push_back("post_forward " + name(unit));
-  }
-  void pre_backward(int64_t unit) override { events.push_back("pre_backward " + name(unit)); }
-  void post_backward(int64_t unit) override {
-    events.push_back("post_backward " + name(unit));
-    unit_gradients_when_ready[unit] = unit_gradients(model_, unit);
-  }
-  void gradient_ready(int64_t parameter) override {
-    const ParameterView& view = model_.parameters().at(size_t(parameter));
-    events.push_back("gradient_ready " + name(view.unit));
-    ready_order.push_back(parameter);
-    gradients_when_ready[parameter].assign(view.grad, view.grad + view.numel);
-  }
-  void bind(ParameterView&, bool) override {}
-
-  std::vector<std::string> events;
-  std::vector<int64_t> ready_order;
-  std::map<int64_t, std::vector<float>> unit_gradients_when_ready, gradients_when_ready;
-
- private:
-  std::string name(int64_t unit) const {
-    return unit == meshrun::llama::root_unit(model_.config()) ? "root" : std::to_string(unit);
-  }
-  const LlamaModel& model_;
-};
-
-int64_t position_of(const std::vector<std::string>& events, const std::string& event) {
-  return std::find(events.begin(), events.end(), event) - events.begin();
-}
-
 TEST_CASE("llama calls the hooks in the documented order, gradients final when announced",
           "[llama]") {
   const bool tied = GENERATE(false, true);
   LlamaModel model(narrow_config(tied));
-  RecordingHooks hooks(model);
+  stage_fixture::RecordingHooks<meshrun::llama::Llama> hooks(model);
   model.set_observer(&hooks);
   forward_backward(model, random_batch(11, kBatch, kSeqLen, 9));
-
-  std::vector<std::string> module_events;
-  std::copy_if(hooks.events.begin(), hooks.events.end(), std::back_inserter(module_events),
-               [](const std::string& event) { return event.rfind("gradient_ready", 0) != 0; });
-  const std::vector<std::string> expected = {
-      "pre_forward root", "pre_forward 0",     "post_forward 0",    "pre_forward 1",
-      "post_forward 1",   "post_forward root", "pre_backward root", "pre_backward 1",
-      "post_backward 1",  "pre_backward 0",    "post_backward 0",   "post_backward root"};
-  CHECK(module_events == expected);
-
-  // Every parameter once, in reverse order, inside its unit's backward.
-  std::vector<int64_t> reverse_order(model.parameters().size());
-  for (size_t i = 0; i < reverse_order.size(); ++i)
-    reverse_order[i] = int64_t(reverse_order.size() - 1 - i);
-  CHECK(hooks.ready_order == reverse_order);
-  for (int64_t i = 0; i < int64_t(hooks.events.size()); ++i) {
-    const std::string& event = hooks.events[i];
-    if (event.rfind("gradient_ready ", 0) != 0) continue;
-    const std::string unit = event.substr(std::string("gradient_ready ").size());
-    INFO(event << " at " << i);
-    CHECK(position_of(hooks.events, "pre_backward " + unit) < i);
-    CHECK(i < position_of(hooks.events, "post_backward " + unit));
-  }
-
-  for (const auto& [parameter, gradient] : hooks.gradients_when_ready) {
-    const ParameterView& view = model.parameters()[size_t(parameter)];
-    INFO(view.name);
-    CHECK(gradient == std::vector<float>(view.grad, view.grad + view.numel));
-  }
-  for (int64_t unit : {2, 0, 1}) {
-    INFO("unit " << unit);
-    CHECK(hooks.unit_gradients_when_ready.at(unit) == unit_gradients(model, unit));
-  }
+  stage_fixture::check_documented_order(hooks, model);
 
   const size_t events = hooks.events.size();
   model.set_observer(nullptr);
@@ -292,69 +188,11 @@ TEST_CASE("llama calls the hooks in the documented order, gradients final when a
   CHECK(hooks.events.size() == events);
 }
 
-// What a sharded strategy does: each unit's parameters live in storage
-// allocated at the unit's pre-hook and freed at its post-hook, and the
-// stage's views point at it in between.
-class UnitStorageHooks : public StageHooks {
- public:
-  UnitStorageHooks(const LlamaModel& owner) : owner_(owner) {}
-  void pre_forward(int64_t unit, float*, int64_t) override { materialize(unit); }
-  void post_forward(int64_t unit, float*, int64_t) override { storage_.erase(unit); }
-  void pre_backward(int64_t unit) override { materialize(unit); }
-  void post_backward(int64_t unit) override {
-    const Storage& storage = storage_.at(unit);
-    grads.insert(grads.end(), storage.grads.begin(), storage.grads.end());
-    storage_.erase(unit);
-  }
-  void gradient_ready(int64_t) override {}
-  void bind(ParameterView& view, bool backward) override {
-    Storage& storage = storage_.at(view.unit);
-    const int64_t at = storage.offset.at(view.index);
-    view.data = storage.params.data() + at;
-    view.grad = backward ? storage.grads.data() + at : nullptr;
-  }
-
-  std::vector<float> grads;  // per unit in post_backward order, parameters in index order
-
- private:
-  struct Storage {
-    std::vector<float> params, grads;
-    std::map<int64_t, int64_t> offset;
-  };
-  void materialize(int64_t unit) {
-    Storage& storage = storage_[unit];
-    for (const ParameterView& view : owner_.parameters()) {
-      if (view.unit != unit) continue;
-      storage.offset[view.index] = int64_t(storage.params.size());
-      storage.params.insert(storage.params.end(), view.data, view.data + view.numel);
-    }
-    storage.grads.assign(storage.params.size(), 0.0f);
-  }
-  const LlamaModel& owner_;
-  std::map<int64_t, Storage> storage_;
-};
-
 TEST_CASE("llama computes the same with units bound to storage that comes and goes", "[llama]") {
   const bool tied = GENERATE(false, true);
-  const LlamaConfig config = narrow_config(tied);
-  LlamaModel owning(config);
+  LlamaModel owning(narrow_config(tied));
   randomize(owning, 5);
-  const Batch batch = random_batch(11, kBatch, kSeqLen, 3);
-  const float expected = forward_backward(owning, batch);
-
-  UnitStorageHooks hooks(owning);
-  LlamaStage bound(config, {0, config.num_hidden_layers, true, true}, hooks);
-  bound.set_shape(kBatch, kSeqLen);
-  CHECK(float(bound.forward(0, batch.tokens.data(), batch.targets.data(), nullptr, nullptr)) ==
-        expected);
-  bound.backward(0, 1.0f, nullptr, nullptr);
-
-  std::vector<float> expected_grads;
-  for (int64_t unit : {1, 0, 2}) {  // post_backward order: the root (2) encloses the layers
-    const std::vector<float> unit_grads = unit_gradients(owning, unit);
-    expected_grads.insert(expected_grads.end(), unit_grads.begin(), unit_grads.end());
-  }
-  CHECK(hooks.grads == expected_grads);
+  stage_fixture::check_unit_storage(owning, random_batch(11, kBatch, kSeqLen, 3), kBatch, kSeqLen);
 }
 
 TEST_CASE("llama initialization and loss are deterministic per seed", "[llama]") {

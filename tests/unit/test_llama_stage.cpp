@@ -14,7 +14,6 @@
 #include <map>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -65,124 +64,13 @@ std::unique_ptr<LlamaModel> make_model(const LlamaConfig& config, uint64_t seed)
   return model;
 }
 
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
+using stage_fixture::Batch;
+using stage_fixture::Gradients;
+using stage_fixture::gradients_of;
+using Chain = stage_fixture::Chain<meshrun::llama::Llama>;
 
 Batch random_batch(const LlamaConfig& config, uint32_t seed) {
-  std::mt19937 engine(seed);
-  std::uniform_int_distribution<int32_t> id(0, int32_t(config.vocab_size - 1));
-  Batch batch{std::vector<int32_t>(kBatch * kSeqLen), std::vector<int32_t>(kBatch * kSeqLen)};
-  std::generate(batch.tokens.begin(), batch.tokens.end(), [&] { return id(engine); });
-  std::generate(batch.targets.begin(), batch.targets.end(), [&] { return id(engine); });
-  return batch;
-}
-
-using Gradients = std::map<std::string, std::vector<float>>;
-
-Gradients gradients_of(const std::vector<ParameterView>& views) {
-  Gradients gradients;
-  for (const ParameterView& view : views) {
-    gradients[view.name].assign(view.grad, view.grad + view.numel);
-  }
-  return gradients;
-}
-
-const ParameterView& named(const LlamaModel& model, const std::string& name) {
-  const auto& views = model.parameters();
-  const auto found = std::find_if(views.begin(), views.end(),
-                                  [&](const ParameterView& view) { return view.name == name; });
-  REQUIRE(found != views.end());
-  return *found;
-}
-
-// Stages covering the model, weights copied in by name, run one action at a
-// time over all stages as a pipeline would: every stage sees the actions in
-// the same order, boundaries carry the hidden states and their gradients.
-class Chain {
- public:
-  Chain(const LlamaModel& model, const std::vector<StageLayout>& layouts) {
-    for (const StageLayout& layout : layouts) {
-      OwnedStage& owned =
-          *owned_.emplace_back(std::make_unique<OwnedStage>(model.config(), layout));
-      for (ParameterView& view : owned.parameters()) {
-        const ParameterView& source = named(model, view.name);
-        REQUIRE(source.shape == view.shape);
-        std::copy_n(source.data, view.numel, view.data);
-      }
-      owned.stage().set_shape(kBatch, kSeqLen);
-      stages.push_back(&owned.stage());
-    }
-    grad_inputs.resize(stages.size());
-  }
-
-  float forward(int32_t mb, const Batch& batch) {
-    std::vector<float> input, output;
-    float loss = 0;
-    for (LlamaStage* stage : stages) {
-      output.assign(stage->output_numel(), 0.0f);
-      loss = float(stage->forward(mb, batch.tokens.data(), batch.targets.data(), input.data(),
-                                  output.data()));
-      input.swap(output);
-    }
-    return loss;
-  }
-
-  // B, or I alone when `input_only`.
-  void backward(int32_t mb, float loss_scale, bool input_only) {
-    std::vector<float> grad_output;
-    for (size_t s = stages.size(); s-- > 0;) {
-      LlamaStage& stage = *stages[s];
-      grad_inputs[s].assign(stage.input_numel(), 0.0f);
-      if (input_only) {
-        stage.backward_input(mb, loss_scale, grad_output.data(), grad_inputs[s].data());
-      } else {
-        stage.backward(mb, loss_scale, grad_output.data(), grad_inputs[s].data());
-      }
-      grad_output = grad_inputs[s];
-    }
-  }
-
-  void backward_weight(int32_t mb) {
-    for (LlamaStage* stage : stages) stage->backward_weight(mb);
-  }
-
-  Gradients gradients() const {
-    Gradients all;
-    for (const auto& owned : owned_) all.merge(gradients_of(owned->parameters()));
-    return all;
-  }
-  const OwnedStage& owned(size_t s) const { return *owned_[s]; }
-
-  int64_t activation_bytes() const {
-    int64_t total = 0;
-    for (const LlamaStage* stage : stages) total += stage->activation_bytes();
-    return total;
-  }
-
-  std::vector<LlamaStage*> stages;
-  std::vector<std::vector<float>> grad_inputs;  // of the latest backward, per stage
-
- private:
-  std::vector<std::unique_ptr<OwnedStage>> owned_;
-};
-
-// Runs a schedule such as "F0 F1 B0 I1 W1" over the chain: F forward, B full
-// backward, I input backward, W weight backward of a microbatch. Returns the
-// losses by microbatch.
-std::map<int32_t, float> run(Chain& chain, const std::string& schedule,
-                             const std::vector<Batch>& batches, float loss_scale) {
-  std::map<int32_t, float> losses;
-  std::istringstream actions(schedule);
-  std::string action;
-  while (actions >> action) {
-    const int32_t mb = std::stoi(action.substr(1));
-    INFO(action);
-    if (action[0] == 'F') losses[mb] = chain.forward(mb, batches.at(mb));
-    if (action[0] == 'B' || action[0] == 'I') chain.backward(mb, loss_scale, action[0] == 'I');
-    if (action[0] == 'W') chain.backward_weight(mb);
-  }
-  return losses;
+  return stage_fixture::random_batch(config.vocab_size, kBatch, kSeqLen, seed);
 }
 
 std::vector<Batch> random_batches(const LlamaConfig& config, int count) {
@@ -202,7 +90,7 @@ std::vector<std::vector<StageLayout>> splits() {
 TEST_CASE("llama stages hold the model's parameters by Hugging Face name, in its order",
           "[llama][stage]") {
   const auto model = make_model(four_layer_config(), 1);
-  Chain chain(*model, splits()[0]);
+  Chain chain(*model, splits()[0], kBatch, kSeqLen);
   std::vector<std::string> names;
   std::vector<int64_t> indices;
   for (const LlamaStage* stage : chain.stages) {
@@ -244,12 +132,12 @@ TEST_CASE("llama stages in a chain give exactly the model's loss and gradients",
                  << chain_case.tied);
   const LlamaConfig config = four_layer_config(chain_case.tied);
   const auto model = make_model(config, 2);
-  Chain chain(*model, layouts);
+  Chain chain(*model, layouts, kBatch, kSeqLen);
   const Batch batch = random_batch(config, 3);
 
   const float expected = model->forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
   model->backward();
-  CHECK(run(chain, "F0 B0", {batch}, 1.0f).at(0) == expected);
+  CHECK(chain.run("F0 B0", {batch}, 1.0f).at(0) == expected);
   CHECK(chain.gradients() == gradients_of(model->parameters()));
 }
 
@@ -261,15 +149,15 @@ TEST_CASE("llama stages with microbatches in flight together accumulate as one a
   const LlamaConfig config = four_layer_config();
   const auto model = make_model(config, 6);
   const std::vector<Batch> batches = random_batches(config, 4);
-  Chain one_by_one(*model, splits()[0]);
-  const auto expected_losses = run(one_by_one, "F0 B0 F1 B1 F2 B2 F3 B3", batches, 0.25f);
+  Chain one_by_one(*model, splits()[0], kBatch, kSeqLen);
+  const auto expected_losses = one_by_one.run("F0 B0 F1 B1 F2 B2 F3 B3", batches, 0.25f);
   const Gradients expected = one_by_one.gradients();
 
   const std::string schedule = GENERATE(std::string("F0 F1 F2 B0 F3 B1 B2 B3"),
                                         std::string("F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3"));
   INFO(schedule);
-  Chain interleaved(*model, splits()[0]);
-  CHECK(run(interleaved, schedule, batches, 0.25f) == expected_losses);
+  Chain interleaved(*model, splits()[0], kBatch, kSeqLen);
+  CHECK(interleaved.run(schedule, batches, 0.25f) == expected_losses);
   CHECK(interleaved.gradients() == expected);
   CHECK(interleaved.activation_bytes() == 0);
 }
@@ -280,9 +168,9 @@ TEST_CASE("llama stage backward_input then backward_weight equals backward", "[l
   const LlamaConfig config = four_layer_config();
   const auto model = make_model(config, 7);
   const std::vector<Batch> batches = random_batches(config, 1);
-  Chain full(*model, splits()[0]), split(*model, splits()[0]);
-  run(full, "F0 B0", batches, 1.0f);
-  run(split, "F0 I0", batches, 1.0f);
+  Chain full(*model, splits()[0], kBatch, kSeqLen), split(*model, splits()[0], kBatch, kSeqLen);
+  full.run("F0 B0", batches, 1.0f);
+  split.run("F0 I0", batches, 1.0f);
   CHECK(split.grad_inputs == full.grad_inputs);
   for (size_t s = 0; s < split.stages.size(); ++s) {
     for (const ParameterView& view : split.owned(s).parameters()) {
@@ -309,7 +197,7 @@ TEST_CASE("llama stage loss_scale 1/m averages the microbatches' losses", "[llam
   const float expected = model->forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
   model->backward();
 
-  Chain chain(*model, splits()[0]);
+  Chain chain(*model, splits()[0], kBatch, kSeqLen);
   for (LlamaStage* stage : chain.stages) stage->set_shape(1, kSeqLen);
   std::vector<Batch> halves(2);
   for (int mb = 0; mb < 2; ++mb) {
@@ -318,7 +206,7 @@ TEST_CASE("llama stage loss_scale 1/m averages the microbatches' losses", "[llam
     const auto first_target = batch.targets.begin() + mb * kSeqLen;
     halves[mb].targets.assign(first_target, first_target + kSeqLen);
   }
-  const auto losses = run(chain, "F0 F1 B0 B1", halves, 0.5f);
+  const auto losses = chain.run("F0 F1 B0 B1", halves, 0.5f);
   CHECK((losses.at(0) + losses.at(1)) / 2 == Approx(expected).epsilon(1e-6));
   const Gradients stage_gradients = chain.gradients();
   for (const auto& [name, gradient] : gradients_of(model->parameters())) {
@@ -334,25 +222,25 @@ TEST_CASE("llama stage frees each microbatch's state when its backward is done",
   const LlamaConfig config = four_layer_config();
   const auto model = make_model(config, 10);
   const std::vector<Batch> batches = random_batches(config, 3);
-  Chain chain(*model, splits()[0]);
+  Chain chain(*model, splits()[0], kBatch, kSeqLen);
   LlamaStage& middle = *chain.stages[1];
   CHECK(middle.activation_bytes() == 0);
-  run(chain, "F0", batches, 1.0f);
+  chain.run("F0", batches, 1.0f);
   const int64_t one = middle.activation_bytes();
   CHECK(one > 0);
-  run(chain, "F1 F2", batches, 1.0f);
+  chain.run("F1 F2", batches, 1.0f);
   CHECK(middle.activation_bytes() == 3 * one);
-  run(chain, "B0", batches, 1.0f);
+  chain.run("B0", batches, 1.0f);
   CHECK(middle.activation_bytes() == 2 * one);
-  run(chain, "I1", batches, 1.0f);
+  chain.run("I1", batches, 1.0f);
   const int64_t after_input = middle.activation_bytes() - one;
   CHECK(0 < after_input);
   // The attention probabilities and the norms' inputs are gone; W keeps
   // each linear's dy and x.
   CHECK(after_input < one);
-  run(chain, "W1", batches, 1.0f);
+  chain.run("W1", batches, 1.0f);
   CHECK(middle.activation_bytes() == one);
-  run(chain, "I2 W2", batches, 1.0f);
+  chain.run("I2 W2", batches, 1.0f);
   CHECK(chain.activation_bytes() == 0);
 }
 
@@ -360,23 +248,23 @@ TEST_CASE("llama stage refuses misuse with a message", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
   const auto model = make_model(config, 11);
   const std::vector<Batch> batches = random_batches(config, 2);
-  Chain chain(*model, splits()[0]);
+  Chain chain(*model, splits()[0], kBatch, kSeqLen);
   LlamaStage& last = *chain.stages[2];
   std::vector<float> input(last.input_numel()), grad_input(last.input_numel());
 
   CHECK_THROWS_WITH(last.backward(0, 1.0f, nullptr, grad_input.data()),
                     Contains("microbatch 0: backward without its forward"));
   CHECK_THROWS_WITH(last.backward_weight(0), Contains("backward_weight needs its backward_input"));
-  run(chain, "F0", batches, 1.0f);
+  chain.run("F0", batches, 1.0f);
   CHECK_THROWS_WITH(chain.forward(0, batches[0]), Contains("microbatch 0 is already in flight"));
   CHECK_THROWS_WITH(last.backward_weight(0), Contains("backward_weight needs its backward_input"));
   CHECK_THROWS_AS(chain.stages[1]->backward(0, 1.0f, nullptr, grad_input.data()),
                   std::invalid_argument);  // no grad_output
   CHECK_THROWS_WITH(chain.stages[1]->set_shape(1, 3), Contains("in flight"));
-  run(chain, "I0", batches, 1.0f);
+  chain.run("I0", batches, 1.0f);
   CHECK_THROWS_WITH(last.backward(0, 1.0f, nullptr, grad_input.data()),
                     Contains("backward after its backward_input"));
-  run(chain, "W0", batches, 1.0f);
+  chain.run("W0", batches, 1.0f);
 
   CHECK_THROWS_AS(last.forward(1, nullptr, nullptr, input.data(), nullptr), std::invalid_argument);
   Batch bad = batches[1];

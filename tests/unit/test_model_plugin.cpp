@@ -1,14 +1,14 @@
-// The Llama model plugin through the model ABI, as the trainer drives it:
-// its [model] keys checked when the plan is made (errors at the key's place
-// in the file), its description, and a stage over host storage computing
-// exactly what the model library computes.
+// The shipped model plugins (Llama, GPT-2) through the model ABI, as the
+// trainer drives them: their [model] keys checked when the plan is made
+// (errors at the key's place in the file), their descriptions, and a stage
+// over host storage computing exactly what the model library computes.
 #include <catch2/catch.hpp>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "config/config.hpp"
 #include "errors.hpp"
+#include "gpt2/stage.hpp"
 #include "llama_fixture.hpp"
 #include "model/model.hpp"
 #include "plan/plan.hpp"
@@ -129,8 +129,11 @@ class FlatHooks : public meshrun::StageHooks {
   std::vector<int64_t> ready;
 };
 
-TEST_CASE("model plugin: a stage through the ABI computes what the model library does", "[model]") {
-  const meshrun::Plan plan = plan_of(kTiny);
+// Through the ABI over FlatHooks, as the trainer drives it: the same
+// initial weights, loss and gradients as the model library's own stage.
+template <class Family>
+void check_stage_matches_library(const meshrun::Plan& plan,
+                                 stage_fixture::OwnedModel<Family>& reference) {
   const Model& model = *plan.model;
   const meshrun::ModelDescription& d = model.description();
   FlatHooks hooks(d);
@@ -139,22 +142,17 @@ TEST_CASE("model plugin: a stage through the ABI computes what the model library
   for (const auto& module : d.modules) modules.push_back(module.name);
   ModelStage stage(model, modules, hooks, {}, "{}", "{}");
 
-  llama_fixture::OwnedModel reference({11, 16, 12, 2, 4, 2});
   reference.init_weights(5);
   CHECK(std::vector<float>(reference.param_buffer(),
                            reference.param_buffer() + reference.num_parameters()) == hooks.values);
 
-  std::mt19937 engine(3);
-  std::uniform_int_distribution<int32_t> id(0, 10);
-  std::vector<int32_t> tokens(2 * 5), targets(2 * 5);
-  for (auto& t : tokens) t = id(engine);
-  for (auto& t : targets) t = id(engine);
+  const stage_fixture::Batch batch = stage_fixture::random_batch(d.vocab_size, 2, 5, 3);
   stage.set_shape(2, 5);
   CHECK(stage.input_numel() == 0);
   CHECK(stage.output_numel() == 0);
-  const double loss = stage.forward(0, tokens.data(), targets.data(), nullptr, nullptr);
+  const double loss = stage.forward(0, batch.tokens.data(), batch.targets.data(), nullptr, nullptr);
   stage.backward(0, 1.0f, nullptr, nullptr);
-  CHECK(float(loss) == reference.forward(tokens.data(), targets.data(), 2, 5));
+  CHECK(float(loss) == reference.forward(batch.tokens.data(), batch.targets.data(), 2, 5));
   reference.backward();
   CHECK(hooks.gradients ==
         std::vector<float>(reference.grad_buffer(),
@@ -162,11 +160,109 @@ TEST_CASE("model plugin: a stage through the ABI computes what the model library
   CHECK(hooks.ready.size() == d.parameters.size());
   CHECK(stage.activation_bytes() == 0);
 
-  targets[0] = 11;
-  CHECK_THROWS_WITH(stage.forward(0, tokens.data(), targets.data(), nullptr, nullptr),
+  std::vector<int32_t> targets = batch.targets;
+  targets[0] = int32_t(d.vocab_size);
+  CHECK_THROWS_WITH(stage.forward(0, batch.tokens.data(), targets.data(), nullptr, nullptr),
                     Contains("targets[0] = 11 is outside [0, vocab_size 11)"));
   CHECK_THROWS_WITH(stage.backward(0, 1.0f, nullptr, nullptr),
                     Contains("microbatch 0: backward without its forward"));
+}
+
+TEST_CASE("model plugin: a stage through the ABI computes what the model library does", "[model]") {
+  llama_fixture::OwnedModel reference({11, 16, 12, 2, 4, 2});
+  check_stage_matches_library(plan_of(kTiny), reference);
+}
+
+const char* const kTinyGpt2 = R"([model]
+model_type = "gpt2"
+vocab_size = 11
+n_positions = 16
+n_embd = 16
+n_layer = 2
+n_head = 4
+)";
+
+TEST_CASE("model plugin: gpt2's keys are checked at plan time, at their place in the file",
+          "[model][gpt2]") {
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.activation_function=gelu"}),
+             StartsWith("override 'model.activation_function=gelu': "
+                        "model.activation_function: expected one of 'gelu_new', got \"gelu\""));
+  CHECK_THAT(plan_error(std::string(kTinyGpt2) + "resid_pdrop = 0.1\n"),
+             StartsWith("cfg.toml:8:1: model.resid_pdrop: expected 0.0 (training here has no "
+                        "dropout), got 0.1"));
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.attn_pdrop=0.5"}), Contains("model.attn_pdrop: "));
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.n_embd=18"}),
+             Contains("model.n_embd: 18 must be divisible by model.n_head (4)"));
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.n_inner=0"}),
+             Contains("model.n_inner: expected an integer >= 1, got 0"));
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.hidden_size=16"}),
+             StartsWith("override 'model.hidden_size=16': model.hidden_size: unknown key for "
+                        "model_type 'gpt2'"));
+  CHECK_THAT(plan_error(kTinyGpt2, {"model.layer_norm_epsilon=0"}),
+             Contains("model.layer_norm_epsilon: expected a finite number > 0, got 0"));
+  const meshrun::Plan zero_dropout =
+      plan_of(kTinyGpt2, {"model.resid_pdrop=0.0", "model.embd_pdrop=0", "model.n_inner=24"});
+  CHECK(zero_dropout.model->description().config.at("n_inner") == 24);
+}
+
+TEST_CASE("model plugin: gpt2's description", "[model][gpt2]") {
+  const meshrun::Plan plan = plan_of(kTinyGpt2);
+  const meshrun::ModelDescription& d = plan.model->description();
+  CHECK(d.config.at("architectures") == nlohmann::ordered_json::array({"GPT2LMHeadModel"}));
+  CHECK(d.config.at("model_type") == "gpt2");
+  CHECK(d.config.at("n_ctx") == 16);
+  CHECK(d.config.at("n_inner") == 64);  // 4 * n_embd, resolved
+  CHECK(d.config.at("activation_function") == "gelu_new");
+  CHECK(d.config.at("tie_word_embeddings") == true);  // Hugging Face's GPT-2 default
+  CHECK(d.config.at("resid_pdrop") == 0.0);
+  CHECK(d.units == std::vector<std::string>{"transformer.h.0", "transformer.h.1", "root"});
+  REQUIRE(d.parameters.size() == 2 + 2 * 12 + 2);  // tied: no lm_head.weight
+  CHECK(d.parameters.back().name == "transformer.ln_f.bias");
+  CHECK(d.parameters[2].name == "transformer.h.0.ln_1.weight");
+  CHECK(d.parameters[4].shape == std::vector<int64_t>{16, 48});  // c_attn, Conv1D [in, out]
+  std::vector<std::string> modules, groups;
+  for (const auto& module : d.modules) {
+    modules.push_back(module.name);
+    groups.push_back(module.group);
+  }
+  CHECK(modules == std::vector<std::string>{"transformer.wte", "transformer.wpe", "transformer.h.0",
+                                            "transformer.h.1", "transformer.ln_f", "lm_head"});
+  CHECK(groups == std::vector<std::string>{"embeddings", "embeddings", "", "", "head", "head"});
+  CHECK(d.modules.back().parameters == std::vector<int64_t>{0});  // the tied lm_head uses wte
+  CHECK(d.vocab_size == 11);
+  CHECK(d.max_seq_len == 16);
+  CHECK(d.num_layers_key == "model.n_layer");
+
+  const meshrun::Plan untied = plan_of(kTinyGpt2, {"model.tie_word_embeddings=false"});
+  CHECK(untied.model->description().parameters.back().name == "lm_head.weight");
+  CHECK(untied.model->description().parameters.back().shape == std::vector<int64_t>{11, 16});
+}
+
+TEST_CASE("model plugin: gpt2's tied embeddings cannot be split over pipeline stages",
+          "[model][gpt2]") {
+  const std::string pipeline =
+      std::string(kTinyGpt2) + "[distributed]\npp_size = 2\n[distributed.pipeline]\n";
+  CHECK_THAT(plan_error(pipeline, {}, 2),
+             Contains("distributed.pp_size: parameter 'transformer.wte.weight' is used by "
+                      "modules 'transformer.wte' and 'lm_head'"));
+  CHECK(plan_of(pipeline, {"model.tie_word_embeddings=false"}, 2).model != nullptr);
+}
+
+TEST_CASE("model plugin: a gpt2 stage through the ABI computes what the model library does",
+          "[model][gpt2]") {
+  const bool tied = GENERATE(true, false);
+  meshrun::gpt2::Gpt2Config config;
+  config.vocab_size = 11;
+  config.n_positions = 16;
+  config.n_embd = 16;
+  config.n_layer = 2;
+  config.n_head = 4;
+  config.n_inner = 64;
+  config.tie_word_embeddings = tied;
+  stage_fixture::OwnedModel<meshrun::gpt2::Gpt2> reference(config);
+  check_stage_matches_library(
+      plan_of(kTinyGpt2, {"model.tie_word_embeddings=" + std::string(tied ? "true" : "false")}),
+      reference);
 }
 
 }  // namespace

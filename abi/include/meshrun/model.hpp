@@ -38,6 +38,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "meshrun/model.h"
@@ -97,6 +98,16 @@ inline char* host_string(const meshrun_host_services& host, const std::string& t
   return copy;
 }
 
+namespace detail {
+// Whether a Stage class has backward_input and backward_weight (C++17).
+template <class Stage, class = void>
+struct SplitsBackward : std::false_type {};
+template <class Stage>
+struct SplitsBackward<
+    Stage, std::void_t<decltype(std::declval<Stage&>().backward_input(0, 1.0f, nullptr, nullptr)),
+                       decltype(std::declval<Stage&>().backward_weight(0))>> : std::true_type {};
+}  // namespace detail
+
 // The model table for the classes Model and Stage described at the top;
 // the plugin instance must be a HostServicesOnly (create_instance<>).
 template <class Model, class Stage>
@@ -126,10 +137,7 @@ class ModelTable {
   }
 
  private:
-  static constexpr bool kSplitsBackward = requires(Stage & stage) {
-    stage.backward_input(0, 1.0f, nullptr, nullptr);
-    stage.backward_weight(0);
-  };
+  static constexpr bool kSplitsBackward = detail::SplitsBackward<Stage>::value;
 
   template <class Body>
   static meshrun_error* guard(Body&& body) noexcept {

@@ -1,0 +1,85 @@
+#include "common/description.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+namespace meshrun::models {
+
+namespace {
+
+using nlohmann::ordered_json;
+
+ordered_json module_json(const ModuleSpec& module) {
+  ordered_json json = {{"name", module.name}, {"parameters", module.parameters}};
+  if (!module.group.empty()) json["group"] = module.group;
+  return json;
+}
+
+// How many of `names` are among `modules`; throws unless none or all.
+int64_t count_whole(const std::vector<ModuleSpec>& modules, const std::vector<std::string>& names,
+                    const char* family) {
+  std::string all;
+  int64_t count = 0;
+  for (const ModuleSpec& module : modules) {
+    all += (all.empty() ? "" : " and ") + module.name;
+    count += std::count(names.begin(), names.end(), module.name);
+  }
+  if (count != 0 && count != int64_t(modules.size())) {
+    throw std::invalid_argument(std::string(family) + ": " + all + " must be on one stage");
+  }
+  return count;
+}
+
+bool named_in(const std::vector<ModuleSpec>& modules, const std::string& name) {
+  return std::any_of(modules.begin(), modules.end(),
+                     [&](const ModuleSpec& module) { return module.name == name; });
+}
+
+}  // namespace
+
+std::string describe_model(ordered_json fields, const std::vector<ParameterView>& parameters,
+                           int64_t num_layers, const ModelModules& modules) {
+  const auto unit_name = [&](int64_t unit) {
+    return unit == num_layers ? std::string("root") : modules.layer_prefix + std::to_string(unit);
+  };
+  ordered_json units = ordered_json::array();
+  for (int64_t unit = 0; unit <= num_layers; ++unit) units.push_back(unit_name(unit));
+  ordered_json described = ordered_json::array();
+  ordered_json module_list = ordered_json::array();
+  for (const ModuleSpec& module : modules.embedding) module_list.push_back(module_json(module));
+  for (const ParameterView& p : parameters) {
+    described.push_back({{"name", p.name}, {"shape", p.shape}, {"unit", unit_name(p.unit)}});
+    if (p.unit == num_layers) continue;
+    if (module_list.back()["name"] != unit_name(p.unit)) {
+      module_list.push_back({{"name", unit_name(p.unit)}, {"parameters", ordered_json::array()}});
+    }
+    module_list.back()["parameters"].push_back(p.name);
+  }
+  for (const ModuleSpec& module : modules.head) module_list.push_back(module_json(module));
+  fields["parameters"] = std::move(described);
+  fields["units"] = std::move(units);
+  fields["modules"] = std::move(module_list);
+  return fields.dump();
+}
+
+StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
+                         const std::vector<std::string>& names, const char* family) {
+  StageLayout layout{-1, -1, count_whole(modules.embedding, names, family) > 0,
+                     count_whole(modules.head, names, family) > 0};
+  for (const std::string& name : names) {
+    if (named_in(modules.embedding, name) || named_in(modules.head, name)) continue;
+    if (name.rfind(modules.layer_prefix, 0) != 0) {
+      throw std::invalid_argument(std::string(family) + ": no module '" + name + "'");
+    }
+    const int64_t l = std::stoll(name.substr(modules.layer_prefix.size()));
+    if (layout.first_layer < 0) layout.first_layer = l;
+    layout.end_layer = l + 1;
+  }
+  if (layout.first_layer < 0) {
+    layout.first_layer = layout.end_layer = layout.embedding ? 0 : num_layers;
+  }
+  return layout;
+}
+
+}  // namespace meshrun::models

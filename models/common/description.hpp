@@ -1,0 +1,49 @@
+// The modules of a shipped family's model (an embedding, a module per
+// decoder layer, a head): the description a model plugin returns
+// (meshrun/model.h "describe") and the layout of a stage of some of them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/parameters.hpp"
+#include "common/stage.hpp"
+
+namespace meshrun::models {
+
+// A module a pipeline split may cut before or after; modules of one
+// non-empty group stay on one stage.
+struct ModuleSpec {
+  std::string name;
+  std::vector<std::string> parameters;
+  std::string group;
+};
+
+// The embedding's modules (first), then layer l's module layer_prefix + l
+// (also its unit's name) holding the parameters of unit l, then the head's
+// modules (last).
+struct ModelModules {
+  std::vector<ModuleSpec> embedding;
+  std::string layer_prefix;
+  std::vector<ModuleSpec> head;
+};
+
+// The description JSON: `fields` (what the family knows: "config",
+// "vocab_size", "max_seq_len", "num_layers_key") with "parameters", "units"
+// and "modules" added from the parameters of a model of `num_layers` layers,
+// whose root unit is num_layers.
+std::string describe_model(nlohmann::ordered_json fields,
+                           const std::vector<ParameterView>& parameters, int64_t num_layers,
+                           const ModelModules& modules);
+
+// The layout of a stage computing the modules `names` (a contiguous run of
+// the model's, which the host checked). Throws std::invalid_argument
+// starting with `family` for an unknown module, and for some but not all
+// modules of the embedding or of the head.
+StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
+                         const std::vector<std::string>& names, const char* family);
+
+}  // namespace meshrun::models

@@ -1,0 +1,132 @@
+// The model ABI's classes (meshrun/model.hpp's ModelTable) for a shipped
+// family, made of a Plugin struct in the family's plugin.cpp that holds
+//   Family: the family's compute (common/stage.hpp)
+//   read_config(config_json) -> Family::Config: the [model] keys, checked
+//   describe(config, parameters) -> the description JSON
+//   modules(config) -> ModelModules
+// Header-only: it is compiled into each model plugin, which alone links the
+// ABI headers.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/description.hpp"
+#include "common/stage.hpp"
+#include "meshrun/model.hpp"
+
+namespace meshrun::models {
+
+// The host's hooks, as a stage calls them.
+class HostHooks : public StageHooks {
+ public:
+  explicit HostHooks(const meshrun_model_hooks& hooks) : hooks_(hooks) {}
+  void pre_forward(int64_t unit, float* hidden, int64_t numel) override {
+    hooks_.pre_forward(int32_t(unit), hidden, numel);
+  }
+  void post_forward(int64_t unit, float* hidden, int64_t numel) override {
+    hooks_.post_forward(int32_t(unit), hidden, numel);
+  }
+  void pre_backward(int64_t unit) override { hooks_.pre_backward(int32_t(unit)); }
+  void post_backward(int64_t unit) override { hooks_.post_backward(int32_t(unit)); }
+  void gradient_ready(int64_t parameter) override { hooks_.gradient_ready(parameter); }
+  void bind(ParameterView& view, bool backward) override {
+    const auto [values, gradient] = hooks_.parameter(view.index);
+    view.data = values;
+    view.grad = backward ? gradient : nullptr;
+  }
+
+ private:
+  plugin::ModelHooks hooks_;
+};
+
+template <class Plugin>
+class HostModel {
+ public:
+  using Family = typename Plugin::Family;
+  using Config = typename Family::Config;
+
+  HostModel(const meshrun_host_services& host, const char* config_json)
+      : host_(host),
+        config_(Plugin::read_config(config_json)),
+        parameters_(Family::parameters(config_)) {}
+
+  const meshrun_host_services& host() const { return host_; }
+  const Config& config() const { return config_; }
+  std::string describe() const { return Plugin::describe(config_, parameters_); }
+
+  void init_parameter(uint64_t seed, int64_t parameter, float* values) const {
+    if (parameter < 0 || parameter >= int64_t(parameters_.size())) {
+      throw plugin::Error(MESHRUN_OUT_OF_RANGE, std::string(Family::kName) +
+                                                    ": init_parameter: no parameter " +
+                                                    std::to_string(parameter));
+    }
+    Family::init_parameter(config_, parameters_, seed, parameter, values);
+  }
+
+  // The layout of a stage of the setup's modules (a contiguous run of the
+  // description's, which the host checked).
+  StageLayout layout_of(const meshrun_model_stage_setup& setup) const {
+    std::vector<std::string> names;
+    for (int64_t m = 0; m < setup.num_modules; ++m) {
+      names.emplace_back(setup.modules[m] != nullptr ? setup.modules[m] : "");
+    }
+    return stage_layout(Plugin::modules(config_), Family::num_layers(config_), names,
+                        Family::kName);
+  }
+
+ private:
+  const meshrun_host_services& host_;
+  Config config_;
+  std::vector<ParameterView> parameters_;
+};
+
+template <class Plugin>
+class HostStage {
+ public:
+  HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
+      : hooks_(*setup.hooks), stage_(model.config(), model.layout_of(setup), hooks_) {}
+
+  void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
+    stage_.set_shape(batch, seq_len);
+    *input_numel = stage_.input_numel();
+    *output_numel = stage_.output_numel();
+  }
+  double forward(int32_t mb, const int32_t* tokens, const int32_t* targets, const float* input,
+                 float* output) {
+    return stage_.forward(mb, tokens, targets, input, output);
+  }
+  void backward(int32_t mb, float loss_scale, const float* grad_output, float* grad_input) {
+    stage_.backward(mb, loss_scale, grad_output, grad_input);
+  }
+  void backward_input(int32_t mb, float loss_scale, const float* grad_output, float* grad_input) {
+    stage_.backward_input(mb, loss_scale, grad_output, grad_input);
+  }
+  void backward_weight(int32_t mb) { stage_.backward_weight(mb); }
+  void discard(int32_t mb) { stage_.discard(mb); }
+  int64_t activation_bytes() const { return stage_.activation_bytes(); }
+
+ private:
+  HostHooks hooks_;
+  TransformerStage<typename Plugin::Family> stage_;
+};
+
+// The plugin table of a shipped model plugin, over its model table.
+inline meshrun_plugin_api model_plugin_api(const char* name, const char* version,
+                                           const char* description,
+                                           const meshrun_model_api* model) {
+  meshrun_plugin_api api{};
+  api.struct_size = sizeof(meshrun_plugin_api);
+  api.abi_major = MESHRUN_ABI_VERSION_MAJOR;
+  api.abi_minor = MESHRUN_ABI_VERSION_MINOR;
+  api.kind = MESHRUN_PLUGIN_KIND_MODEL;
+  api.name = name;
+  api.version = version;
+  api.description = description;
+  api.create = &plugin::create_instance<plugin::HostServicesOnly>;
+  api.destroy = &plugin::destroy_instance<plugin::HostServicesOnly>;
+  api.model = model;
+  return api;
+}
+
+}  // namespace meshrun::models

@@ -1,0 +1,42 @@
+#include "common/stage.hpp"
+
+#include <stdexcept>
+
+#include "common/layers.hpp"
+
+namespace meshrun::models {
+
+void accumulate_weight_gradient(const LinearWeight& weight, const float* dy, const float* x) {
+  if (weight.layout == WeightLayout::out_in) {
+    kernels::linear_backward_weight(weight.first->grad, dy, x, weight.rows, weight.in, weight.out);
+  } else {
+    kernels::conv1d_backward_weight(weight.first->grad, dy, x, weight.rows, weight.in, weight.out);
+  }
+}
+
+void ImmediateWeightGradients::linear(const LinearWeight& weight, const float* dy,
+                                      std::vector<float>& x) {
+  accumulate_weight_gradient(weight, dy, x.data());
+  for (const ParameterView* view = weight.last; view >= weight.first; --view) ready(*view);
+}
+
+double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
+                            const int32_t* targets, int64_t rows, int64_t hidden, int64_t vocab) {
+  kernels::linear_forward(logits, x, lm_head.data, rows, hidden, vocab);
+  return kernels::cross_entropy_forward(logits, targets, rows, vocab);
+}
+
+void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
+                           std::vector<float>& x, const int32_t* targets, float loss_scale,
+                           int64_t rows, int64_t hidden, int64_t vocab,
+                           WeightGradients& gradients) {
+  kernels::cross_entropy_backward(logits, targets, rows, vocab, loss_scale);
+  kernels::linear_backward_input(dx, logits, lm_head.data, rows, hidden, vocab);
+  gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab}, logits, x);
+}
+
+void require(bool condition, const char* family, const std::string& message) {
+  if (!condition) throw std::invalid_argument(std::string(family) + ": " + message);
+}
+
+}  // namespace meshrun::models

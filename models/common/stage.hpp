@@ -1,0 +1,224 @@
+// A stage of a shipped decoder-only family (Llama, GPT-2): a contiguous
+// range of decoder layers, with the embedding on the first stage and the
+// final norm, lm_head and loss ("the head") on the last. The whole model is
+// the stage that holds everything. A stage owns no parameter storage: at
+// every unit boundary it calls its StageHooks, which point the parameter
+// views at storage the host keeps (meshrun/model.h).
+//
+// Several microbatches are in flight at once in a pipeline: forward(mb)
+// keeps what mb's backward needs under the key mb until that backward is
+// done, either at once (backward, "B") or split as zero-bubble schedules do
+// into the input gradient (backward_input, "I") and the weight gradients
+// (backward_weight, "W").
+//
+// TransformerStage<Family> is that driver; the family computes the pieces.
+// A Family has (all static but the types):
+//   Config, with vocab_size and tie_word_embeddings (Hugging Face names);
+//     check_config(config); num_layers(config)
+//   kName: the family's name, which messages begin with
+//   parameters(config): every parameter in order, the layers' in units
+//     0..L-1, the rest in the root unit L;
+//   init_parameter(config, parameters, seed, index, values): one's initial
+//     values, independent of the others'
+//   kEmbeddingTensors, kLayerTensors: the views of the embedding (the first
+//     root parameters; a tied lm_head is the first of them) and of a layer
+//   check_layer_storage(layer views, backward): the host's storage is fit
+//   Pass(config, batch, seq_len): what a forward at one shape shares, with
+//     rows() = batch * seq_len, hidden, and d_residual [rows, hidden], the
+//     residual stream's gradient
+//   LayerActivations(pass), HeadActivations(pass): what a layer's and the
+//     head's forward keep for the backward; bytes()
+//   embedding_forward(pass, views, tokens, out);
+//   embedding_backward(pass, views, tokens): from pass.d_residual
+//   layer_forward(pass, views, x, saved, out);
+//   layer_backward(pass, views, x, saved, gradients): pass.d_residual from
+//     dL/d(out) to dL/dx
+//   head_forward(pass, head views, lm_head, x, targets, saved): the mean loss;
+//   head_backward(pass, head views, lm_head, x, targets, loss_scale, saved,
+//     gradients): pass.d_residual = d(loss_scale * loss)/dx
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/parameters.hpp"
+
+namespace meshrun::models {
+
+// Decoder layers [first_layer, end_layer), and whether the stage holds the
+// embedding (the first stage: first_layer is 0) and the head (the last
+// stage: end_layer is the layer count). A stage of the embedding or the
+// head alone may hold no layer.
+struct StageLayout {
+  int64_t first_layer = 0;
+  int64_t end_layer = 0;
+  bool embedding = false;
+  bool head = false;
+};
+
+// The host's side of a stage (meshrun/model.h "Hooks"), with units and
+// parameter indices as the family's parameters() numbers them.
+class StageHooks {
+ public:
+  virtual ~StageHooks() = default;
+  // `hidden` (numel floats) is the unit's input or output, null for the root.
+  virtual void pre_forward(int64_t unit, float* hidden, int64_t numel) = 0;
+  virtual void post_forward(int64_t unit, float* hidden, int64_t numel) = 0;
+  virtual void pre_backward(int64_t unit) = 0;
+  virtual void post_backward(int64_t unit) = 0;
+  virtual void gradient_ready(int64_t parameter) = 0;
+  // Points view.data, and view.grad when `backward`, at the parameter's
+  // storage (valid until the unit's post_ hook).
+  virtual void bind(ParameterView& view, bool backward) = 0;
+};
+
+// How a linear's weight is stored: Hugging Face's nn.Linear [out, in]
+// (y = x W^T) or GPT-2's Conv1D [in, out] (y = x W).
+enum class WeightLayout { out_in, in_out };
+
+// A linear's weight over a pass of `rows` rows: the adjacent views [first,
+// last] (Llama's q/k/v and gate/up act as one fused projection).
+struct LinearWeight {
+  const ParameterView* first;
+  const ParameterView* last;
+  WeightLayout layout;
+  int64_t rows, in, out;
+};
+
+// dW += dy^T x into the weight's gradient, as its layout stores it.
+void accumulate_weight_gradient(const LinearWeight& weight, const float* dy, const float* x);
+
+// Where a backward sends the weight gradients it owes, so that one backward
+// serves a full backward (computed at once, announced to hooks) and a
+// pipeline's input-only backward (kept for a later weight pass).
+class WeightGradients {
+ public:
+  virtual ~WeightGradients() = default;
+  // The weight gradient of a linear: dy [rows, out] is scratch, valid during
+  // the call; this is x's last use in the backward, so the receiver may move
+  // it away.
+  virtual void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) = 0;
+  // The gradient of a vector parameter (a norm's weight or bias, a linear's
+  // bias), computed along the input gradient as it is cheap, is final.
+  virtual void vector_ready(const ParameterView& view) = 0;
+};
+
+// Computes each linear's weight gradient when it is owed; announces every
+// gradient through ready(), last view first.
+class ImmediateWeightGradients : public WeightGradients {
+ public:
+  void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) override;
+  void vector_ready(const ParameterView& view) override { ready(view); }
+
+ protected:
+  virtual void ready(const ParameterView& /*view*/) {}
+};
+
+// The end of every family's head: logits [rows, V] = x [rows, H] lm_head^T
+// (lm_head [V, H], nn.Linear's layout, or a tied embedding) and their mean
+// natural-log cross-entropy against targets. logits keep the softmax for
+// the backward.
+double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
+                            const int32_t* targets, int64_t rows, int64_t hidden, int64_t vocab);
+// dx = d(loss_scale * loss)/dx, through logits (overwritten with their
+// gradient); lm_head's weight gradient goes to `gradients`, which may take x.
+void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
+                           std::vector<float>& x, const int32_t* targets, float loss_scale,
+                           int64_t rows, int64_t hidden, int64_t vocab, WeightGradients& gradients);
+
+// Throws std::invalid_argument(family + ": " + message) unless condition.
+void require(bool condition, const char* family, const std::string& message);
+
+template <class Family>
+class TransformerStage {
+ public:
+  using Config = typename Family::Config;
+
+  // Throws std::invalid_argument for a configuration check_config refuses,
+  // a layout that does not fit the model or holds nothing, and tied
+  // embeddings on a stage without both the embedding and the head. `hooks`
+  // must outlive the stage.
+  TransformerStage(Config config, StageLayout layout, StageHooks& hooks);
+  ~TransformerStage();
+  TransformerStage(const TransformerStage&) = delete;
+  TransformerStage& operator=(const TransformerStage&) = delete;
+
+  const Config& config() const { return config_; }
+  const StageLayout& layout() const { return layout_; }
+  // The stage's parameters in model order: the embedding's, the layers',
+  // the head's (its lm_head unless tied).
+  const std::vector<ParameterView>& parameters() const { return parameters_; }
+
+  // The microbatch shape [batch, seq_len] of the forwards to come; throws
+  // std::logic_error to change it while microbatches are in flight.
+  void set_shape(int64_t batch, int64_t seq_len);
+  // Elements of the hidden states [batch * seq_len, hidden] entering the
+  // stage (0 with the embedding) and leaving it (0 with the head).
+  int64_t input_numel() const;
+  int64_t output_numel() const;
+
+  // F: the forward of microbatch `mb`. tokens [batch, seq_len] with the
+  // embedding, else `input` (input_numel()); targets with the head, else it
+  // writes `output` (output_numel()); the other pointers are ignored.
+  // Returns mb's mean loss with the head, else 0. Throws std::logic_error
+  // before set_shape or for a microbatch already in flight,
+  // std::invalid_argument for a missing pointer, std::out_of_range for a
+  // token or target outside the vocabulary.
+  double forward(int32_t mb, const int32_t* tokens, const int32_t* targets, const float* input,
+                 float* output);
+  // B: accumulates (+=) mb's weight gradients and writes grad_input (without
+  // the embedding) from grad_output (without the head) or, with the head,
+  // from loss_scale * the loss: loss_scale is d(objective)/d(mb's mean
+  // loss), e.g. 1/m for the mean over m microbatches. Frees mb's state.
+  void backward(int32_t mb, float loss_scale, const float* grad_output, float* grad_input);
+  // I: as backward, but of the parameter gradients only the vectors' and
+  // the embedding's (cheap); keeps each linear's output gradient and input
+  // for W and frees the rest of mb's state.
+  void backward_input(int32_t mb, float loss_scale, const float* grad_output, float* grad_input);
+  // W: accumulates every linear's weight gradient that mb's backward_input
+  // kept, then frees mb's state.
+  void backward_weight(int32_t mb);
+
+  // Drops what mb's forward kept, without a backward: a forward that only
+  // evaluates. Throws std::logic_error when mb is not in flight.
+  void discard(int32_t mb);
+  // Bytes of the state kept for the microbatches in flight: 0 once each
+  // has finished its backward.
+  int64_t activation_bytes() const;
+
+ private:
+  struct Microbatch;
+  class AnnouncedGradients;
+  class DeferredGradients;
+
+  ParameterView* layer_views(int64_t layer);
+  int64_t layer_count() const { return layout_.end_layer - layout_.first_layer; }
+  int64_t root_unit() const { return Family::num_layers(config_); }
+  bool holds_root() const { return layout_.embedding || layout_.head; }
+  void check_layout() const;
+  void select_parameters();
+  // The hooks' pre_ call of `unit`, then its views pointed at its storage.
+  void enter(int64_t unit, float* hidden, bool backward);
+  std::string microbatch_name(int32_t mb) const;
+  Microbatch& forwarded(int32_t mb, const char* action);
+  void backward_pass(Microbatch& state, float loss_scale, const float* grad_output,
+                     float* grad_input, WeightGradients& gradients);
+  // gradient_ready of the embedding's views, last first; a tied lm_head's
+  // view waits for the weight pass when `skip_lm_head`.
+  void announce_embedding(bool skip_lm_head);
+
+  Config config_;
+  StageLayout layout_;
+  StageHooks& hooks_;
+  std::vector<ParameterView> parameters_;
+  int64_t head_index_ = 0;     // into parameters_: the head's first view
+  int64_t lm_head_index_ = 0;  // the embedding's first view when tied
+  int64_t batch_ = 0, seq_len_ = 0;
+  std::unique_ptr<typename Family::Pass> pass_;
+  std::map<int32_t, std::unique_ptr<Microbatch>> microbatches_;
+};
+
+}  // namespace meshrun::models

@@ -1,0 +1,392 @@
+// The definitions of TransformerStage<Family> (stage.hpp), included by the
+// one source file of each family that instantiates it.
+#pragma once
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "common/stage.hpp"
+#include "common/support.hpp"
+
+namespace meshrun::models {
+
+namespace stage_detail {
+
+// A linear's weight gradient that backward_input left for backward_weight,
+// with copies of its dy and its x.
+struct PendingLinear {
+  LinearWeight weight;
+  std::vector<float> dy, x;
+};
+
+}  // namespace stage_detail
+
+// Computes the weight gradients at once and announces each to the hooks;
+// the embedding's (which a tied lm_head shares) wait for the embedding's
+// own backward.
+template <class Family>
+class TransformerStage<Family>::AnnouncedGradients : public ImmediateWeightGradients {
+ public:
+  explicit AnnouncedGradients(TransformerStage& stage) : stage_(stage) {}
+
+ private:
+  void ready(const ParameterView& view) override {
+    const bool embedding =
+        stage_.layout_.embedding && &view - stage_.parameters_.data() < Family::kEmbeddingTensors;
+    if (!embedding) stage_.hooks_.gradient_ready(view.index);
+  }
+  TransformerStage& stage_;
+};
+
+// Keeps each linear's dy and x for the weight pass; the vectors' gradients
+// are final at once.
+template <class Family>
+class TransformerStage<Family>::DeferredGradients : public WeightGradients {
+ public:
+  DeferredGradients(std::vector<stage_detail::PendingLinear>& pending, StageHooks& hooks)
+      : pending_(pending), hooks_(hooks) {}
+  void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) override {
+    pending_.push_back(
+        {weight, std::vector<float>(dy, dy + weight.rows * weight.out), std::move(x)});
+  }
+  void vector_ready(const ParameterView& view) override { hooks_.gradient_ready(view.index); }
+
+ private:
+  std::vector<stage_detail::PendingLinear>& pending_;
+  StageHooks& hooks_;
+};
+
+// One microbatch in flight: what its forward kept (until its backward, or
+// its backward_input), then what backward_input kept for backward_weight.
+template <class Family>
+struct TransformerStage<Family>::Microbatch {
+  using Pass = typename Family::Pass;
+  using LayerActivations = typename Family::LayerActivations;
+  using HeadActivations = typename Family::HeadActivations;
+
+  // The forward's state. residual holds the stage's input and each layer's
+  // output that a backward reads: with L layers, slots 0..L-1 (the layers'
+  // inputs) and, with the head, slot L (the final norm's input). Without
+  // the head the last output goes straight to the caller's buffer.
+  struct Saved {
+    Saved(const Pass& pass, const StageLayout& layout)
+        : tokens(layout.embedding ? pass.rows() : 0),
+          targets(layout.head ? pass.rows() : 0),
+          residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) * pass.rows() *
+                   pass.hidden),
+          layers(layout.end_layer - layout.first_layer, LayerActivations(pass)),
+          hidden(pass.rows() * pass.hidden) {
+      if (layout.head) head.emplace(pass);
+    }
+    int64_t bytes() const {
+      int64_t total = bytes_of(tokens, targets, residual);
+      for (const LayerActivations& layer : layers) total += layer.bytes();
+      return total + (head ? head->bytes() : 0);
+    }
+    // Residual slot `slot`, else (one past the last) the caller's output.
+    float* stream(int64_t slot, float* output) {
+      return slot * hidden < int64_t(residual.size()) ? residual.data() + slot * hidden : output;
+    }
+
+    std::vector<int32_t> tokens, targets;
+    std::vector<float> residual;
+    std::vector<LayerActivations> layers;
+    std::optional<HeadActivations> head;
+    int64_t hidden;  // elements of one slot
+  };
+
+  int64_t bytes() const {
+    int64_t total = saved ? saved->bytes() : 0;
+    for (const auto& linear : pending) total += bytes_of(linear.dy, linear.x);
+    return total;
+  }
+
+  std::unique_ptr<Saved> saved;  // null once backward_input has run
+  std::vector<stage_detail::PendingLinear> pending;
+};
+
+template <class Family>
+TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks)
+    : config_(std::move(config)), layout_(layout), hooks_(hooks) {
+  Family::check_config(config_);
+  check_layout();
+  use_one_blas_thread_by_default();
+  select_parameters();
+}
+
+template <class Family>
+TransformerStage<Family>::~TransformerStage() = default;
+
+template <class Family>
+void TransformerStage<Family>::check_layout() const {
+  const int64_t L = Family::num_layers(config_);
+  const char* name = Family::kName;
+  require(0 <= layout_.first_layer && layout_.first_layer <= layout_.end_layer &&
+              layout_.end_layer <= L,
+          name,
+          "stage layers [" + std::to_string(layout_.first_layer) + ", " +
+              std::to_string(layout_.end_layer) + ") are not within the model's [0, " +
+              std::to_string(L) + ")");
+  require(!layout_.embedding || layout_.first_layer == 0, name,
+          "the embedding goes on the stage of layer 0, not one starting at layer " +
+              std::to_string(layout_.first_layer));
+  require(!layout_.head || layout_.end_layer == L, name,
+          "the head (final norm, lm_head, loss) goes on the stage of the last layer, not one "
+          "ending before layer " +
+              std::to_string(layout_.end_layer));
+  require(layer_count() > 0 || holds_root(), name,
+          "a stage holds at least a layer, the embedding or the head");
+  require(!config_.tie_word_embeddings || (layout_.embedding && layout_.head), name,
+          "tie_word_embeddings needs the embedding and lm_head on one stage: tied embeddings "
+          "cannot be split across pipeline stages");
+}
+
+// The embedding's views come first in model order, the head's last.
+template <class Family>
+void TransformerStage<Family>::select_parameters() {
+  const int64_t root = root_unit();
+  int64_t root_views = 0, head_views = 0;
+  for (ParameterView& view : Family::parameters(config_)) {
+    const bool in_layers = view.unit >= layout_.first_layer && view.unit < layout_.end_layer;
+    const bool in_embedding = view.unit == root && root_views++ < Family::kEmbeddingTensors;
+    const bool in_head = view.unit == root && !in_embedding && layout_.head;
+    head_views += in_head ? 1 : 0;
+    if (in_layers || (in_embedding && layout_.embedding) || in_head) {
+      parameters_.push_back(std::move(view));
+    }
+  }
+  head_index_ = int64_t(parameters_.size()) - head_views;
+  lm_head_index_ = config_.tie_word_embeddings ? 0 : int64_t(parameters_.size()) - 1;
+}
+
+template <class Family>
+ParameterView* TransformerStage<Family>::layer_views(int64_t layer) {
+  const int64_t first = layout_.embedding ? Family::kEmbeddingTensors : 0;
+  return &parameters_[size_t(first + (layer - layout_.first_layer) * Family::kLayerTensors)];
+}
+
+template <class Family>
+void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward) {
+  if (backward) {
+    hooks_.pre_backward(unit);
+  } else {
+    hooks_.pre_forward(unit, hidden, hidden != nullptr ? pass_->rows() * pass_->hidden : 0);
+  }
+  for (ParameterView& view : parameters_) {
+    if (view.unit == unit) hooks_.bind(view, backward);
+  }
+  if (unit != root_unit()) Family::check_layer_storage(layer_views(unit), backward);
+}
+
+template <class Family>
+std::string TransformerStage<Family>::microbatch_name(int32_t mb) const {
+  return std::string(Family::kName) + " stage: microbatch " + std::to_string(mb);
+}
+
+template <class Family>
+void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
+  require(batch > 0 && seq_len > 0, Family::kName,
+          "stage set_shape needs batch > 0 and seq_len > 0");
+  if (pass_ && batch_ == batch && seq_len_ == seq_len) return;
+  if (!microbatches_.empty()) {
+    throw std::logic_error(std::string(Family::kName) + " stage: set_shape while " +
+                           std::to_string(microbatches_.size()) +
+                           " microbatches are in flight; finish their backward first");
+  }
+  pass_.reset();  // the old shape's scratch goes before the new one comes
+  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
+  batch_ = batch;
+  seq_len_ = seq_len;
+}
+
+template <class Family>
+int64_t TransformerStage<Family>::input_numel() const {
+  return pass_ && !layout_.embedding ? pass_->rows() * pass_->hidden : 0;
+}
+
+template <class Family>
+int64_t TransformerStage<Family>::output_numel() const {
+  return pass_ && !layout_.head ? pass_->rows() * pass_->hidden : 0;
+}
+
+template <class Family>
+double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, const int32_t* targets,
+                                         const float* input, float* output) {
+  const char* name = Family::kName;
+  if (!pass_) throw std::logic_error(std::string(name) + " stage: forward before set_shape");
+  if (microbatches_.count(mb)) {
+    throw std::logic_error(microbatch_name(mb) +
+                           " is already in flight: its backward must run "
+                           "before another forward of it");
+  }
+  require(layout_.embedding ? tokens != nullptr : input != nullptr, name,
+          layout_.embedding ? "the first stage's forward needs tokens"
+                            : "a stage without the embedding needs the input hidden states");
+  require(layout_.head ? targets != nullptr : output != nullptr, name,
+          layout_.head ? "the last stage's forward needs targets"
+                       : "a stage without the head needs an output buffer");
+  auto& pass = *pass_;
+  const int64_t N = pass.rows(), H = pass.hidden, root = root_unit();
+  if (layout_.embedding) check_tokens(tokens, N, config_.vocab_size, "tokens");
+  if (layout_.head) check_tokens(targets, N, config_.vocab_size, "targets");
+
+  auto state = std::make_unique<Microbatch>();
+  state->saved = std::make_unique<typename Microbatch::Saved>(pass, layout_);
+  auto& saved = *state->saved;
+  if (holds_root()) enter(root, nullptr, false);
+  if (layout_.embedding) {
+    std::copy_n(tokens, N, saved.tokens.begin());
+    Family::embedding_forward(pass, parameters_.data(), saved.tokens.data(),
+                              saved.stream(0, output));
+  } else {
+    std::copy_n(input, N * H, saved.stream(0, output));
+  }
+  for (int64_t i = 0; i < layer_count(); ++i) {
+    const int64_t layer = layout_.first_layer + i;
+    enter(layer, saved.stream(i, output), false);
+    Family::layer_forward(pass, layer_views(layer), saved.stream(i, output),
+                          saved.layers[size_t(i)], saved.stream(i + 1, output));
+    hooks_.post_forward(layer, saved.stream(i + 1, output), N * H);
+  }
+  double loss = 0;
+  if (layout_.head) {
+    std::copy_n(targets, N, saved.targets.begin());
+    loss = Family::head_forward(
+        pass, &parameters_[size_t(head_index_)], parameters_[size_t(lm_head_index_)],
+        saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
+  }
+  if (holds_root()) hooks_.post_forward(root, nullptr, 0);
+  microbatches_.emplace(mb, std::move(state));
+  return loss;
+}
+
+template <class Family>
+typename TransformerStage<Family>::Microbatch& TransformerStage<Family>::forwarded(
+    int32_t mb, const char* action) {
+  const auto found = microbatches_.find(mb);
+  if (found == microbatches_.end()) {
+    throw std::logic_error(microbatch_name(mb) + ": " + action + " without its forward");
+  }
+  if (!found->second->saved) {
+    throw std::logic_error(microbatch_name(mb) + ": " + action +
+                           " after its backward_input; backward_weight finishes it");
+  }
+  return *found->second;
+}
+
+template <class Family>
+void TransformerStage<Family>::announce_embedding(bool skip_lm_head) {
+  if (!layout_.embedding) return;
+  for (int64_t v = Family::kEmbeddingTensors - 1; v >= 0; --v) {
+    if (!(skip_lm_head && config_.tie_word_embeddings && v == lm_head_index_)) {
+      hooks_.gradient_ready(parameters_[size_t(v)].index);
+    }
+  }
+}
+
+template <class Family>
+void TransformerStage<Family>::backward(int32_t mb, float loss_scale, const float* grad_output,
+                                        float* grad_input) {
+  AnnouncedGradients gradients(*this);
+  backward_pass(forwarded(mb, "backward"), loss_scale, grad_output, grad_input, gradients);
+  announce_embedding(false);
+  if (holds_root()) hooks_.post_backward(root_unit());
+  microbatches_.erase(mb);
+}
+
+// A tied lm_head still adds to the embedding's gradient in the weight pass.
+template <class Family>
+void TransformerStage<Family>::backward_input(int32_t mb, float loss_scale,
+                                              const float* grad_output, float* grad_input) {
+  Microbatch& state = forwarded(mb, "backward_input");
+  DeferredGradients gradients(state.pending, hooks_);
+  backward_pass(state, loss_scale, grad_output, grad_input, gradients);
+  announce_embedding(true);
+  if (holds_root()) hooks_.post_backward(root_unit());
+  state.saved.reset();
+}
+
+// The linears in the order backward_input kept them, each unit's bracketed
+// by its hooks, inside the root's.
+template <class Family>
+void TransformerStage<Family>::backward_weight(int32_t mb) {
+  const auto found = microbatches_.find(mb);
+  if (found == microbatches_.end() || found->second->saved) {
+    throw std::logic_error(microbatch_name(mb) + ": backward_weight needs its backward_input " +
+                           "first");
+  }
+  const int64_t root = root_unit();
+  if (holds_root()) enter(root, nullptr, true);
+  int64_t current = -1;
+  for (const stage_detail::PendingLinear& linear : found->second->pending) {
+    const int64_t unit = linear.weight.first->unit;
+    if (unit != root && unit != current) {
+      if (current >= 0) hooks_.post_backward(current);
+      enter(unit, nullptr, true);
+      current = unit;
+    }
+    accumulate_weight_gradient(linear.weight, linear.dy.data(), linear.x.data());
+    for (const ParameterView* view = linear.weight.last; view >= linear.weight.first; --view) {
+      hooks_.gradient_ready(view->index);
+    }
+  }
+  if (current >= 0) hooks_.post_backward(current);
+  if (holds_root()) hooks_.post_backward(root);
+  microbatches_.erase(found);
+}
+
+template <class Family>
+void TransformerStage<Family>::discard(int32_t mb) {
+  if (microbatches_.erase(mb) == 0) {
+    throw std::logic_error(microbatch_name(mb) + ": discard of a microbatch not in flight");
+  }
+}
+
+// The forward in reverse through pass_->d_residual, the gradient of the
+// residual stream: from the loss or grad_output, through the layers, into
+// the embedding or grad_input. Leaves the root's post_backward to the
+// caller, after the embedding's gradients are announced.
+template <class Family>
+void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale,
+                                             const float* grad_output, float* grad_input,
+                                             WeightGradients& gradients) {
+  require(layout_.head || grad_output != nullptr, Family::kName,
+          "a stage without the head needs grad_output for its backward");
+  require(layout_.embedding || grad_input != nullptr, Family::kName,
+          "a stage without the embedding needs a grad_input buffer for its backward");
+  auto& pass = *pass_;
+  auto& saved = *state.saved;
+  const int64_t N = pass.rows(), H = pass.hidden, layers = layer_count();
+  if (holds_root()) enter(root_unit(), nullptr, true);
+  if (layout_.head) {
+    Family::head_backward(pass, &parameters_[size_t(head_index_)],
+                          parameters_[size_t(lm_head_index_)], saved.stream(layers, nullptr),
+                          saved.targets.data(), loss_scale, *saved.head, gradients);
+  } else {
+    std::copy_n(grad_output, N * H, pass.d_residual.begin());
+  }
+  for (int64_t i = layers - 1; i >= 0; --i) {
+    const int64_t layer = layout_.first_layer + i;
+    enter(layer, nullptr, true);
+    Family::layer_backward(pass, layer_views(layer), saved.stream(i, nullptr),
+                           saved.layers[size_t(i)], gradients);
+    hooks_.post_backward(layer);
+  }
+  if (layout_.embedding) {
+    Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
+  } else {
+    std::copy_n(pass.d_residual.begin(), N * H, grad_input);
+  }
+}
+
+template <class Family>
+int64_t TransformerStage<Family>::activation_bytes() const {
+  int64_t total = 0;
+  for (const auto& [mb, state] : microbatches_) total += state->bytes();
+  return total;
+}
+
+}  // namespace meshrun::models

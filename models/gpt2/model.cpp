@@ -1,0 +1,72 @@
+#include "gpt2/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace meshrun::gpt2 {
+
+using models::add_parameter;
+
+namespace {
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+void add_layer(std::vector<ParameterView>& views, const Gpt2Config& c, int64_t layer) {
+  const int64_t E = c.n_embd, I = c.n_inner;
+  const std::string p = "transformer.h." + std::to_string(layer) + ".";
+  add_parameter(views, p + "ln_1.weight", {E}, layer);
+  add_parameter(views, p + "ln_1.bias", {E}, layer);
+  add_parameter(views, p + "attn.c_attn.weight", {E, 3 * E}, layer);
+  add_parameter(views, p + "attn.c_attn.bias", {3 * E}, layer);
+  add_parameter(views, p + "attn.c_proj.weight", {E, E}, layer);
+  add_parameter(views, p + "attn.c_proj.bias", {E}, layer);
+  add_parameter(views, p + "ln_2.weight", {E}, layer);
+  add_parameter(views, p + "ln_2.bias", {E}, layer);
+  add_parameter(views, p + "mlp.c_fc.weight", {E, I}, layer);
+  add_parameter(views, p + "mlp.c_fc.bias", {I}, layer);
+  add_parameter(views, p + "mlp.c_proj.weight", {I, E}, layer);
+  add_parameter(views, p + "mlp.c_proj.bias", {E}, layer);
+}
+
+}  // namespace
+
+void check_config(const Gpt2Config& c) {
+  if (c.n_embd % c.n_head != 0) {
+    throw std::invalid_argument("model.n_embd: " + std::to_string(c.n_embd) +
+                                " must be divisible by model.n_head (" + std::to_string(c.n_head) +
+                                ")");
+  }
+}
+
+std::vector<ParameterView> model_parameters(const Gpt2Config& c) {
+  const int64_t E = c.n_embd, root = c.n_layer;
+  std::vector<ParameterView> views;
+  add_parameter(views, "transformer.wte.weight", {c.vocab_size, E}, root);
+  add_parameter(views, "transformer.wpe.weight", {c.n_positions, E}, root);
+  for (int64_t layer = 0; layer < c.n_layer; ++layer) add_layer(views, c, layer);
+  add_parameter(views, "transformer.ln_f.weight", {E}, root);
+  add_parameter(views, "transformer.ln_f.bias", {E}, root);
+  if (!c.tie_word_embeddings) add_parameter(views, "lm_head.weight", {c.vocab_size, E}, root);
+  return views;
+}
+
+void init_parameter(const Gpt2Config& config, const std::vector<ParameterView>& parameters,
+                    uint64_t seed, int64_t index, float* values) {
+  const ParameterView& view = parameters.at(size_t(index));
+  if (view.shape.size() == 1) {
+    std::fill_n(values, view.numel, ends_with(view.name, ".weight") ? 1.0f : 0.0f);
+    return;
+  }
+  // GPT-2's scaling of the projections into the residual stream, which n_layer
+  // layers' worth add up.
+  const double scale =
+      ends_with(view.name, "c_proj.weight") ? 1.0 / std::sqrt(2.0 * double(config.n_layer)) : 1.0;
+  models::init_normal(parameters, seed, index, config.initializer_range * scale, values);
+}
+
+}  // namespace meshrun::gpt2

@@ -1,0 +1,180 @@
+#include "gpt2/stage.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "common/stage_impl.hpp"
+#include "common/support.hpp"
+
+template class meshrun::models::TransformerStage<meshrun::gpt2::Gpt2>;
+
+namespace meshrun::gpt2 {
+
+using namespace kernels;
+using models::bytes_of;
+using models::WeightLayout;
+
+namespace {
+
+// y = x W + b of the Conv1D whose weight is conv[0] and bias conv[1].
+void conv1d_bias_forward(float* y, const float* x, const ParameterView* conv, int64_t rows,
+                         int64_t in, int64_t out) {
+  conv1d_forward(y, x, conv[0].data, rows, in, out);
+  bias_forward(y, conv[1].data, rows, out);
+}
+
+// dx = dy W^T; the bias's gradient at once, the weight's (x^T dy) to
+// `gradients`, which may take x.
+void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
+                          std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
+                          WeightGradients& gradients) {
+  conv1d_backward_input(dx, dy, conv[0].data, rows, in, out);
+  bias_backward(conv[1].grad, dy, rows, out);
+  gradients.vector_ready(conv[1]);
+  gradients.linear({&conv[0], &conv[0], WeightLayout::in_out, rows, in, out}, dy, x);
+}
+
+// dx += the LayerNorm's input gradient; its weight's (norm[0]) and bias's
+// (norm[1]) gradients are final.
+void layernorm_backward_ready(float* dx, const float* dy, const float* x, const ParameterView* norm,
+                              const float* mean, const float* rstd, int64_t rows, int64_t dim,
+                              WeightGradients& gradients) {
+  layernorm_backward(dx, norm[0].grad, norm[1].grad, dy, x, norm[0].data, mean, rstd, rows, dim);
+  gradients.vector_ready(norm[1]);
+  gradients.vector_ready(norm[0]);
+}
+
+}  // namespace
+
+BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len)
+    : attention{batch, seq_len, c.n_head, c.n_head, c.n_embd / c.n_head},
+      hidden(c.n_embd),
+      inner(c.n_inner),
+      vocab(c.vocab_size),
+      eps(c.layer_norm_epsilon),
+      positions(rows()),
+      projection(rows() * hidden),
+      d_residual(rows() * hidden),
+      d_norm(rows() * hidden),
+      d_qkv(rows() * 3 * hidden),
+      d_attention(rows() * hidden),
+      d_scores(attention.d_scores_size()),
+      d_mlp(rows() * inner) {
+  models::require(seq_len <= c.n_positions, Gpt2::kName,
+                  "seq_len " + std::to_string(seq_len) + " is beyond n_positions " +
+                      std::to_string(c.n_positions) + " (transformer.wpe has a row per position)");
+  for (int64_t r = 0; r < rows(); ++r) positions[size_t(r)] = int32_t(r % seq_len);
+}
+
+BlockActivations::BlockActivations(const BlockPass& pass)
+    : ln1(pass.rows() * pass.hidden),
+      mean1(pass.rows()),
+      rstd1(pass.rows()),
+      qkv(pass.rows() * 3 * pass.hidden),
+      probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
+            pass.attention.seq_len),
+      attention(pass.rows() * pass.hidden),
+      h(pass.rows() * pass.hidden),
+      ln2(pass.rows() * pass.hidden),
+      mean2(pass.rows()),
+      rstd2(pass.rows()),
+      fc(pass.rows() * pass.inner),
+      act(pass.rows() * pass.inner) {}
+
+int64_t BlockActivations::bytes() const {
+  return bytes_of(ln1, mean1, rstd1, qkv, probs, attention, h, ln2, mean2, rstd2, fc, act);
+}
+
+HeadActivations::HeadActivations(const BlockPass& pass)
+    : final_norm(pass.rows() * pass.hidden),
+      final_mean(pass.rows()),
+      final_rstd(pass.rows()),
+      logits(pass.rows() * pass.vocab) {}
+
+int64_t HeadActivations::bytes() const {
+  return bytes_of(final_norm, final_mean, final_rstd, logits);
+}
+
+void Gpt2::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                             float* out) {
+  const int64_t N = pass.rows(), E = pass.hidden;
+  kernels::embedding_forward(out, tokens, embedding[0].data, N, E);
+  kernels::embedding_forward(pass.projection.data(), pass.positions.data(), embedding[1].data, N,
+                             E);
+  residual_forward(out, out, pass.projection.data(), N * E);
+}
+
+void Gpt2::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
+  const int64_t N = pass.rows(), E = pass.hidden;
+  kernels::embedding_backward(embedding[0].grad, tokens, pass.d_residual.data(), N, E);
+  kernels::embedding_backward(embedding[1].grad, pass.positions.data(), pass.d_residual.data(), N,
+                              E);
+}
+
+void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
+                         LayerActivations& saved, float* out) {
+  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner;
+  float* projection = pass.projection.data();
+
+  layernorm_forward(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
+                    block[kLn1Weight].data, block[kLn1Bias].data, N, E, pass.eps);
+  conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * E);
+  attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), pass.attention);
+  conv1d_bias_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, E, E);
+  residual_forward(saved.h.data(), x, projection, N * E);
+
+  layernorm_forward(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
+                    block[kLn2Weight].data, block[kLn2Bias].data, N, E, pass.eps);
+  conv1d_bias_forward(saved.fc.data(), saved.ln2.data(), &block[kFcWeight], N, E, I);
+  gelu_forward(saved.act.data(), saved.fc.data(), N * I);
+  conv1d_bias_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E);
+  residual_forward(out, saved.h.data(), projection, N * E);
+}
+
+// Each residual add passes its gradient through, so the norms' backward
+// accumulates into d_residual. Every Conv1D's input gradient comes first and
+// its parameters' gradients right after, while dy is at hand.
+void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x,
+                          LayerActivations& saved, WeightGradients& gradients) {
+  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner;
+  float* d_residual = pass.d_residual.data();
+  float* d_norm = pass.d_norm.data();
+
+  conv1d_bias_backward(pass.d_mlp.data(), d_residual, &block[kMlpProjWeight], saved.act, N, I, E,
+                       gradients);
+  gelu_backward(pass.d_mlp.data(), pass.d_mlp.data(), saved.fc.data(), N * I);
+  conv1d_bias_backward(d_norm, pass.d_mlp.data(), &block[kFcWeight], saved.ln2, N, E, I, gradients);
+  layernorm_backward_ready(d_residual, d_norm, saved.h.data(), &block[kLn2Weight],
+                           saved.mean2.data(), saved.rstd2.data(), N, E, gradients);
+
+  conv1d_bias_backward(pass.d_attention.data(), d_residual, &block[kAttnProjWeight],
+                       saved.attention, N, E, E, gradients);
+  attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
+                     saved.qkv.data(), saved.probs.data(), pass.attention);
+  conv1d_bias_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * E,
+                       gradients);
+  layernorm_backward_ready(d_residual, d_norm, x, &block[kLn1Weight], saved.mean1.data(),
+                           saved.rstd1.data(), N, E, gradients);
+}
+
+double Gpt2::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                          const float* x, const int32_t* targets, HeadActivations& saved) {
+  const int64_t N = pass.rows(), E = pass.hidden;
+  layernorm_forward(saved.final_norm.data(), saved.final_mean.data(), saved.final_rstd.data(), x,
+                    head[0].data, head[1].data, N, E, pass.eps);
+  return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
+                                      targets, N, E, pass.vocab);
+}
+
+void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                         const float* x, const int32_t* targets, float loss_scale,
+                         HeadActivations& saved, WeightGradients& gradients) {
+  const int64_t N = pass.rows(), E = pass.hidden;
+  models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
+                                targets, loss_scale, N, E, pass.vocab, gradients);
+  std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
+  layernorm_backward_ready(pass.d_residual.data(), pass.d_norm.data(), x, head,
+                           saved.final_mean.data(), saved.final_rstd.data(), N, E, gradients);
+}
+
+}  // namespace meshrun::gpt2
