@@ -209,6 +209,10 @@ class TransformerStage {
   // gradient_ready of the embedding's views, last first; a tied lm_head's
   // view waits for the weight pass when `skip_lm_head`.
   void announce_embedding(bool skip_lm_head);
+  // A microbatch's state for a forward: a finished one's, else a new one.
+  std::unique_ptr<Microbatch> take_state();
+  // Ends microbatch `found`, keeping its forward state for the next forward.
+  void finish(typename std::map<int32_t, std::unique_ptr<Microbatch>>::iterator found);
 
   Config config_;
   StageLayout layout_;
@@ -219,6 +223,9 @@ class TransformerStage {
   int64_t batch_ = 0, seq_len_ = 0;
   std::unique_ptr<typename Family::Pass> pass_;
   std::map<int32_t, std::unique_ptr<Microbatch>> microbatches_;
+  // The states of finished microbatches, of the current shape: a forward
+  // reuses one rather than allocating and zeroing the activations again.
+  std::vector<std::unique_ptr<Microbatch>> spare_;
 };
 
 }  // namespace meshrun::models

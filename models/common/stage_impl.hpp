@@ -196,6 +196,7 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
                            std::to_string(microbatches_.size()) +
                            " microbatches are in flight; finish their backward first");
   }
+  spare_.clear();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
   batch_ = batch;
@@ -233,8 +234,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   if (layout_.embedding) check_tokens(tokens, N, config_.vocab_size, "tokens");
   if (layout_.head) check_tokens(targets, N, config_.vocab_size, "targets");
 
-  auto state = std::make_unique<Microbatch>();
-  state->saved = std::make_unique<typename Microbatch::Saved>(pass, layout_);
+  auto state = take_state();
   auto& saved = *state->saved;
   if (holds_root()) enter(root, nullptr, false);
   if (layout_.embedding) {
@@ -278,6 +278,31 @@ typename TransformerStage<Family>::Microbatch& TransformerStage<Family>::forward
 }
 
 template <class Family>
+std::unique_ptr<typename TransformerStage<Family>::Microbatch>
+TransformerStage<Family>::take_state() {
+  if (!spare_.empty()) {
+    auto state = std::move(spare_.back());
+    spare_.pop_back();
+    return state;
+  }
+  auto state = std::make_unique<Microbatch>();
+  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_);
+  return state;
+}
+
+// Every activation of a forward is written before it is read, so a
+// finished microbatch's buffers serve the next one as they are. A split
+// backward moved some of them into its pending weight pass: that state is
+// not kept.
+template <class Family>
+void TransformerStage<Family>::finish(
+    typename std::map<int32_t, std::unique_ptr<Microbatch>>::iterator found) {
+  std::unique_ptr<Microbatch> state = std::move(found->second);
+  microbatches_.erase(found);
+  if (state->saved && state->pending.empty()) spare_.push_back(std::move(state));
+}
+
+template <class Family>
 void TransformerStage<Family>::announce_embedding(bool skip_lm_head) {
   if (!layout_.embedding) return;
   for (int64_t v = Family::kEmbeddingTensors - 1; v >= 0; --v) {
@@ -294,7 +319,7 @@ void TransformerStage<Family>::backward(int32_t mb, float loss_scale, const floa
   backward_pass(forwarded(mb, "backward"), loss_scale, grad_output, grad_input, gradients);
   announce_embedding(false);
   if (holds_root()) hooks_.post_backward(root_unit());
-  microbatches_.erase(mb);
+  finish(microbatches_.find(mb));
 }
 
 // A tied lm_head still adds to the embedding's gradient in the weight pass.
@@ -335,14 +360,16 @@ void TransformerStage<Family>::backward_weight(int32_t mb) {
   }
   if (current >= 0) hooks_.post_backward(current);
   if (holds_root()) hooks_.post_backward(root);
-  microbatches_.erase(found);
+  finish(found);
 }
 
 template <class Family>
 void TransformerStage<Family>::discard(int32_t mb) {
-  if (microbatches_.erase(mb) == 0) {
+  const auto found = microbatches_.find(mb);
+  if (found == microbatches_.end()) {
     throw std::logic_error(microbatch_name(mb) + ": discard of a microbatch not in flight");
   }
+  finish(found);
 }
 
 // The forward in reverse through pass_->d_residual, the gradient of the
