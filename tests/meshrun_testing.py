@@ -1,6 +1,6 @@
 """What every Python test of the meshrun CLI asserts about bad input.
 
-The project's contract (DESIGN.md): bad input exits with status 2 and prints
+The project's contract (docs/design.md): bad input exits with status 2 and prints
 exactly one line, "meshrun: error: ...", that names the key or argument, and
 nothing on stdout.
 """

@@ -39,7 +39,7 @@ void print_usage() {
       "                   train the model as N ranks; metrics and checkpoints in DIR\n"
       "  plan CONFIG.toml [--world-size N] [--json] [--all-ranks] [key.path=value ...]\n"
       "                   the mesh, plugins and rank layout a run would use\n"
-      "  plugins [--kind strategy|schedule|sidecar|comm] [--json]\n"
+      "  plugins [--kind strategy|schedule|sidecar|comm|model] [--json]\n"
       "                   the plugins on the search path (MESHRUN_PLUGIN_PATH adds folders)\n"
       "  schedule NAME --pp P --microbatches M [--stages-per-rank V] [--json] [--svg FILE]\n"
       "                   [--costs F=1,B=1,I=0.5,W=0.5]; --csv FILE in place of NAME reads one\n"

@@ -1,4 +1,4 @@
-// meshrun plugins [--kind strategy|schedule|sidecar|comm] [--json]
+// meshrun plugins [--kind strategy|schedule|sidecar|comm|model] [--json]
 //
 // Every plugin file on the search path, grouped by kind and name, the file
 // that would be loaded first and the ones it shadows after it, each with the
@@ -108,7 +108,7 @@ int run_plugins(const Args& args) {
     const ParsedArgs parsed =
         parse_args(args, {{"kind", true}, {"json", false}, {"help", false}}, "plugins");
     if (parsed.has_flag("help")) {
-      std::puts("usage: meshrun plugins [--kind strategy|schedule|sidecar|comm] [--json]");
+      std::puts("usage: meshrun plugins [--kind strategy|schedule|sidecar|comm|model] [--json]");
       return 0;
     }
     if (!parsed.positionals.empty() || !parsed.overrides.empty()) {

@@ -102,7 +102,7 @@ class MeshContext {
   int64_t ep_ = 1;
 };
 
-// Applies AutoModel's rules for `family` (ANCHORS.md) and builds the mesh.
+// Applies AutoModel's rules for `family` (docs/design.md, "Mesh") and builds the mesh.
 // Throws meshrun::Error (INVALID_ARGUMENT, key() = the main offending key,
 // e.g. "distributed.tp_size") whose message names the offending
 // key(s) as "distributed.<key>" and the sizes involved, e.g.

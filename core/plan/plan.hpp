@@ -55,7 +55,7 @@ MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
 // dp_size, or else the smallest dp the dp_replicate and ep rules allow.
 int64_t default_world_size(const Config& config);
 
-// DESIGN.md's plan JSON. Rank coordinates are listed up to 4096 ranks, or
+// The plan JSON of docs/design.md. Rank coordinates are listed up to 4096 ranks, or
 // always with `all_ranks`.
 nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks);
 

@@ -1,5 +1,5 @@
 // The plugin loader: the search path, dlopen, and the checks a host makes
-// before it trusts a plugin's table (DESIGN.md, ABI rules 2-4). Every failure
+// before it trusts a plugin's table (docs/design.md, ABI rules 2-4). Every failure
 // is a meshrun::Error whose message starts with "plugin FILE: ".
 #include "plugin/loader.hpp"
 

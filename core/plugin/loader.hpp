@@ -113,7 +113,7 @@ const meshrun_host_services& host_services();
 
 // The extension of `type` in `list` (a table of `library`, or one of its
 // kind tables). Throws meshrun::Error UNIMPLEMENTED naming the plugin file and
-// `feature` when the plugin does not provide it (DESIGN.md, ABI rule 8).
+// `feature` when the plugin does not provide it (docs/design.md, ABI rule 8).
 const meshrun_extension& require_extension(const PluginLibrary& library,
                                            const meshrun_extension* list, int32_t type,
                                            std::string_view feature);

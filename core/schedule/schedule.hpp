@@ -1,4 +1,4 @@
-// Pipeline schedules as data (DESIGN.md "Plan"): every rank's ordered
+// Pipeline schedules as data (docs/design.md, "The runtime"): every rank's ordered
 // actions in PyTorch's vocabulary (torch.distributed.pipelining), from a
 // schedule plugin or a CSV file, checked by the validator, timed by the
 // simulator, drawn as SVG, and run by the executor.

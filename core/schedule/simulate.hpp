@@ -1,5 +1,5 @@
 // Timing a pipeline schedule: when every action runs for given per-action
-// costs, the makespan, the bubble (DESIGN.md: idle time ÷ (ranks ×
+// costs, the makespan, the bubble (docs/design.md: idle time ÷ (ranks ×
 // makespan)) and the activations each rank holds at its peak.
 //
 // Each rank runs its actions in order; a compute action starts when the rank
@@ -28,7 +28,7 @@
 
 namespace meshrun::schedule {
 
-// Time per action, in any unit. The defaults are DESIGN.md's: a full
+// Time per action, in any unit. The defaults are docs/design.md's: a full
 // backward B costs what its halves I and W cost together; communication is
 // free. `send` + `recv` is the time one transfer between ranks takes.
 struct Costs {

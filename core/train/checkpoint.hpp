@@ -1,4 +1,4 @@
-// Checkpoints of a run (DESIGN.md "Run output directory"):
+// Checkpoints of a run (docs/design.md, "Output directory"):
 // - consolidated: DIR/model.safetensors with Hugging Face names and shapes
 //   and DIR/config.json (the model plugin's Hugging Face config), read back
 //   by model.checkpoint = "DIR";

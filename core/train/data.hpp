@@ -1,5 +1,5 @@
 // The training data: a file's bytes as tokens (vocabulary 256), its last
-// data.val_fraction held out for validation (DESIGN.md "Validation loss").
+// data.val_fraction held out for validation (docs/design.md, "Validation loss").
 //
 // Training sequences are chosen by (seed, step, index in the global batch)
 // alone, so the global batch is the same whatever the world size, and a

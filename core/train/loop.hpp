@@ -21,7 +21,7 @@ class TrainingRank {
   virtual void train_step(int64_t step, StepMetrics& metrics) = 0;
   // Clipping and the optimizer update; sets metrics.grad_norm and lr.
   virtual void optimizer_step(int64_t step, StepMetrics& metrics) = 0;
-  // DESIGN.md's val_loss; nullopt without validation windows.
+  // docs/design.md's val_loss; nullopt without validation windows.
   virtual std::optional<double> validate() = 0;
   virtual MemoryUse memory_use() = 0;
   // Collective: the sharded checkpoint of `step` under DIR/checkpoints.

@@ -1,4 +1,4 @@
-// What a run reports: DIR/metrics.jsonl (one JSON object per step, DESIGN.md
+// What a run reports: DIR/metrics.jsonl (one JSON object per step, docs/design.md
 // "User-facing contract") and the progress line, both on rank 0 only.
 #pragma once
 

@@ -114,7 +114,7 @@ void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
   round_to(local_.params, local_.numel, ctx_.config.model.torch_dtype);
 }
 
-// DESIGN.md's val_loss: the windows are shared out over the data-parallel
+// docs/design.md's val_loss: the windows are shared out over the data-parallel
 // ranks and the token losses summed over them. Under a sharded strategy a
 // forward is collective (it gathers units), so a rank with fewer windows
 // runs forwards of window 0 whose loss it drops, until every rank has run

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles every public header alone, twice included, in a file of its own:
 # each C header as strict C11 and as C++17, each C++ header as C++17, with
-# warnings as errors. DESIGN.md rule 1: the ABI headers are plain C11.
+# warnings as errors. docs/design.md, ABI rule 1: the ABI headers are plain C11.
 #
 #   compile_headers.sh C_COMPILER CXX_COMPILER INCLUDE_DIR
 set -euo pipefail

@@ -1,7 +1,7 @@
 """`meshrun schedule` as a user runs it.
 
 Every shipped schedule prints its action grid and figures, one JSON object
-with DESIGN.md's fields, and a well-formed SVG; a CSV written from a
+with docs/design.md's fields, and a well-formed SVG; a CSV written from a
 schedule's actions reads back to the same schedule; bad input exits with
 status 2 and one line naming the flag.
 Run by ctest: test_schedule.py MESHRUN_EXE

@@ -1,5 +1,5 @@
 // meshrun-conformance: checks one plugin file against the ABI rules of
-// DESIGN.md (entry point, exports, version, identity, NULL handles, too-small
+// docs/design.md (entry point, exports, version, identity, NULL handles, too-small
 // and larger-than-known structs, errors round-tripped, extensions). Runs on
 // every shipped plugin through ctest, and on a third-party one:
 //

@@ -231,7 +231,7 @@ ParallelismSizes sizes_for(const Factorization& f, bool explicit_dp, int64_t ep)
   return sizes;
 }
 
-// The rules of ANCHORS.md for an input that is a factorization of the world.
+// The rules of docs/design.md ("Mesh") for an input that is a factorization of the world.
 bool fsdp2_accepts(const Factorization& f) { return f.dpr == 1 || f.dpr < f.dpr * f.dps; }
 bool megatron_accepts(const Factorization& f, int64_t ep) {
   return f.pp == 1 && f.dpr == 1 && ep == 1;

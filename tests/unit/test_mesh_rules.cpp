@@ -1,4 +1,4 @@
-// One test per mesh validation rule of ANCHORS.md ("Mesh"): the message names
+// One test per mesh validation rule of docs/design.md ("Mesh"): the message names
 // the keys and sizes involved, and key() the main offending key.
 #include <chrono>
 #include <cstdint>

@@ -1,6 +1,6 @@
 // The schedule simulator (core/schedule/simulate.hpp) and picture
 // (svg.hpp): the shipped schedules' simulated bubbles against the closed
-// forms of ANCHORS.md "Bubble fractions", zero-bubble schedules against
+// forms of docs/design.md ("Pipelines": bubble fractions), zero-bubble schedules against
 // 1F1B, peak activations, and on hand-written schedules the timing rules,
 // communication costs, and the errors for schedules that cannot run.
 #include <catch2/catch.hpp>

@@ -4,7 +4,7 @@
  * A strategy decides how parameters, gradients and optimizer state are
  * replicated or sharded, and when they are communicated. The host owns the
  * model's compute and its buffers; it hands the strategy flat views of them
- * and calls it at module boundaries (DESIGN.md "Hooks"):
+ * and calls it at module boundaries (docs/design.md, "The runtime"):
  *
  *   setup(...)                       once, after the mesh and communicators
  *   broadcast_parameters()           once, so every replica starts equal
@@ -71,7 +71,7 @@ typedef struct meshrun_strategy_setup {
    * sub-communicators of data_parallel. */
   meshrun_communicator* shard_group;
   meshrun_communicator* replicate_group;
-  /* Units (DESIGN.md "Plan"): the modules whose parameters are gathered
+  /* Units (docs/design.md, "The runtime"): the modules whose parameters are gathered
    * together. Units other than `root_unit` are one layer list, numbered in
    * forward order; the root encloses them (embeddings, final norm, head). */
   int32_t num_units;

@@ -13,7 +13,7 @@ namespace meshrun::mpi::via_mpi {
 namespace {
 
 // Open MPI 4.1's MPI_Allreduce runs at 3-7 GB/s up to 16 MiB on one node
-// but falls to 0.3 GB/s at 64 MiB (ANCHORS.md); 4 MiB pieces stay on the
+// but falls to 0.3 GB/s at 64 MiB (docs/design.md, "Measured"); 4 MiB pieces stay on the
 // fast side.
 constexpr size_t kDefaultPieceBytes = size_t{4} << 20;
 
