@@ -12,7 +12,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,12 +22,14 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "errors.hpp"
+#include "model/model.hpp"
 #include "plugin/loader.hpp"
 
 namespace {
@@ -406,19 +410,36 @@ meshrun_host_services recording_host(AllocatedBlocks& blocks) {
 }
 
 // A request with the fields docs/plan.md gives, for a small Llama-shaped
-// model of the sidecar's model type on one rank.
+// model of the sidecar's model type on one rank: one layer of one matrix.
 std::string minimal_plan_request(const char* model_type) {
+  const nlohmann::json config = {{"model_type", model_type},    {"vocab_size", 128},
+                                 {"hidden_size", 64},           {"num_hidden_layers", 1},
+                                 {"num_attention_heads", 4},    {"num_key_value_heads", 2},
+                                 {"tie_word_embeddings", false}};
+  const nlohmann::json parameter = {
+      {"name", "model.layers.0.w"}, {"shape", {64, 64}}, {"unit", "model.layers.0"}};
+  nlohmann::json placed = parameter;
+  placed["tp"] = "replicate";
+  placed["local_shape"] = {64, 64};
   return nlohmann::json{
-      {"model",
-       {{"model_type", model_type},
-        {"vocab_size", 128},
-        {"hidden_size", 64},
-        {"intermediate_size", 128},
-        {"num_hidden_layers", 2},
-        {"num_attention_heads", 4},
-        {"num_key_value_heads", 2},
-        {"tie_word_embeddings", false}}},
+      {"model", config},
+      {"description",
+       {{"config", config},
+        {"parameters", {parameter}},
+        {"units", {"model.layers.0", "root"}},
+        {"modules", {{{"name", "model.layers.0"}, {"parameters", {"model.layers.0.w"}}}}},
+        {"vocab_size", 128}}},
+      {"default_plan",
+       {{"units",
+         {{{"name", "root"}, {"parameters", nlohmann::json::array()}},
+          {{"name", "model.layers.0"}, {"parameters", {"model.layers.0.w"}}}}},
+        {"parameters", {placed}},
+        {"tensor_parallel", nlohmann::json::array()},
+        {"pipeline", nullptr},
+        {"activation_checkpointing", nlohmann::json::array()}}},
       {"mesh", {{"pp", 1}, {"dp_replicate", 1}, {"dp_shard", 1}, {"cp", 1}, {"tp", 1}, {"ep", 1}}},
+      {"sequence_parallel", false},
+      {"activation_checkpointing", ""},
       {"pipeline", nlohmann::json::object()}}
       .dump();
 }
@@ -472,6 +493,121 @@ TEST_CASE("a sidecar's plan refuses bad arguments and returns a plan the host fr
     CHECK((plan.contains("units") && plan["units"].is_array()));
   }
   api.destroy(instance);
+}
+
+// The host side of a model stage as a replicated strategy gives it: every
+// parameter in one flat buffer, each announcement counted.
+class FlatHooks : public meshrun::StageHooks {
+ public:
+  explicit FlatHooks(const meshrun::ModelDescription& d)
+      : d_(d), values(size_t(d.numel)), gradients(size_t(d.numel)), ready(d.parameters.size()) {}
+  meshrun::ParameterStorage parameter(int64_t p, bool backward) override {
+    const int64_t offset = d_.parameters[size_t(p)].offset;
+    return {values.data() + offset, backward ? gradients.data() + offset : nullptr};
+  }
+  void gradient_ready(int64_t p) override { ++ready[size_t(p)]; }
+
+  const meshrun::ModelDescription& d_;
+  std::vector<float> values, gradients;
+  std::vector<int> ready;
+};
+
+// The model of the plugin's defaults (an empty [model] table): every model
+// must take it, each key having a default.
+std::unique_ptr<meshrun::Model> default_model() {
+  try {
+    return std::make_unique<meshrun::Model>(meshrun::PluginLoader({}).load_file(plugin_path),
+                                            nlohmann::ordered_json::object());
+  } catch (const meshrun::Error& e) {
+    FAIL("the model of an empty [model] table: " << e.what());
+  }
+  return nullptr;
+}
+
+TEST_CASE("a model's entry points refuse NULL with INVALID_ARGUMENT", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (!MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) || api.model == nullptr) {
+    SUCCEED("not a model plugin");
+    return;
+  }
+  const meshrun_model_api& model = *api.model;
+  const meshrun_host_services& host = meshrun::host_services();
+  meshrun_plugin_instance* instance = nullptr;
+  REQUIRE(api.create(&host, &instance) == nullptr);
+  auto* const sentinel = reinterpret_cast<meshrun_model*>(&plugin_path);
+  meshrun_model* out = sentinel;
+  check_and_release_error(model.model_create(nullptr, "{}", &out), MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(model.model_create(instance, nullptr, &out), MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(model.model_create(instance, "{}", nullptr), MESHRUN_INVALID_ARGUMENT);
+  {
+    INFO("a config that is not JSON");
+    check_and_release_error(model.model_create(instance, "{\"a\": [", &out), std::nullopt);
+  }
+  CHECK(out == sentinel);
+  REQUIRE(model.model_create(instance, "{}", &out) == nullptr);
+  REQUIRE(out != sentinel);
+  check_and_release_error(model.describe(out, nullptr), MESHRUN_INVALID_ARGUMENT);
+  check_and_release_error(model.describe(nullptr, nullptr), MESHRUN_INVALID_ARGUMENT);
+  meshrun_model_stage* stage = nullptr;
+  check_and_release_error(model.stage_create(out, nullptr, &stage), MESHRUN_INVALID_ARGUMENT);
+  CHECK(stage == nullptr);
+  int64_t bytes = 0;
+  check_and_release_error(model.activation_bytes(nullptr, &bytes), MESHRUN_INVALID_ARGUMENT);
+  model.stage_destroy(nullptr);
+  model.model_destroy(nullptr);
+  model.model_destroy(out);
+  api.destroy(instance);
+}
+
+// One micro-batch through a stage of the whole model, as the trainer runs it:
+// the description holds together, every parameter is initialized the same
+// for the same seed, the hooks come in the documented order (the host
+// checks), every parameter's gradient is announced once, and nothing is
+// kept after the backward.
+TEST_CASE("a model computes a micro-batch over the host's hooks", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (!MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) || api.model == nullptr) {
+    SUCCEED("not a model plugin");
+    return;
+  }
+  const auto model = default_model();
+  const meshrun::ModelDescription& d = model->description();
+  FlatHooks hooks(d);
+  model->init_parameters(7, hooks.values.data());
+  std::vector<float> again(size_t(d.numel));
+  model->init_parameters(7, again.data());
+  CHECK(again == hooks.values);
+  CHECK(std::all_of(again.begin(), again.end(), [](float v) { return std::isfinite(v); }));
+
+  std::vector<std::string> modules;
+  for (const auto& module : d.modules) modules.push_back(module.name);
+  meshrun::ModelStage stage(*model, modules, hooks, {}, "{}", "{}");
+  const int64_t batch = 2, seq_len = std::min<int64_t>(4, d.max_seq_len.value_or(4));
+  stage.set_shape(batch, seq_len);
+  CHECK(stage.input_numel() == 0);
+  CHECK(stage.output_numel() == 0);
+  std::vector<int32_t> tokens(size_t(batch * seq_len)), targets(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t((i * 7) % size_t(d.vocab_size));
+    targets[i] = int32_t((i * 5 + 1) % size_t(d.vocab_size));
+  }
+  try {
+    const double loss = stage.forward(0, tokens.data(), targets.data(), nullptr, nullptr);
+    CHECK(std::isfinite(loss));
+    CHECK(loss > 0);
+    CHECK(stage.activation_bytes() > 0);
+    stage.backward(0, 1.0f, nullptr, nullptr);
+  } catch (const meshrun::Error& e) {
+    FAIL(e.what());
+  }
+  CHECK(stage.activation_bytes() == 0);
+  for (size_t p = 0; p < d.parameters.size(); ++p) {
+    INFO("gradient_ready of " << d.parameters[p].name);
+    CHECK(hooks.ready[p] == 1);
+  }
+  CHECK(
+      std::any_of(hooks.gradients.begin(), hooks.gradients.end(), [](float g) { return g != 0; }));
+  CHECK_THROWS_AS(stage.backward(0, 1.0f, nullptr, nullptr), meshrun::Error);
 }
 
 TEST_CASE("an unknown extension is absent, and the host reports UNIMPLEMENTED", "[conformance]") {

@@ -8,6 +8,8 @@
 // (the root, module "head").
 #include <cmath>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,7 +25,13 @@ constexpr int32_t kLayer = 0, kRoot = 1;  // unit indices
 
 class TestModel {
  public:
-  TestModel(const meshrun_host_services& host, const char* /*config_json*/) : host_(host) {}
+  // It takes no key: the config must be an empty JSON object.
+  TestModel(const meshrun_host_services& host, const char* config_json) : host_(host) {
+    const auto config = nlohmann::json::parse(config_json, nullptr, false);
+    if (!config.is_object() || !config.empty()) {
+      throw std::invalid_argument("model: " TEST_MODEL_NAME " takes no [model] key");
+    }
+  }
   const meshrun_host_services& host() const { return host_; }
 
   std::string describe() const {
