@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 build_dir="${MESHRUN_BUILD_DIR:-build}"
-cmake -S . -B "$build_dir" -G Ninja
+cmake -S . -B "$build_dir" -G Ninja -DMESHRUN_WERROR=ON
 cmake --build "$build_dir" -j "$(nproc)"

@@ -1,0 +1,186 @@
+// Reading a model plugin's description (meshrun/model.h): every field
+// checked, so that what the core plans and trains with holds together.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+
+#include "errors.hpp"
+#include "model/model.hpp"
+
+namespace meshrun {
+namespace {
+
+using nlohmann::ordered_json;
+
+[[noreturn]] void bad_description(const std::string& origin, const std::string& what) {
+  throw Error(MESHRUN_INVALID_ARGUMENT,
+              fmt::format("model.model_type: model plugin {}: describe: {}", origin, what),
+              "model.model_type");
+}
+
+const ordered_json& field(const ordered_json& object, const char* name, const std::string& where,
+                          const std::string& origin) {
+  if (!object.is_object() || !object.contains(name)) {
+    bad_description(origin, fmt::format("{} has no \"{}\"", where, name));
+  }
+  return object.at(name);
+}
+
+std::string text_field(const ordered_json& object, const char* name, const std::string& where,
+                       const std::string& origin) {
+  const ordered_json& value = field(object, name, where, origin);
+  if (!value.is_string() || value.get<std::string>().empty()) {
+    bad_description(origin, fmt::format("{}.{} must be a non-empty string", where, name));
+  }
+  return value.get<std::string>();
+}
+
+const ordered_json& array_field(const ordered_json& object, const char* name,
+                                const std::string& origin) {
+  const ordered_json& value = field(object, name, "the description", origin);
+  if (!value.is_array() || value.empty()) {
+    bad_description(origin, fmt::format("\"{}\" must be a non-empty array", name));
+  }
+  return value;
+}
+
+std::vector<int64_t> shape_of(const ordered_json& parameter, const std::string& where,
+                              const std::string& origin) {
+  const ordered_json& shape = field(parameter, "shape", where, origin);
+  bool valid = shape.is_array() && !shape.empty();
+  std::vector<int64_t> dims;
+  for (size_t d = 0; valid && d < shape.size(); ++d) {
+    valid = shape[d].is_number_integer() && shape[d].get<int64_t>() > 0;
+    if (valid) dims.push_back(shape[d].get<int64_t>());
+  }
+  if (!valid) {
+    bad_description(origin, where + ".shape must be a non-empty array of positive integers");
+  }
+  return dims;
+}
+
+void read_units(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  std::set<std::string> seen;
+  for (const auto& unit : array_field(json, "units", origin)) {
+    if (!unit.is_string() || !seen.insert(unit.get<std::string>()).second) {
+      bad_description(origin, "\"units\" must hold distinct unit names");
+    }
+    d.units.push_back(unit.get<std::string>());
+  }
+  if (d.units.back() != "root") {
+    bad_description(origin, "the last unit must be \"root\" (it encloses the others), not '" +
+                                d.units.back() + "'");
+  }
+}
+
+void read_parameters(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  for (const auto& entry : array_field(json, "parameters", origin)) {
+    const std::string where = fmt::format("parameters[{}]", d.parameters.size());
+    ModelParameter parameter;
+    parameter.name = text_field(entry, "name", where, origin);
+    parameter.shape = shape_of(entry, where, origin);
+    parameter.numel = 1;
+    for (const int64_t extent : parameter.shape) parameter.numel *= extent;
+    const std::string unit = text_field(entry, "unit", where, origin);
+    const auto found = std::find(d.units.begin(), d.units.end(), unit);
+    if (found == d.units.end()) {
+      bad_description(origin,
+                      fmt::format("{} ('{}') is in unit '{}', which \"units\" does not list", where,
+                                  parameter.name, unit));
+    }
+    if (d.parameter_index(parameter.name) >= 0) {
+      bad_description(origin, fmt::format("parameter '{}' is listed twice", parameter.name));
+    }
+    parameter.unit = int32_t(found - d.units.begin());
+    parameter.offset = d.numel;
+    d.numel += parameter.numel;
+    d.parameters.push_back(std::move(parameter));
+  }
+}
+
+void read_modules(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  std::vector<bool> used(d.parameters.size(), false);
+  for (const auto& entry : array_field(json, "modules", origin)) {
+    const std::string where = fmt::format("modules[{}]", d.modules.size());
+    ModelModule module;
+    module.name = text_field(entry, "name", where, origin);
+    if (d.module_index(module.name) >= 0) {
+      bad_description(origin, fmt::format("module '{}' is listed twice", module.name));
+    }
+    const ordered_json& names = field(entry, "parameters", where, origin);
+    if (!names.is_array()) bad_description(origin, where + ".parameters must be an array");
+    for (const auto& name : names) {
+      const int64_t index = name.is_string() ? d.parameter_index(name.get<std::string>()) : -1;
+      if (index < 0) {
+        bad_description(origin, fmt::format("module '{}' uses {}, which is not a parameter",
+                                            module.name, name.dump()));
+      }
+      module.parameters.push_back(index);
+      used[size_t(index)] = true;
+    }
+    if (entry.contains("group") && entry.at("group").is_string()) {
+      module.group = entry.at("group").get<std::string>();
+    }
+    d.modules.push_back(std::move(module));
+  }
+  for (size_t p = 0; p < used.size(); ++p) {
+    if (!used[p]) {
+      bad_description(origin,
+                      fmt::format("parameter '{}' is used by no module", d.parameters[p].name));
+    }
+  }
+}
+
+void read_limits(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  const ordered_json& vocab = field(json, "vocab_size", "the description", origin);
+  if (!vocab.is_number_integer() || vocab.get<int64_t>() <= 0) {
+    bad_description(origin, "\"vocab_size\" must be a positive integer");
+  }
+  d.vocab_size = vocab.get<int64_t>();
+  if (json.contains("max_seq_len") && !json.at("max_seq_len").is_null()) {
+    const ordered_json& limit = json.at("max_seq_len");
+    if (!limit.is_number_integer() || limit.get<int64_t>() <= 0) {
+      bad_description(origin, "\"max_seq_len\" must be a positive integer or null");
+    }
+    d.max_seq_len = limit.get<int64_t>();
+  }
+  if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
+    d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
+  }
+  d.config = field(json, "config", "the description", origin);
+  if (!d.config.is_object()) bad_description(origin, "\"config\" must be a JSON object");
+}
+
+}  // namespace
+
+int64_t ModelDescription::parameter_index(const std::string& name) const {
+  for (size_t p = 0; p < parameters.size(); ++p) {
+    if (parameters[p].name == name) return int64_t(p);
+  }
+  return -1;
+}
+
+int64_t ModelDescription::module_index(const std::string& name) const {
+  for (size_t m = 0; m < modules.size(); ++m) {
+    if (modules[m].name == name) return int64_t(m);
+  }
+  return -1;
+}
+
+ModelDescription parse_description(const std::string& text, const std::string& origin) {
+  ModelDescription d;
+  try {
+    d.json = ordered_json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    bad_description(origin, fmt::format("not JSON: {}", error.what()));
+  }
+  if (!d.json.is_object()) bad_description(origin, "the description is not a JSON object");
+  read_units(d.json, origin, d);
+  read_parameters(d.json, origin, d);
+  read_modules(d.json, origin, d);
+  read_limits(d.json, origin, d);
+  return d;
+}
+
+}  // namespace meshrun
