@@ -3,14 +3,32 @@ under meshrun's ddp or fsdp2 strategy (meshrun.torch), or under PyTorch's own
 DistributedDataParallel over gloo, for comparison.
 
     meshrun launch --nproc-per-node 2 -- python3 examples/python/train_torch.py \\
-        --strategy fsdp2 --steps 20 --output runs/torch-fsdp2 \\
-        distributed.mp_policy.param_dtype=float32
+        --strategy fsdp2 --param-dtype float32 --steps 20 --output runs/torch-fsdp2
 
 CONFIG (default examples/llama-tiny.toml) is a meshrun TOML file: [model],
 [data] and [train] configure the model, the data and the optimizer as for
 `meshrun train`; the whole file, with the key=value overrides, configures the
 meshrun runtime ([distributed], [comm]). --strategy sets
-distributed.strategy.
+distributed.strategy; --param-dtype sets fsdp2's
+distributed.mp_policy.param_dtype (llama-tiny.toml leaves bfloat16, the
+default: float32 computes exactly what ddp does).
+
+Strategies: ddp and fsdp2 (meshrun's, through meshrun.torch); torch_ddp
+(torch.nn.parallel.DistributedDataParallel over gloo); torch_nosync (the
+same with every micro-batch under no_sync: no gradient all-reduce, replicas
+drift apart; a timing baseline only, with a barrier after backward so that
+its ranks still wait for the slower one, as those of the others do). For
+torch's, the ranks are meshrun's (the launcher's environment:
+OMPI_COMM_WORLD_RANK and _SIZE under `meshrun launch`); rank 0 picks a free
+TCP port on 127.0.0.1 and broadcasts it to the others through meshrun's
+world communicator; gloo meets there.
+
+Several strategies, comma-separated, train one model each in the same ranks,
+their steps interleaved (strategy a's step s, b's step s, a's step s + 1,
+...), each writing DIR/<strategy>/metrics.jsonl: on a shared machine whose
+speed changes from second to second, interleaved steps see the same
+conditions, where runs one after the other do not
+(tests/bench/python_ddp_vs_torch.py).
 
 The global batch is the same whatever the number of ranks: step s draws
 train.global_batch_size windows of seq_len + 1 bytes from a generator seeded
@@ -20,12 +38,6 @@ rank's loss is the mean over its slice, the strategies average over ranks,
 so 1, 2 or 4 ranks compute the same losses up to float32 rounding.
 AdamW with linear warmup and cosine decay, global-norm clipping, weight decay
 on matrices only (not 1-D norm weights), as `meshrun train` does.
-
-torch_ddp: ranks are meshrun's (the launcher's environment: OMPI_COMM_WORLD_RANK
-and _SIZE under `meshrun launch`); rank 0 picks a free TCP port on 127.0.0.1
-and broadcasts it to the others through meshrun's world communicator; gloo
-meets there. --no-sync runs every torch_ddp micro-batch under no_sync (no
-gradient all-reduce; replicas drift apart): a timing baseline only.
 
 Rank 0 writes DIR/metrics.jsonl, one JSON object per step: step, loss (mean
 over the global batch), grad_norm, lr, tokens_per_s, step_time_s, and for
@@ -59,7 +71,7 @@ import meshrun.torch  # noqa: E402
 from torch_llama import (LlamaForCausalLM, global_batch, load_config, lr_factor,  # noqa: E402
                          training_bytes)
 
-STRATEGIES = ("ddp", "fsdp2", "torch_ddp")
+STRATEGIES = ("ddp", "fsdp2", "torch_ddp", "torch_nosync")
 
 
 def parse_args():
@@ -69,14 +81,18 @@ def parse_args():
                         help="meshrun TOML config (default examples/llama-tiny.toml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, as for meshrun train")
-    parser.add_argument("--strategy", choices=STRATEGIES, required=True)
+    parser.add_argument("--strategy", required=True,
+                        help=f"one of {', '.join(STRATEGIES)}, or several, comma-separated")
+    parser.add_argument("--param-dtype", choices=("float32", "bfloat16"),
+                        help="fsdp2's distributed.mp_policy.param_dtype")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--output", required=True, help="folder for metrics.jsonl")
-    parser.add_argument("--no-sync", action="store_true",
-                        help="torch_ddp only: never all-reduce gradients (timing baseline)")
     args = parser.parse_intermixed_args()
-    if args.no_sync and args.strategy != "torch_ddp":
-        parser.error("--no-sync applies to --strategy torch_ddp only")
+    args.strategies = args.strategy.split(",")
+    for strategy in args.strategies:
+        if strategy not in STRATEGIES or args.strategies.count(strategy) > 1:
+            parser.error(f"--strategy: '{strategy}' is not one of {', '.join(STRATEGIES)} "
+                         "(each at most once)")
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = parser.get_default("config")
@@ -89,15 +105,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torch_ddp(model, job):
-    """PyTorch's DDP over gloo on the job's ranks, meeting on a port rank 0
-    chose and broadcast through meshrun."""
+def join_gloo(job):
+    """PyTorch's process group over gloo on the job's ranks, meeting on a
+    port rank 0 chose and broadcast through meshrun."""
     port = torch.tensor([free_port() if job.rank == 0 else 0], dtype=torch.int64)
     job.comm("world").broadcast(port, root=0)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port)}", rank=job.rank,
                             world_size=job.world_size)
-    return DistributedDataParallel(model)
 
 
 def torch_adamw(model, train):
@@ -109,84 +124,122 @@ def torch_adamw(model, train):
                              weight_decay=train["weight_decay"])
 
 
-def main():
-    args = parse_args()
-    torch.set_num_threads(1)
-    overrides = list(args.overrides)
-    if args.strategy != "torch_ddp":
-        overrides.append(f"distributed.strategy={args.strategy}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    model_cfg, data_cfg, train = load_config(args.config, overrides)
-    try:
-        job = meshrun.init(args.config, overrides)
-    except meshrun.MeshrunError as error:  # a bad config or override
-        raise SystemExit(f"train_torch.py: error: {error}") from None
-    dp = job.comm("dp")
-    seq_len, micro, batch = data_cfg["seq_len"], train["micro_batch_size"], train[
-        "global_batch_size"]
-    per_rank, rest = divmod(batch, dp.size)
-    if rest or per_rank % micro:
-        raise SystemExit(f"train.global_batch_size {batch} is not divisible by "
-                         f"micro_batch_size {micro} x {dp.size} data-parallel ranks")
-    accumulation = per_rank // micro
-    tokens = training_bytes(data_cfg)
+class Trainer:
+    """One strategy's model, optimizer and schedule, stepping on its
+    data-parallel slice of each global batch."""
 
-    torch.manual_seed(train["seed"])
-    model = LlamaForCausalLM(model_cfg)
-    if args.strategy == "torch_ddp":
-        wrapped = torch_ddp(model, job)
-        optimizer = torch_adamw(model, train)
-    else:
-        wrapped = meshrun.torch.DistributedModule(model, job, units=model.model.layers)
-        optimizer = wrapped.adamw(lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"],
-                                  weight_decay=train["weight_decay"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, train))
-    if job.rank == 0:
-        os.makedirs(args.output, exist_ok=True)
-        metrics = open(os.path.join(args.output, "metrics.jsonl"), "w")
-
-    for step in range(train["steps"]):
-        strategy_before = getattr(wrapped, "strategy_seconds", 0.0)
-        start = time.perf_counter()
-        inputs, targets = global_batch(tokens, seq_len, batch, train["seed"], step)
-        rows = slice(dp.rank * per_rank, (dp.rank + 1) * per_rank)
-        inputs, targets = inputs[rows], targets[rows]
-        if args.strategy == "torch_ddp":
-            optimizer.zero_grad(set_to_none=False)
+    def __init__(self, strategy, job, model_cfg, train):
+        self.strategy, self.train = strategy, train
+        torch.manual_seed(train["seed"])
+        self.model = LlamaForCausalLM(model_cfg)
+        self.meshrun = strategy in ("ddp", "fsdp2")
+        if self.meshrun:
+            self.wrapped = meshrun.torch.DistributedModule(self.model, job,
+                                                           units=self.model.model.layers)
+            self.optimizer = self.wrapped.adamw(lr=train["lr"], betas=tuple(train["betas"]),
+                                                eps=train["eps"],
+                                                weight_decay=train["weight_decay"])
+            self.dp = job.comm("dp")
         else:
-            wrapped.zero_grad()
+            self.wrapped = DistributedDataParallel(self.model)
+            self.optimizer = torch_adamw(self.model, train)
+            self.dp = job.comm("world")
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                          lambda s: lr_factor(s, train))
+        micro, batch = train["micro_batch_size"], train["global_batch_size"]
+        self.per_rank, rest = divmod(batch, self.dp.size)
+        if rest or self.per_rank % micro:
+            raise SystemExit(f"train.global_batch_size {batch} is not divisible by "
+                             f"micro_batch_size {micro} x {self.dp.size} data-parallel ranks")
+
+    def step(self, step, inputs, targets):
+        """One optimizer step; returns its metrics record."""
+        train, micro = self.train, self.train["micro_batch_size"]
+        accumulation = self.per_rank // micro
+        strategy_before = self.wrapped.strategy_seconds if self.meshrun else 0.0
+        start = time.perf_counter()
+        rows = slice(self.dp.rank * self.per_rank, (self.dp.rank + 1) * self.per_rank)
+        inputs, targets = inputs[rows], targets[rows]
+        if self.meshrun:
+            self.wrapped.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=False)
         step_loss = 0.0
         for m in range(accumulation):
             part = slice(m * micro, (m + 1) * micro)
-            last = m == accumulation - 1 and not args.no_sync
-            with contextlib.nullcontext() if last else wrapped.no_sync():
-                loss = wrapped(inputs[part], targets[part]) / accumulation
+            sync = m == accumulation - 1 and self.strategy != "torch_nosync"
+            with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+                loss = self.wrapped(inputs[part], targets[part]) / accumulation
                 loss.backward()
             step_loss += loss.item()
-        if args.strategy == "torch_ddp":
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                             train["max_grad_norm"]))
+        if self.strategy == "torch_nosync":
+            dist.barrier()  # where DDP's all-reduce ends: wait for the slower rank as the others do
+        if self.meshrun:
+            grad_norm = self.wrapped.clip_grad_norm_(train["max_grad_norm"])
         else:
-            grad_norm = wrapped.clip_grad_norm_(train["max_grad_norm"])
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        schedule.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             train["max_grad_norm"]))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.schedule.step()
         step_time = time.perf_counter() - start
 
         # Outside the timed region: the mean loss over the global batch.
         loss_sum = torch.tensor([step_loss], dtype=torch.float32)
-        dp.all_reduce(loss_sum, op="avg")
+        self.dp.all_reduce(loss_sum, op="avg")
         record = {"step": step + 1, "loss": float(loss_sum), "grad_norm": grad_norm, "lr": lr,
-                  "tokens_per_s": batch * seq_len / step_time, "step_time_s": step_time}
-        if args.strategy != "torch_ddp":
-            record["strategy_s"] = wrapped.strategy_seconds - strategy_before
-        if job.rank == 0:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-    if job.rank == 0:
-        metrics.close()
-    if args.strategy == "torch_ddp":
+                  "tokens_per_s": train["global_batch_size"] * inputs.shape[1] / step_time,
+                  "step_time_s": step_time}
+        if self.meshrun:
+            record["strategy_s"] = self.wrapped.strategy_seconds - strategy_before
+        return record
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    model_cfg, data_cfg, train = load_config(args.config, overrides)
+    # One joined runtime per meshrun strategy (a process may join several);
+    # PyTorch's strategies take their ranks from the first.
+    jobs = {}
+    try:
+        for strategy in args.strategies:
+            if strategy in ("ddp", "fsdp2"):
+                extra = [f"distributed.strategy={strategy}"]
+                if strategy == "fsdp2" and args.param_dtype:
+                    extra.append(f"distributed.mp_policy.param_dtype={args.param_dtype}")
+                jobs[strategy] = meshrun.init(args.config, overrides + extra)
+        if not jobs:
+            jobs["torch"] = meshrun.init(args.config, overrides)
+    except meshrun.MeshrunError as error:  # a bad config or override
+        raise SystemExit(f"train_torch.py: error: {error}") from None
+    first = next(iter(jobs.values()))
+    if any(s.startswith("torch") for s in args.strategies):
+        join_gloo(first)
+    trainers = [Trainer(s, jobs.get(s, first), model_cfg, train) for s in args.strategies]
+    tokens = training_bytes(data_cfg)
+
+    metrics = {}
+    if first.rank == 0:
+        for trainer in trainers:
+            folder = args.output if len(trainers) == 1 else os.path.join(args.output,
+                                                                         trainer.strategy)
+            os.makedirs(folder, exist_ok=True)
+            metrics[trainer] = open(os.path.join(folder, "metrics.jsonl"), "w")
+    for step in range(train["steps"]):
+        inputs, targets = global_batch(tokens, data_cfg["seq_len"], train["global_batch_size"],
+                                       train["seed"], step)
+        for trainer in trainers:  # interleaved: a slow phase of the machine hits them all
+            record = trainer.step(step, inputs, targets)
+            if trainer in metrics:
+                metrics[trainer].write(json.dumps(record) + "\n")
+                metrics[trainer].flush()
+    for file in metrics.values():
+        file.close()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
