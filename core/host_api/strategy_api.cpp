@@ -99,8 +99,10 @@ meshrun::train::CheckpointLayout layout_of(const meshrun_strategy_parameters& p)
 }
 
 void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, meshrun_strategy& s) {
-  const meshrun::Plan& plan = runtime->runtime.plan();
+  // The job first: a runtime that has not joined is told to join (a built
+  // mesh alone, for planning, has a plan but no communicators).
   s.job = runtime->runtime.job();
+  const meshrun::Plan& plan = runtime->runtime.plan();
   s.offsets = checked_offsets(p);
   const int64_t numel = s.offsets.back();
   float* values = flat_float32(p.parameters, numel, "parameters");
@@ -243,6 +245,27 @@ meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy, DLTensor
     const auto& local = strategy->local;
     set_view(parameters, {local.params, local.numel}, strategy->local_shape);
     set_view(gradients, {local.grads, local.numel}, strategy->local_shape);
+  });
+}
+
+meshrun_error* meshrun_strategy_shard_segments(const meshrun_strategy* strategy,
+                                               meshrun_strategy_segment* segments, int64_t capacity,
+                                               int64_t* out_count) {
+  return guarded([&] {
+    require(strategy, "strategy");
+    require(out_count, "out_count");
+    if (capacity < 0 || (segments == nullptr && capacity > 0)) {
+      throw Error(MESHRUN_INVALID_ARGUMENT,
+                  fmt::format("capacity {} must be >= 0, and 0 when segments is NULL", capacity));
+    }
+    const auto& local = strategy->local;
+    const auto count = int64_t(local.held.size());
+    for (int64_t k = 0; k < std::min(capacity, count); ++k) {
+      const auto& range = local.held[size_t(k)];
+      segments[k] = {local.held_parameter[size_t(k)], range.global_begin, range.local_begin,
+                     range.count};
+    }
+    *out_count = count;
   });
 }
 

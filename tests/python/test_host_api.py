@@ -1,4 +1,6 @@
-"""The host C API through Python ctypes (examples/python/meshrun.py).
+"""The host C API through the Python package (python/meshrun), in one process
+that never joins a job: planning queries, and the lifecycle errors of the
+calls that need a joined runtime.
 
 Coordinates and groups are checked against an independent enumeration of the
 row-major (pp, dp_replicate, dp_shard, cp, tp) rank grid.
@@ -10,7 +12,9 @@ import os
 import sys
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python"))
+import numpy
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 import meshrun  # noqa: E402
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -147,6 +151,40 @@ class HostApiTest(unittest.TestCase):
             with self.assertRaises(meshrun.MeshrunError) as caught:
                 rt.group_ranks_by_index("dp", 1)
             self.assertEqual(caught.exception.code, meshrun.OUT_OF_RANGE)
+
+    def test_job_calls_before_join_are_failed_precondition(self):
+        params, grads = numpy.zeros(4, numpy.float32), numpy.zeros(4, numpy.float32)
+        with meshrun.Runtime.from_text("") as rt:
+            for call in (lambda: rt.rank, lambda: rt.comm("world"), lambda: rt.comm("dp"),
+                         lambda: meshrun.Strategy(rt, params, grads, ["w"], [(4,)])):
+                with self.assertRaises(meshrun.MeshrunError) as caught:
+                    call()
+                self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+                self.assertIn("meshrun_runtime_join", caught.exception.message)
+
+    def test_join_after_build_mesh_is_failed_precondition(self):
+        with meshrun.Runtime.from_text("") as rt:
+            rt.build_mesh(2, 0)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.join()
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                rt.comm("dp")
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+
+    def test_closed_runtime_is_failed_precondition(self):
+        rt = meshrun.Runtime.from_text("")
+        rt.close()
+        rt.close()
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            rt.axis_size("dp")
+        self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+
+    def test_init_maps_keys_to_distributed_overrides(self):
+        self.assertEqual(meshrun.runtime._key_overrides(
+            {"strategy": "ddp", "mp_policy": {"param_dtype": "float32"}, "static_graph": True}),
+            ["distributed.strategy=ddp", "distributed.mp_policy.param_dtype=float32",
+             "distributed.static_graph=true"])
 
     def test_missing_file_is_not_found(self):
         with self.assertRaises(meshrun.MeshrunError) as caught:

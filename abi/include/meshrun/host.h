@@ -317,6 +317,29 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_load_checkpoint(
     meshrun_strategy* strategy, const char* dir, int64_t num_buffers, const char* const* names,
     DLTensor* buffers, int64_t* out_step);
 
+/* A piece of the local shard: `count` elements of parameter `parameter` that
+ * are elements [global_begin, global_begin + count) of the caller's flat
+ * layout and elements [local_begin, local_begin + count) of local_shard's
+ * buffers (the fields of meshrun_shard_segment in meshrun/strategy.h). */
+typedef struct meshrun_strategy_segment {
+  int64_t parameter;
+  int64_t global_begin;
+  int64_t local_begin;
+  int64_t count;
+} meshrun_strategy_segment;
+
+/* Which parameter each element of the local shard belongs to, for what an
+ * optimizer does per parameter (a weight-decay mask): writes the first
+ * min(capacity, count) segments, in local order, to `segments` (NULL with
+ * capacity 0 asks for the count) and their number to *out_count. Local
+ * elements in no segment are padding. A replicated strategy has one segment
+ * per parameter, where it lies in the caller's buffers. Errors:
+ * INVALID_ARGUMENT for capacity < 0, or > 0 with segments NULL. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_shard_segments(const meshrun_strategy* strategy,
+                                                                meshrun_strategy_segment* segments,
+                                                                int64_t capacity,
+                                                                int64_t* out_count);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
