@@ -22,6 +22,7 @@ constexpr const char* kUsage =
 // Under a launcher this process already is one rank of a job: it becomes
 // the command instead of starting ranks of its own.
 [[noreturn]] void run_in_place(const std::vector<std::string>& command) {
+  launch::prefer_fast_blas_kernels();
   std::vector<char*> argv;
   for (const std::string& arg : command) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);

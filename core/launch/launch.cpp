@@ -117,17 +117,11 @@ int launch_local(int nproc_per_node, const std::vector<std::string>& command,
                  const LaunchOptions& options) {
   check_options(nproc_per_node, options);
   check_command(command, options);
+  prefer_fast_blas_kernels();
   return run_mpirun(mpirun_command(nproc_per_node, command, options, host_facts()), options);
 }
 
-namespace {
-
-// OpenBLAS 0.3.21 does not recognise recent Xeons and falls back to its
-// slowest (Prescott) kernels: a training step runs 3.5x slower. Unless the
-// user chose (OPENBLAS_CORETYPE set), ranks get the kernels of the newest
-// instruction set this CPU has. OpenBLAS reads the variable when it loads,
-// so it reaches only processes started after this. Returns whether it set it.
-bool choose_blas_kernels() {
+bool prefer_fast_blas_kernels() {
   if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return false;
   __builtin_cpu_init();
   const char* kernels = __builtin_cpu_supports("avx512f") ? "SkylakeX"
@@ -135,6 +129,8 @@ bool choose_blas_kernels() {
                                                           : nullptr;
   return kernels != nullptr && setenv("OPENBLAS_CORETYPE", kernels, 0) == 0;
 }
+
+namespace {
 
 std::filesystem::path this_executable() {
   std::error_code error;
@@ -163,12 +159,11 @@ std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** 
   if (nproc_per_node == 1 && options.hostfile.empty()) {
     // The only rank is this process: it needs a fresh start to load OpenBLAS
     // with the kernels chosen (a failed exec just keeps the default ones).
-    if (choose_blas_kernels()) exec_self(argc, argv);
+    if (prefer_fast_blas_kernels()) exec_self(argc, argv);
     return std::nullopt;
   }
   std::vector<std::string> command = {this_executable().string()};
   command.insert(command.end(), argv + std::min(argc, 1), argv + argc);
-  choose_blas_kernels();
   return launch_local(nproc_per_node, command, options);
 }
 

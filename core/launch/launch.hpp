@@ -52,6 +52,7 @@ struct LaunchOptions {
 // "meshrun: error: rank 1 exited on signal 9 (Killed)", instead of mpirun's
 // banners (MESHRUN_LAUNCH_VERBOSE=1 shows them too).
 //
+// The ranks get the OpenBLAS kernels of this CPU (prefer_fast_blas_kernels).
 // Returns the job's exit status: 0, a failed rank's own status, 128 + the
 // signal that killed it, 124 on timeout, or mpirun's status. Throws
 // meshrun::Error before starting anything when the input is bad
@@ -59,6 +60,14 @@ struct LaunchOptions {
 // when mpirun is not installed.
 int launch_local(int nproc_per_node, const std::vector<std::string>& command,
                  const LaunchOptions& options = {});
+
+// OpenBLAS 0.3.21 does not recognise recent CPUs and falls back to its
+// slowest (Prescott) kernels: a training step, meshrun's or PyTorch's, runs
+// 3.5x slower. Unless the user chose (OPENBLAS_CORETYPE set), this sets
+// OPENBLAS_CORETYPE to the kernels of the newest instruction set this CPU
+// has, which OpenBLAS reads when it loads: it reaches the processes started
+// after this. Returns whether it set it.
+bool prefer_fast_blas_kernels();
 
 // For commands whose process is itself one rank (`meshrun train ...
 // --nproc-per-node N`, `meshrun bench comm --nproc N`). Call first thing:

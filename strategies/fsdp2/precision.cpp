@@ -82,6 +82,10 @@ void narrow(Dtype dtype, const float* in, void* out, int64_t count) {
 }
 
 void widen(Dtype dtype, const void* in, float* out, int64_t count) {
+  if (dtype == Dtype::float32) {
+    std::memcpy(out, in, static_cast<size_t>(count) * sizeof(float));
+    return;
+  }
   with_elements(dtype, in, [&](const auto* elements, auto to_float) {
     for (int64_t i = 0; i < count; ++i) out[i] = to_float(elements[i]);
   });

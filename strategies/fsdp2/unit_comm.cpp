@@ -30,10 +30,16 @@ Gather::Gather(const Groups& groups, const ShardLayout& layout, int32_t unit, co
       recv_numel_(ranks_ * unit_->block_numel),
       send_(meter),
       recv_(meter) {
-  send_.allocate(bytes_of(send_numel_, dtype), false);
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
-  narrow(dtype, local + unit_->local_begin, send_.data(), send_numel_);
-  const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
+  // In float32 the block goes straight from the shard, which nothing
+  // writes while a step gathers; another dtype needs it cast first.
+  void* block = const_cast<float*>(local + unit_->local_begin);
+  if (dtype != Dtype::float32) {
+    send_.allocate(bytes_of(send_numel_, dtype), false);
+    narrow(dtype, local + unit_->local_begin, send_.data(), send_numel_);
+    block = send_.data();
+  }
+  const DLTensor send = host_tensor(block, dtype, send_numel_);
   DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
   throw_if_error(groups.comm->all_gather(groups.shard, &send, &recv, &request), what_);
