@@ -253,6 +253,7 @@ class BadInput(TrainTest, InputErrorAssertions):
             # no training entry points
             ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
             ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=2"),
+            ("distributed.activation_checkpointing", "distributed.activation_checkpointing=true"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),
         ]
