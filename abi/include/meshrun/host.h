@@ -145,9 +145,10 @@ MESHRUN_HOST_API meshrun_error* meshrun_runtime_rank(const meshrun_runtime* runt
                                                      int64_t* out_local_rank);
 
 /* The communicator of one mesh axis of a joined runtime (axis names as at
- * the top of this header, plus "world"). Owned by the runtime; valid until
- * the runtime and every strategy and operation made from it are destroyed.
- * Errors: FAILED_PRECONDITION before join, NOT_FOUND for an unknown axis. */
+ * the top of this header, plus "world"). The handle is owned by the runtime
+ * and valid until it is destroyed; strategies and operations made from it
+ * keep the communicators themselves alive after that. Errors:
+ * FAILED_PRECONDITION before join, NOT_FOUND for an unknown axis. */
 typedef struct meshrun_comm meshrun_comm;
 MESHRUN_HOST_API meshrun_error* meshrun_runtime_comm(meshrun_runtime* runtime, const char* axis,
                                                      meshrun_comm** out);
