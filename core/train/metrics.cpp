@@ -38,13 +38,13 @@ std::vector<std::string> lines_through(const std::string& path, int64_t last_ste
 
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& path, int64_t first_step) {
-  const std::vector<std::string> kept =
-      first_step > 0 ? lines_through(path, first_step) : std::vector<std::string>{};
-  out_.open(path, std::ios::trunc);
-  if (!out_) throw Error(MESHRUN_INTERNAL, "cannot write " + path);
-  for (const std::string& line : kept) out_ << line << "\n";
-  out_.flush();
+MetricsLog::MetricsLog(const std::string& path, int64_t first_step)
+    : MetricsLog(path,
+                 first_step > 0 ? lines_through(path, first_step) : std::vector<std::string>{}) {}
+
+MetricsLog::MetricsLog(const std::string& path, const std::vector<std::string>& kept)
+    : out_(path, path) {
+  for (const std::string& line : kept) out_.write(line + "\n");
 }
 
 void MetricsLog::write(const StepMetrics& m) {
@@ -64,8 +64,7 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"buffers_peak", m.mem.buffers_peak},
                  {"buffers_reserved", m.mem.buffers_reserved},
                  {"peak_rss", m.mem.peak_rss}};
-  out_ << line.dump() << "\n";
-  out_.flush();
+  out_.write(line.dump() + "\n");
 }
 
 std::string progress_line(const StepMetrics& m, int64_t steps, double eta_seconds) {

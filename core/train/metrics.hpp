@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
+
+#include "train/durable_io.hpp"
 
 namespace meshrun::train {
 
@@ -47,11 +49,15 @@ class MetricsLog {
   // output folder continues its log; every other line (a later step the
   // resumed run redoes, a line that is not JSON) is dropped.
   MetricsLog(const std::string& path, int64_t first_step);
-  // Appends one line and flushes it, so a crashed run keeps its metrics.
+  // Appends one line, straight to the file, so a crashed run keeps its
+  // metrics; a line the disk does not take throws naming the file.
   void write(const StepMetrics& metrics);
 
  private:
-  std::ofstream out_;
+  // The kept lines are read before the file is truncated for writing.
+  MetricsLog(const std::string& path, const std::vector<std::string>& kept);
+
+  OutputFile out_;
 };
 
 // "step 12/100 loss 3.2100 tok/s 5400 ETA 0:42" (+ " val_loss 3.1000").

@@ -3,6 +3,7 @@
 #include <fmt/chrono.h>
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -224,6 +225,9 @@ void check_training_input(const Config& config, const Plan& plan) {
 }
 
 void train_rank(const Config& config, const std::optional<std::string>& output_dir) {
+  // Past a file-size limit (ulimit -f) a write then fails with EFBIG, which
+  // names the file, instead of the signal killing the rank without a word.
+  std::signal(SIGXFSZ, SIG_IGN);
   CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
   Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
   try {

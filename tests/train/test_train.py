@@ -13,7 +13,9 @@ order, so its losses must be identical.
 
 import json
 import os
+import resource
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -55,9 +57,9 @@ strategy = "ddp"
 """
 
 
-def run(*args, timeout=60):
+def run(*args, timeout=60, preexec_fn=None):
     return subprocess.run([MESHRUN, "train", *args], capture_output=True, text=True,
-                          errors="replace", timeout=timeout)
+                          errors="replace", timeout=timeout, preexec_fn=preexec_fn)
 
 
 class Runs:
@@ -260,6 +262,208 @@ class BadInput(TrainTest, InputErrorAssertions):
         for key, *overrides in cases:
             with self.subTest(key=key):
                 self.assert_bad_training_input(key, *overrides)
+
+def file_size_limit(limit):
+    """A preexec_fn: files the run writes cannot grow past `limit` bytes, and
+    a write beyond it fails (EFBIG) instead of raising SIGXFSZ."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def folder_bytes(folder):
+    return {name: read_bytes(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+
+
+class FullDisk(TrainTest):
+    """Every write a run makes is checked: a failed one ends the run with a
+    non-zero status naming the file and the bytes missing. /dev/full fails
+    every write with ENOSPC; a file-size limit fails writes past it."""
+
+    def assert_fails_naming(self, result, *needles):
+        self.assertNotEqual(result.returncode, 0, result.stdout + result.stderr)
+        for needle in needles:
+            self.assertIn(needle, result.stderr)
+
+    def output_with_full_file(self, name, file):
+        output = os.path.join(self.runs.root, name)
+        os.makedirs(output)
+        os.symlink("/dev/full", os.path.join(output, file))
+        return output
+
+    def test_metrics_on_a_full_disk(self):
+        output = self.output_with_full_file("full-metrics", "metrics.jsonl")
+        result = run(self.runs.config, "--nproc-per-node", "2", "--output", output)
+        self.assert_fails_naming(result, f"cannot write '{output}/metrics.jsonl'",
+                                 "bytes missing, 0 written (No space left on device)")
+
+    def test_config_json_on_a_full_disk(self):
+        output = self.output_with_full_file("full-config", "config.json.partial")
+        result = run(self.runs.config, "--nproc-per-node", "2", "--output", output,
+                     "train.steps=1")
+        self.assert_fails_naming(result, f"cannot write '{output}/config.json'",
+                                 "bytes missing, 0 written (No space left on device)")
+        self.assertFalse(os.path.exists(os.path.join(output, "config.json")))
+
+    def test_a_failed_resave_leaves_the_last_checkpoint_intact(self):
+        # A wider model, so that its shards (10 MB) do not fit an 8 MiB limit
+        # that MPI's own shared-memory files (PMIx) still fit.
+        wider = ("checkpoint.save_every=2", "model.hidden_size=256",
+                 "model.intermediate_size=768", "model.num_attention_heads=8",
+                 "model.num_key_value_heads=4")
+        output = self.runs.train("resave", 2, *wider)
+        step2 = os.path.join(output, "checkpoints", "step_2")
+        step4 = os.path.join(output, "checkpoints", "step_4")
+        before = folder_bytes(step4)
+        # Resuming at step 2 saves step 4 again.
+        result = run(self.runs.config, "--nproc-per-node", "2", "--output", output, *wider,
+                     f"checkpoint.resume_from={step2}",
+                     preexec_fn=file_size_limit(8 * 1024 * 1024))
+        self.assert_fails_naming(result, "step_4.partial/shard_", "bytes missing, 8388608 written",
+                                 "(File too large)")
+        self.assertEqual(before, folder_bytes(step4))
+        self.runs.train("resave-resumed", 1, *wider, f"checkpoint.resume_from={step4}")
+
+
+class CorruptCheckpoints(TrainTest, InputErrorAssertions):
+    """Each corruption of a real checkpoint is refused with a message naming
+    the file and the check that caught it."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.saved = cls.runs.train("saved", 2, "checkpoint.save_every=2", "train.steps=2")
+        cls.other = cls.runs.train("other", 2, "checkpoint.save_every=2", "train.steps=2",
+                                   "train.lr=1e-3")
+
+    def corrupted(self, name, change):
+        """A copy of the saved step_2 that `change(folder, index)` altered;
+        the index it returns is written back."""
+        folder = os.path.join(self.runs.root, name)
+        shutil.copytree(os.path.join(self.saved, "checkpoints", "step_2"), folder)
+        path = os.path.join(folder, "index.json")
+        with open(path) as f:
+            index = json.load(f)
+        index = change(folder, index)
+        with open(path, "w") as f:
+            json.dump(index, f)
+        return folder
+
+    def resume(self, folder):
+        return run(self.runs.config, "--output", os.path.join(self.runs.root, "out-" + folder),
+                   "train.steps=3", f"checkpoint.resume_from={folder}")
+
+    def test_a_rank_left_out_of_the_index(self):
+        def drop_rank_1(folder, index):
+            index["slices"] = [s for s in index["slices"] if s["rank"] != 1]
+            return index
+        folder = self.corrupted("no-rank-1", drop_rank_1)
+        self.assert_input_error(self.resume(folder), "checkpoint.resume_from",
+                                f"{folder}/index.json: no slice holds elements [",
+                                "a rank's slices are missing")
+
+    def test_shards_swapped(self):
+        def swap(folder, index):
+            a, b = (os.path.join(folder, f"shard_{r}.safetensors") for r in (0, 1))
+            os.rename(a, a + ".tmp")
+            os.rename(b, a)
+            os.rename(a + ".tmp", b)
+            return index
+        folder = self.corrupted("swapped", swap)
+        self.assert_input_error(self.resume(folder), "checkpoint.resume_from",
+                                f"{folder}/shard_0.safetensors: its __metadata__ has "
+                                "meshrun.rank = 1, index.json expects 0 (the ownership check")
+
+    def test_a_slice_naming_a_missing_part(self):
+        def part_7(folder, index):
+            index["slices"][0]["part"] = 7
+            return index
+        folder = self.corrupted("part-7", part_7)
+        self.assert_input_error(self.resume(folder), "checkpoint.resume_from",
+                                f"{folder}/index.json: slice 0 (shard_0.safetensors part 7",
+                                f"needs tensor 'params.7', which {folder}/shard_0.safetensors "
+                                "does not hold")
+
+    def test_an_index_without_checksums(self):
+        def old_format(folder, index):
+            del index["format_version"]
+            return index
+        folder = self.corrupted("old-format", old_format)
+        self.assert_input_error(self.resume(folder), "checkpoint.resume_from",
+                                f"{folder}/index.json: no \"format_version\": 2")
+
+    def assert_checksum_refused(self, folder, file):
+        result = self.resume(folder)
+        self.assertNotEqual(result.returncode, 0, result.stderr)
+        self.assertIn(f"{folder}/{file}: XXH3-64 checksum ", result.stderr)
+        self.assertIn("(the checksum check: the file changed after it was saved)", result.stderr)
+
+    def test_nan_written_into_a_shard(self):
+        def write_nan(folder, index):
+            path = os.path.join(folder, "shard_1.safetensors")
+            data = bytearray(read_bytes(path))
+            data[-4:] = struct.pack("<f", float("nan"))
+            with open(path, "wb") as f:
+                f.write(data)
+            return index
+        folder = self.corrupted("nan", write_nan)
+        self.assert_checksum_refused(folder, "shard_1.safetensors")
+
+    def test_old_and_new_shards_mixed(self):
+        # What a save killed half way used to leave: the old index beside a
+        # shard of another save (same rank, step and size).
+        def mix(folder, index):
+            shutil.copy(os.path.join(self.other, "checkpoints", "step_2", "shard_1.safetensors"),
+                        folder)
+            return index
+        folder = self.corrupted("mixed", mix)
+        self.assert_checksum_refused(folder, "shard_1.safetensors")
+
+    def test_a_save_leaves_no_partial_folder(self):
+        checkpoints = os.path.join(self.saved, "checkpoints")
+        self.assertEqual(os.listdir(checkpoints), ["step_2"])
+        with open(os.path.join(checkpoints, "step_2", "index.json")) as f:
+            index = json.load(f)
+        self.assertEqual([(f["file"], f["rank"]) for f in index["files"]],
+                         [("shard_0.safetensors", 0), ("shard_1.safetensors", 1)])
+
+    def exported_copy(self, name, change_header, change_data=lambda data: data):
+        folder = os.path.join(self.runs.root, name)
+        os.makedirs(folder)
+        shutil.copy(os.path.join(self.saved, "config.json"), folder)
+        raw = read_bytes(os.path.join(self.saved, "model.safetensors"))
+        length = struct.unpack("<Q", raw[:8])[0]
+        header = change_header(json.loads(raw[8:8 + length]))
+        text = json.dumps(header).encode()
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + change_data(raw[8 + length:]))
+        return folder
+
+    def test_export_with_a_bf16_label_on_float32_bytes(self):
+        def relabel(header):
+            header["model.norm.weight"]["dtype"] = "BF16"
+            return header
+        folder = self.exported_copy("bf16-label", relabel)
+        result = run(self.runs.config, f"model.checkpoint={folder}")
+        self.assert_input_error(result, "model.checkpoint",
+                                "tensor 'model.norm.weight' has data_offsets",
+                                "in BF16 needs 32 elements x 2 bytes")
+
+    def test_export_with_nan_weights(self):
+        def write_nan(data):
+            return struct.pack("<f", float("nan")) + data[4:]
+        folder = self.exported_copy("nan-export", lambda header: header, write_nan)
+        result = run(self.runs.config, "--output", os.path.join(self.runs.root, "out-nan"),
+                     f"model.checkpoint={folder}")
+        self.assertNotEqual(result.returncode, 0, result.stderr)
+        self.assertIn(f"{folder}/model.safetensors: tensor ", result.stderr)
+        self.assertIn("holds nan at element 0; weights must be finite", result.stderr)
 
 
 if __name__ == "__main__":
