@@ -356,7 +356,8 @@ class CorruptCheckpoints(TrainTest, InputErrorAssertions):
         return folder
 
     def resume(self, folder):
-        return run(self.runs.config, "--output", os.path.join(self.runs.root, "out-" + folder),
+        output = os.path.join(self.runs.root, "out-" + os.path.basename(folder))
+        return run(self.runs.config, "--output", output,
                    "train.steps=3", f"checkpoint.resume_from={folder}")
 
     def test_a_rank_left_out_of_the_index(self):
@@ -450,7 +451,8 @@ class CorruptCheckpoints(TrainTest, InputErrorAssertions):
             header["model.norm.weight"]["dtype"] = "BF16"
             return header
         folder = self.exported_copy("bf16-label", relabel)
-        result = run(self.runs.config, f"model.checkpoint={folder}")
+        result = run(self.runs.config, "--output", os.path.join(self.runs.root, "out-bf16"),
+                     f"model.checkpoint={folder}")
         self.assert_input_error(result, "model.checkpoint",
                                 "tensor 'model.norm.weight' has data_offsets",
                                 "in BF16 needs 32 elements x 2 bytes")
