@@ -9,8 +9,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "errors.hpp"
-
 namespace meshrun::train {
 
 int64_t peak_rss_bytes() {
