@@ -223,14 +223,18 @@ void check_training_input(const Config& config, const Plan& plan) {
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
 }
 
-void train_rank(const Config& config, const std::optional<std::string>& output_dir) {
+int train_rank(const Config& config, const std::optional<std::string>& output_dir) {
   CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
   Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
   try {
     train_in_world(config, output_dir, world);
+  } catch (const NonFiniteStep& stop) {
+    if (world.rank() == 0) std::fprintf(stderr, "meshrun: error: %s\n", stop.what());
+    return 1;
   } catch (const std::exception& error) {
     launch::abort_rank(world.rank(), error.what());
   }
+  return 0;
 }
 
 }  // namespace meshrun::train
