@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <limits>
 
 #include "errors.hpp"
 #include "launch/launch.hpp"
@@ -91,13 +92,22 @@ int64_t parse_int_option(std::string_view option, const std::string& value, int6
   return parsed;
 }
 
-std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args) {
+int job_timeout_seconds(const ParsedArgs& parsed) {
+  const auto timeout = parsed.value("timeout");
+  if (!timeout) return 0;
+  return static_cast<int>(
+      parse_int_option("timeout", *timeout, 0, std::numeric_limits<int>::max()));
+}
+
+std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args,
+                                      const launch::LaunchOptions& options) {
   std::vector<std::string> full = {"meshrun", command};
   full.insert(full.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& arg : full) argv.push_back(arg.data());
   argv.push_back(nullptr);
-  return launch::relaunch_self_if_needed(nproc, static_cast<int>(full.size()), argv.data());
+  return launch::relaunch_self_if_needed(nproc, static_cast<int>(full.size()), argv.data(),
+                                         options);
 }
 
 int report_error(const std::exception& error) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "launch/launch.hpp"
 
 namespace meshrun::cli {
 
@@ -36,10 +37,15 @@ ParsedArgs parse_args(const Args& args, const std::vector<OptionSpec>& spec,
 int64_t parse_int_option(std::string_view option, const std::string& value, int64_t minimum,
                          int64_t maximum);
 
+// --timeout SECONDS of `launch` and `train`: the limit on the whole job,
+// 0 (none) when absent.
+int job_timeout_seconds(const ParsedArgs& parsed);
+
 // For `meshrun COMMAND ARGS` whose process is one rank: runs it as `nproc`
 // ranks under mpirun unless already inside a launcher (see
 // launch::relaunch_self_if_needed); returns the job's status when it did.
-std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args);
+std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args,
+                                      const launch::LaunchOptions& options = {});
 
 // Prints "meshrun: error: <message>" on stderr and returns the exit status
 // for it: 2 for input errors, 1 otherwise.

@@ -34,10 +34,7 @@ constexpr const char* kUsage =
 launch::LaunchOptions launch_options(const ParsedArgs& parsed) {
   launch::LaunchOptions options;
   options.hostfile = parsed.value("hostfile").value_or("");
-  if (const auto timeout = parsed.value("timeout")) {
-    options.timeout_seconds =
-        static_cast<int>(parse_int_option("timeout", *timeout, 0, std::numeric_limits<int>::max()));
-  }
+  options.timeout_seconds = job_timeout_seconds(parsed);
   return options;
 }
 

@@ -35,7 +35,8 @@ std::vector<std::string> command_names() {
 void print_usage() {
   std::puts(
       "usage: meshrun COMMAND [ARGS]\n"
-      "  train CONFIG.toml [--nproc-per-node N] [--output DIR] [key.path=value ...]\n"
+      "  train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS]\n"
+      "                   [key.path=value ...]\n"
       "                   train the model as N ranks; metrics and checkpoints in DIR\n"
       "  plan CONFIG.toml [--world-size N] [--json] [--all-ranks] [key.path=value ...]\n"
       "                   the mesh, plugins and rank layout a run would use\n"

@@ -1,4 +1,5 @@
-// meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [key.path=value ...]
+// meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS]
+//               [key.path=value ...]
 #include <cstdio>
 #include <limits>
 
@@ -13,7 +14,8 @@ namespace meshrun::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [key.path=value ...]";
+    "usage: meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS] "
+    "[key.path=value ...]";
 
 // The world the ranks will form: the launcher's when there is one (its size
 // wins over --nproc-per-node), else the ranks this command starts.
@@ -26,8 +28,9 @@ int64_t expected_world_size(int64_t nproc_per_node) {
 
 int run_train(const Args& args) {
   try {
-    const ParsedArgs parsed =
-        parse_args(args, {{"nproc-per-node", true}, {"output", true}, {"help", false}}, "train");
+    const ParsedArgs parsed = parse_args(
+        args, {{"nproc-per-node", true}, {"output", true}, {"timeout", true}, {"help", false}},
+        "train");
     if (parsed.has_flag("help")) {
       std::puts(kUsage);
       return 0;
@@ -38,14 +41,16 @@ int run_train(const Args& args) {
     }
     const int nproc = int(
         parse_int_option("nproc-per-node", parsed.value("nproc-per-node").value_or("1"), 1, 4096));
+    launch::LaunchOptions options;
+    options.timeout_seconds = job_timeout_seconds(parsed);
     const Config config = load_config(parsed.positionals[0], parsed.overrides);
     // Bad input fails here, once, before any rank starts.
     const PluginLoader loader = PluginLoader::from_environment();
     train::check_training_input(config, make_plan(config, expected_world_size(nproc), loader));
 
-    if (auto status = relaunch_if_needed(nproc, "train", args)) return *status;
-    train::train_rank(config, parsed.value("output"));
-    return 0;
+    if (auto status = relaunch_if_needed(nproc, "train", args, options)) return *status;
+    if (!launch::detect_launcher()) launch::stop_job_on_interrupt();
+    return train::train_rank(config, parsed.value("output"));
   } catch (const std::exception& error) {
     return report_error(error);
   }

@@ -62,6 +62,9 @@ struct TrainConfig {
   int64_t seed = 1234;
   int64_t val_every = 50;  // 0: only at the end
   int64_t log_every = 1;
+  // Steps in a row whose loss or gradient norm is not finite that are
+  // skipped (no update) before the run stops; 0 stops at the first.
+  int64_t skip_nonfinite_steps = 0;
 };
 
 // [checkpoint]

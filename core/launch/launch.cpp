@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -156,7 +157,7 @@ void exec_self(int argc, char** argv) {
 std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** argv,
                                            const LaunchOptions& options) {
   if (detect_launcher()) return std::nullopt;
-  if (nproc_per_node == 1 && options.hostfile.empty()) {
+  if (nproc_per_node == 1 && options.hostfile.empty() && options.timeout_seconds == 0) {
     // The only rank is this process: it needs a fresh start to load OpenBLAS
     // with the kernels chosen (a failed exec just keeps the default ones).
     if (prefer_fast_blas_kernels()) exec_self(argc, argv);
@@ -165,6 +166,35 @@ std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** 
   std::vector<std::string> command = {this_executable().string()};
   command.insert(command.end(), argv + std::min(argc, 1), argv + argc);
   return launch_local(nproc_per_node, command, options);
+}
+
+std::string interrupted_message(int signal) {
+  return fmt::format("interrupted by SIG{}; the job was stopped", sigabbrev_np(signal));
+}
+
+namespace {
+
+// The handler's lines, made before it is installed: it may only write them.
+std::string interrupted_lines[2];  // SIGINT, SIGTERM
+
+void end_interrupted_job(int signal) {
+  const std::string& line = interrupted_lines[signal == SIGINT ? 0 : 1];
+  // Should stderr be gone, the status still says it.
+  [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, line.data(), line.size());
+  _exit(128 + signal);
+}
+
+}  // namespace
+
+void stop_job_on_interrupt() {
+  int slot = 0;
+  for (const int signal : {SIGINT, SIGTERM}) {
+    interrupted_lines[slot++] = "meshrun: error: " + interrupted_message(signal) + "\n";
+    struct sigaction action = {};
+    action.sa_handler = end_interrupted_job;
+    sigemptyset(&action.sa_mask);
+    sigaction(signal, &action, nullptr);
+  }
 }
 
 void abort_rank(int64_t rank, const std::string& message) {

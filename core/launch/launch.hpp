@@ -77,17 +77,29 @@ bool prefer_fast_blas_kernels();
 //
 // - Under a launcher: returns std::nullopt; the launcher's world size
 //   wins over nproc_per_node.
-// - No launcher and nproc_per_node == 1: returns std::nullopt; this process
-//   is the only rank. When OPENBLAS_CORETYPE is unset it first sets it for
-//   this CPU and re-executes itself once, so OpenBLAS loads those kernels.
-// - Otherwise: runs this executable (/proc/self/exe) with argv[1..] as
-//   nproc_per_node ranks through launch_local (with OPENBLAS_CORETYPE set
-//   for this CPU unless the user set it), and returns the job's exit
-//   status for the caller to return from main. Inside those ranks the same
-//   call returns std::nullopt, so the arguments need no change.
+// - No launcher, nproc_per_node == 1 and no job timeout: returns
+//   std::nullopt; this process is the only rank. When OPENBLAS_CORETYPE is
+//   unset it first sets it for this CPU and re-executes itself once, so
+//   OpenBLAS loads those kernels.
+// - Otherwise (with a job timeout, one rank too: mpirun enforces it): runs
+//   this executable (/proc/self/exe) with argv[1..] as nproc_per_node ranks
+//   through launch_local (with OPENBLAS_CORETYPE set for this CPU unless the
+//   user set it), and returns the job's exit status for the caller to
+//   return from main. Inside those ranks the same call returns
+//   std::nullopt, so the arguments need no change.
 // Throws as launch_local.
 std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** argv,
                                            const LaunchOptions& options = {});
+
+// "interrupted by SIGINT; the job was stopped": why a job stopped by SIGINT
+// or SIGTERM ended, launched or not.
+std::string interrupted_message(int signal);
+
+// For a process that is the whole job (one rank, no launcher): SIGINT and
+// SIGTERM end it as they end a launched job, with "meshrun: error:
+// interrupted by SIGINT; the job was stopped" and status 128 + the signal,
+// skipping destructors that could block.
+void stop_job_on_interrupt();
 
 // Ends this rank after an error it cannot recover from (a comm operation
 // that failed or timed out): prints "meshrun: error: rank R: MESSAGE" on

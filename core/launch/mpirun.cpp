@@ -265,8 +265,7 @@ int report(int wait_status, const std::string& held, const LaunchOptions& option
     return 124;
   }
   if (interrupted_by != 0) {
-    print_error(
-        fmt::format("interrupted by SIG{}; the job was stopped", sigabbrev_np(interrupted_by)));
+    print_error(interrupted_message(interrupted_by));
     return 128 + interrupted_by;
   }
   const int status =

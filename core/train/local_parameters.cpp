@@ -1,6 +1,7 @@
 #include "train/local_parameters.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "train/hooks.hpp"
 
@@ -89,6 +90,19 @@ std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescrip
     std::fill_n(mask.begin() + range.local_begin, range.count, uint8_t(parameter.shape.size() > 1));
   }
   return mask;
+}
+
+std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
+                                                const std::vector<int64_t>& parameters) {
+  std::optional<int64_t> first;
+  for (size_t k = 0; k < local.held.size(); ++k) {
+    const float* begin = local.grads + local.held[k].local_begin;
+    const bool finite =
+        std::all_of(begin, begin + local.held[k].count, [](float g) { return std::isfinite(g); });
+    const int64_t index = parameters[size_t(local.held_parameter[k])];
+    if (!finite && (!first || index < *first)) first = index;
+  }
+  return first;
 }
 
 }  // namespace meshrun::train

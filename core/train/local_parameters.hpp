@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -70,5 +71,12 @@ LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group
 // parameter indices to the description's.
 std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescription& description,
                                 const std::vector<int64_t>& parameters);
+
+// The description index of the first parameter (in the description's
+// order) with a gradient element in `local` that is not finite; nullopt
+// when every one is finite. `parameters` maps the strategy's parameter
+// indices to the description's.
+std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
+                                                const std::vector<int64_t>& parameters);
 
 }  // namespace meshrun::train

@@ -1,8 +1,15 @@
 #include "train/loop.hpp"
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
+
+#include "errors.hpp"
+#include "train/optimizer.hpp"
 
 namespace meshrun::train {
 namespace {
@@ -13,30 +20,116 @@ bool due(const TrainConfig& train, int64_t every, int64_t step) {
   return step == train.steps || (every > 0 && step % every == 0);
 }
 
+// Runs `work` of training step `step` (1-based); its errors say the step.
+template <class Work>
+void in_step(int64_t step, Work&& work) {
+  try {
+    work();
+  } catch (const Error& error) {
+    throw Error(error.code(), fmt::format("step {}: {}", step, error.what()), error.key());
+  }
+}
+
+// Collective over `world`: "; the gradient of 'NAME' is not finite (rank
+// R)" for the first parameter of the model whose gradient is not finite on
+// some rank, the lowest such rank; "" when no rank holds one (only the loss
+// is not finite).
+std::string first_nonfinite_gradient(TrainingRank& rank, const ModelDescription& description,
+                                     Communicator& world) {
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+  const std::optional<int64_t> local = rank.first_nonfinite_gradient();
+  // The largest -(index * ranks + rank) is the lowest index, then rank.
+  int64_t key = local ? -(*local * world.size() + world.rank()) : kNone;
+  FlatTensor tensor(&key, dtype_int64(), 1);
+  world.all_reduce(tensor.get(), ReduceOp::max).wait();
+  if (key == kNone) return {};
+  return fmt::format("; the gradient of '{}' is not finite (rank {})",
+                     description.parameters[size_t(-key / world.size())].name, -key % world.size());
+}
+
+// Steps in a row whose loss or gradient norm is not finite: skipped while
+// train.skip_nonfinite_steps allows, then the run stops.
+class NonFiniteSteps {
+ public:
+  NonFiniteSteps(const TrainConfig& train, const ModelDescription& description, bool writer)
+      : allowed_(train.skip_nonfinite_steps), description_(description), writer_(writer) {}
+
+  // After a step's gradient norm: whether its update may be applied.
+  bool finite(const StepMetrics& metrics) {
+    const bool finite = std::isfinite(metrics.loss) && std::isfinite(metrics.grad_norm);
+    if (finite) in_a_row_ = 0;
+    return finite;
+  }
+
+  // Collective: reports the non-finite step `metrics` (logged by `log`
+  // first when the run stops) and throws NonFiniteStep once more than
+  // allowed came in a row.
+  void skip(const StepMetrics& metrics, TrainingRank& rank, Communicator& world,
+            std::optional<MetricsLog>& log) {
+    const std::string what = fmt::format("step {}: the loss is {} and the gradient norm is {}{}",
+                                         metrics.step, metrics.loss, metrics.grad_norm,
+                                         first_nonfinite_gradient(rank, description_, world));
+    if (++in_a_row_ > allowed_) {
+      if (log) {
+        StepMetrics logged = metrics;
+        logged.mem = rank.memory_use();
+        log->write(logged);
+      }
+      throw NonFiniteStep(
+          allowed_ == 0
+              ? what +
+                    "; the run stops: lower train.lr, or let train.skip_nonfinite_steps skip "
+                    "such steps"
+              : fmt::format("{}; the run stops after {} such steps in a row "
+                            "(train.skip_nonfinite_steps = {})",
+                            what, in_a_row_, allowed_));
+    }
+    if (writer_) {
+      std::fprintf(stderr, "meshrun: warning: %s; the update is skipped (%lld of %lld in a row)\n",
+                   what.c_str(), static_cast<long long>(in_a_row_),
+                   static_cast<long long>(allowed_));
+    }
+  }
+
+ private:
+  int64_t allowed_;
+  const ModelDescription& description_;
+  bool writer_;
+  int64_t in_a_row_ = 0;
+};
+
 }  // namespace
 
-void run_training(const Config& config, int64_t tokens_per_step, Communicator& world,
-                  const std::string& output_dir, int64_t first_step, TrainingRank& rank) {
+void run_training(const Config& config, const ModelDescription& description,
+                  int64_t tokens_per_step, Communicator& world, const std::string& output_dir,
+                  int64_t first_step, TrainingRank& rank) {
   const TrainConfig& train = config.train;
   const bool writer = world.rank() == 0;
   std::optional<MetricsLog> log;
   if (writer) {
     log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string(), first_step);
   }
+  NonFiniteSteps nonfinite(train, description, writer);
   double train_seconds = 0.0;
   for (int64_t step = first_step; step < train.steps; ++step) {
     const auto start = Clock::now();
     StepMetrics metrics;
     metrics.step = step + 1;
-    rank.train_step(step, metrics);
-    rank.optimizer_step(step, metrics);
-    metrics.step_time_s = std::chrono::duration<double>(Clock::now() - start).count();
-    metrics.tokens_per_s = double(tokens_per_step) / metrics.step_time_s;
+    in_step(metrics.step, [&] {
+      rank.train_step(step, metrics);
+      metrics.grad_norm = rank.gradient_norm();
+      metrics.lr = learning_rate(train, step);
+      metrics.skipped = !nonfinite.finite(metrics);
+      if (!metrics.skipped) rank.optimizer_step(metrics);
+      metrics.step_time_s = std::chrono::duration<double>(Clock::now() - start).count();
+      metrics.tokens_per_s = double(tokens_per_step) / metrics.step_time_s;
+      if (metrics.skipped) nonfinite.skip(metrics, rank, world, log);
+      if (due(train, train.val_every, metrics.step)) metrics.val_loss = rank.validate();
+      metrics.mem = rank.memory_use();
+      const int64_t save_every = config.checkpoint.save_every;
+      if (save_every > 0 && metrics.step % save_every == 0) rank.save_checkpoint(metrics.step);
+    });
     train_seconds += metrics.step_time_s;
-    if (due(train, train.val_every, metrics.step)) metrics.val_loss = rank.validate();
-    metrics.mem = rank.memory_use();
-    const int64_t save_every = config.checkpoint.save_every;
-    if (save_every > 0 && metrics.step % save_every == 0) rank.save_checkpoint(metrics.step);
     if (!writer) continue;
     log->write(metrics);
     if (due(train, train.log_every, metrics.step) || metrics.val_loss) {

@@ -54,6 +54,7 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"comm_wait_s", m.comm_wait_s},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
+  if (m.skipped) line["skipped"] = true;
   if (m.val_loss) line["val_loss"] = *m.val_loss;
   line["mem"] = {{"params", m.mem.params},
                  {"grads", m.mem.grads},

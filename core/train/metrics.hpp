@@ -29,6 +29,9 @@ struct StepMetrics {
   double step_time_s = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
+  // The loss or the gradient norm was not finite: no update was applied
+  // (train.skip_nonfinite_steps).
+  bool skipped = false;
   // Time finish_gradients blocked: the gradient communication backward did
   // not hide.
   double grad_sync_wait_s = 0;

@@ -143,21 +143,32 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
 }
 
-void PipelineTrainer::optimizer_step(int64_t step, StepMetrics& metrics) {
+double PipelineTrainer::gradient_norm() {
   // The shards of a stage partition it over the shard group and the stages
   // partition the model over the pipeline; replicas hold equal shards.
   double squared = 0;
   for (auto& held : held_) squared += squared_norm(held->local.grads, held->local.numel);
   squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
   squared = all_reduce(squared, ReduceOp::sum, ctx_.pipeline);
-  metrics.grad_norm = std::sqrt(squared);
-  metrics.lr = learning_rate(ctx_.config.train, step);
+  return std::sqrt(squared);
+}
+
+void PipelineTrainer::optimizer_step(const StepMetrics& metrics) {
   for (auto& held : held_) {
     LocalParameters& local = held->local;
     clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
     held->optimizer->step(local.params, local.grads, metrics.lr);
     round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
   }
+}
+
+std::optional<int64_t> PipelineTrainer::first_nonfinite_gradient() {
+  std::optional<int64_t> first;
+  for (auto& held : held_) {
+    const auto found = train::first_nonfinite_gradient(held->local, held->parameters.indices);
+    if (found && (!first || *found < *first)) first = found;
+  }
+  return first;
 }
 
 // One evaluation batch of `count` sequences (in tokens_/targets_) through
@@ -319,7 +330,8 @@ void PipelineTrainer::export_weights() {
 
 void PipelineTrainer::run() {
   for (auto& held : held_) held->strategy->broadcast_parameters();
-  run_training(ctx_.config, ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
+  run_training(ctx_.config, ctx_.plan.model->description(),
+               ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
                ctx_.output_dir, next_step_, *this);
 }
 

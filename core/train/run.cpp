@@ -224,7 +224,7 @@ void check_training_input(const Config& config, const Plan& plan) {
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
 }
 
-void train_rank(const Config& config, const std::optional<std::string>& output_dir) {
+int train_rank(const Config& config, const std::optional<std::string>& output_dir) {
   // Past a file-size limit (ulimit -f) a write then fails with EFBIG, which
   // names the file, instead of the signal killing the rank without a word.
   std::signal(SIGXFSZ, SIG_IGN);
@@ -232,9 +232,13 @@ void train_rank(const Config& config, const std::optional<std::string>& output_d
   Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
   try {
     train_in_world(config, output_dir, world);
+  } catch (const NonFiniteStep& stop) {
+    if (world.rank() == 0) std::fprintf(stderr, "meshrun: error: %s\n", stop.what());
+    return 1;
   } catch (const std::exception& error) {
     launch::abort_rank(world.rank(), error.what());
   }
+  return 0;
 }
 
 }  // namespace meshrun::train

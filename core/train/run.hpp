@@ -19,8 +19,10 @@ void check_training_input(const Config& config, const Plan& plan);
 
 // One rank: joins the world through config.comm.backend, builds the mesh,
 // the model and the strategy, and trains into `output_dir` (when absent,
-// runs/<rank 0's start time>). Errors after the world exists end the rank
-// through launch::abort_rank, so mpirun stops the others.
-void train_rank(const Config& config, const std::optional<std::string>& output_dir);
+// runs/<rank 0's start time>). Returns the rank's exit status: 0, or 1
+// when a step was not finite (every rank stops there alike; rank 0 says
+// why). Other errors after the world exists end the rank through
+// launch::abort_rank, so mpirun stops the others.
+int train_rank(const Config& config, const std::optional<std::string>& output_dir);
 
 }  // namespace meshrun::train

@@ -95,8 +95,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
 }
 
-void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
-  const TrainConfig& train = ctx_.config.train;
+double Trainer::gradient_norm() {
   // A replicated strategy leaves the whole averaged gradient on every rank;
   // the shards of a sharded one partition it over the shard group (replicas
   // hold equal shards, so the replicate group adds nothing).
@@ -107,11 +106,17 @@ void Trainer::optimizer_step(int64_t step, StepMetrics& metrics) {
     local_.norm_group->all_reduce(tensor.get(), ReduceOp::sum).wait();
     squared = shard;
   }
-  metrics.grad_norm = std::sqrt(squared);
-  clip_gradients(local_.grads, local_.numel, metrics.grad_norm, train.max_grad_norm);
-  metrics.lr = learning_rate(train, step);
+  return std::sqrt(squared);
+}
+
+void Trainer::optimizer_step(const StepMetrics& metrics) {
+  clip_gradients(local_.grads, local_.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
   optimizer_.step(local_.params, local_.grads, metrics.lr);
   round_to(local_.params, local_.numel, ctx_.config.model.torch_dtype);
+}
+
+std::optional<int64_t> Trainer::first_nonfinite_gradient() {
+  return train::first_nonfinite_gradient(local_, ctx_.parameters.indices);
 }
 
 // docs/design.md's val_loss: the windows are shared out over the data-parallel
@@ -186,7 +191,8 @@ void Trainer::export_weights() {
 }
 
 void Trainer::run() {
-  run_training(ctx_.config, ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
+  run_training(ctx_.config, ctx_.model.description(),
+               ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
                ctx_.output_dir, next_step_, *this);
 }
 

@@ -56,7 +56,9 @@ class Trainer : public TrainingRank {
 
   // TrainingRank: sets metrics.loss, grad_sync_wait_s and comm_wait_s.
   void train_step(int64_t step, StepMetrics& metrics) override;
-  void optimizer_step(int64_t step, StepMetrics& metrics) override;
+  double gradient_norm() override;
+  void optimizer_step(const StepMetrics& metrics) override;
+  std::optional<int64_t> first_nonfinite_gradient() override;
   std::optional<double> validate() override;
   MemoryUse memory_use() override;
   void save_checkpoint(int64_t step) override;

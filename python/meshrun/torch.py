@@ -97,6 +97,7 @@ parameters each forward materializes are the gathered full parameters.
 """
 
 import contextlib
+import math
 import time
 
 import torch
@@ -150,6 +151,8 @@ class DistributedModule(nn.Module):
         blocks = list(units)
         named = list(module.named_parameters())
         self._params = [p for _, p in named]
+        self._names = [name for name, _ in named]
+        self._rank = runtime.rank
         self._unit_of = _units_of(module, blocks)
         self.num_units = len(blocks) + 1
         shapes = [tuple(p.shape) for p in self._params]
@@ -393,15 +396,31 @@ class DistributedModule(nn.Module):
             chunk.grad = gradient
         self._local_gradients.zero_()
 
-    def clip_grad_norm_(self, max_norm):
+    def clip_grad_norm_(self, max_norm, error_if_nonfinite=False):
         """Scales the gradients so that their global L2 norm is at most
         max_norm (torch.nn.utils.clip_grad_norm_'s rule); returns the norm
-        before clipping. Collective."""
+        before clipping. Collective. With error_if_nonfinite (torch's flag),
+        a NaN or infinite norm raises RuntimeError on every rank alike,
+        naming the first parameter whose gradient on this rank is not
+        finite, and nothing is scaled."""
         norm = self._timed(self.strategy.gradient_norm_squared) ** 0.5
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {norm}, so they cannot be "
+                               f"clipped{self._first_nonfinite_gradient()}")
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1.0:
             self._local_gradients.mul_(coefficient)
         return norm
+
+    def _first_nonfinite_gradient(self):
+        """"; the gradient of 'NAME' is not finite on rank R" for the first
+        parameter, in the module's order, whose local gradient is not."""
+        for segment in sorted(self.strategy.shard_segments(), key=lambda s: s.parameter):
+            begin = segment.local_begin
+            if not torch.isfinite(self._local_gradients[begin:begin + segment.count]).all():
+                return (f"; the gradient of '{self._names[segment.parameter]}' is not finite on "
+                        f"rank {self._rank}")
+        return ""
 
     def _chunks(self, decay_1d):
         """(begin, end, decayed) element ranges of local_parameters that the

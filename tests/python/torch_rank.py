@@ -24,6 +24,7 @@ DIR/checkpoint after step K; --load CKPT starts from one.
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -99,6 +100,21 @@ class Checks:
         return full
 
 
+def check_nonfinite_gradients_refused(wrapped):
+    """clip_grad_norm_ with error_if_nonfinite raises on every rank, naming a
+    parameter, and scales nothing; without it the norm is returned."""
+    wrapped.zero_grad()
+    wrapped.local_parameters.grad.fill_(float("nan"))
+    assert math.isnan(wrapped.clip_grad_norm_(1.0))
+    try:
+        wrapped.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    except RuntimeError as error:
+        assert "the gradient of 'model.embed_tokens.weight' is not finite" in str(error), error
+    else:
+        raise AssertionError("clip_grad_norm_ accepted a NaN gradient")
+    wrapped.zero_grad()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("overrides", nargs="*")
@@ -147,6 +163,7 @@ def main():
             wrapped.save_checkpoint(os.path.join(args.output, "checkpoint"), step + 1, optimizer)
         with torch.no_grad():  # an evaluation forward between steps changes nothing
             wrapped(inputs[:1], targets[:1])
+    check_nonfinite_gradients_refused(wrapped)
     if wrapped.sharded and STEPS - start > 1:
         assert checks.compared > 0, "the forward pre-hooks compared nothing"
     if job.rank == 0:

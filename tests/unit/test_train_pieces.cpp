@@ -13,6 +13,7 @@
 #include "model/model.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
+#include "train/local_parameters.hpp"
 #include "train/optimizer.hpp"
 #include "train/safetensors.hpp"
 
@@ -53,6 +54,23 @@ TEST_CASE("train: clipping scales to max_grad_norm like clip_grad_norm_", "[trai
   CHECK(norm == Approx(5.0));
   train::clip_gradients(grads, 2, norm, 1.0);
   CHECK(std::sqrt(train::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
+}
+
+TEST_CASE("train: the first parameter with a non-finite gradient, in the description's order",
+          "[train]") {
+  // A shard holding parts of description parameters 5 and 2, in that order.
+  std::vector<float> grads = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f};
+  train::LocalParameters local;
+  local.grads = grads.data();
+  local.numel = int64_t(grads.size());
+  local.held = {{10, 0, 2}, {4, 2, 3}};
+  local.held_parameter = {0, 1};
+  const std::vector<int64_t> description_index = {5, 2};
+  CHECK_FALSE(train::first_nonfinite_gradient(local, description_index));
+  grads[1] = std::numeric_limits<float>::infinity();
+  CHECK(train::first_nonfinite_gradient(local, description_index) == 5);
+  grads[4] = std::nanf("");
+  CHECK(train::first_nonfinite_gradient(local, description_index) == 2);
 }
 
 // A description with a root unit around two layer units, the root's

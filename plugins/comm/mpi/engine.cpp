@@ -122,6 +122,16 @@ void Engine::note_timeout(double seconds) {
   if (seconds > shutdown_limit_) shutdown_limit_ = seconds;
 }
 
+void Engine::note_timed_out(const std::string& what) {
+  std::lock_guard lock(mutex_);
+  if (timed_out_.empty()) timed_out_ = what;
+}
+
+std::string Engine::timed_out() {
+  std::lock_guard lock(mutex_);
+  return timed_out_;
+}
+
 void Engine::start() {
   auto started = std::make_shared<Completion>();
   thread_ = std::thread([this, started] {
@@ -145,7 +155,7 @@ bool Engine::stop() {
   {
     std::lock_guard lock(mutex_);
     queue_.push_back(Task{"stop", Work{}, nullptr});
-    limit = unlimited_shutdown_ ? -1.0 : shutdown_limit_;
+    limit = !timed_out_.empty() ? 0.0 : unlimited_shutdown_ ? -1.0 : shutdown_limit_;
   }
   queued_.notify_one();
   if (!stopped_->wait_for(limit)) {

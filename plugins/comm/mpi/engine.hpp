@@ -77,6 +77,13 @@ class Engine {
   // Remembers the longest world timeout: how long shutdown waits for work
   // still queued. <= 0: no limit.
   void note_timeout(double seconds);
+  // Records that `what` ran past the world's timeout. From then on the job
+  // is broken: nothing waits for the world's timeout again (a rank giving
+  // up would otherwise wait it once more for every request it drops), and
+  // shutdown does not wait for queued work.
+  void note_timed_out(const std::string& what);
+  // The first operation that timed out; empty while none has.
+  std::string timed_out();
 
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -112,6 +119,7 @@ class Engine {
   std::deque<Task> queue_;
   double shutdown_limit_ = 0.0;
   bool unlimited_shutdown_ = false;
+  std::string timed_out_;
 
   std::thread thread_;
   std::shared_ptr<Completion> stopped_ = std::make_shared<Completion>();

@@ -57,18 +57,36 @@ std::string seconds_text(double seconds) {
 
 // What a meshrun_request handle points to.
 struct Request {
+  std::shared_ptr<Engine> engine;
   std::shared_ptr<Completion> completion;
   std::string what;
   double default_timeout;  // the world's; <= 0: none
 
+  // Waits up to the world's timeout; returns "" once complete, else why not.
+  // After one operation has run past that timeout the job is broken: no
+  // other is waited for again, so a rank giving up leaves within its first
+  // timeout instead of one more per request it drops.
+  std::string settle() const {
+    const std::string earlier = engine->timed_out();
+    if (!earlier.empty()) {
+      if (completion->wait_for(0.0)) return {};
+      return "was not waited for: " + earlier + " ran past the world's timeout before it";
+    }
+    if (completion->wait_for(default_timeout <= 0 ? -1.0 : default_timeout)) return {};
+    engine->note_timed_out(what);
+    return "did not complete within " + seconds_text(default_timeout) + " s (the world's timeout)";
+  }
+
   // timeout < 0: the world's.
   void wait(double timeout_seconds) const {
-    const bool world_limit = timeout_seconds < 0;
-    const double limit = world_limit ? default_timeout : timeout_seconds;
-    if (!completion->wait_for(world_limit && limit <= 0 ? -1.0 : limit)) {
-      throw Error(MESHRUN_DEADLINE_EXCEEDED,
-                  what + " did not complete within " + seconds_text(limit) + " s" +
-                      (world_limit ? " (the world's timeout)" : "") + "; it is still in flight");
+    std::string unfinished;
+    if (timeout_seconds < 0) {
+      unfinished = settle();
+    } else if (!completion->wait_for(timeout_seconds)) {
+      unfinished = "did not complete within " + seconds_text(timeout_seconds) + " s";
+    }
+    if (!unfinished.empty()) {
+      throw Error(MESHRUN_DEADLINE_EXCEEDED, what + " " + unfinished + "; it is still in flight");
     }
     completion->rethrow_failure();
   }
@@ -89,8 +107,9 @@ Request& request_of(meshrun_request* handle, const char* op) {
 void start(const Communicator& communicator, std::string what, Work work,
            meshrun_request** out_request) {
   auto completion = communicator.engine->submit(what, std::move(work));
-  auto request = std::make_unique<Request>(
-      Request{std::move(completion), std::move(what), communicator.comm->timeout_seconds});
+  auto request =
+      std::make_unique<Request>(Request{communicator.engine, std::move(completion), std::move(what),
+                                        communicator.comm->timeout_seconds});
   if (out_request != nullptr) {
     *out_request = reinterpret_cast<meshrun_request*>(request.release());
     return;
@@ -112,7 +131,8 @@ void start_collective(const Communicator& communicator, std::string what,
 meshrun_communicator* create(std::shared_ptr<Engine> engine, const std::string& what,
                              double timeout_seconds, std::function<std::shared_ptr<Comm>()> make) {
   auto made = std::make_shared<std::shared_ptr<Comm>>();
-  const Request request{engine->submit(what,
+  const Request request{engine,
+                        engine->submit(what,
                                        [made, make = std::move(make)](Scratch&) {
                                          *made = make();
                                          return std::vector<MPI_Request>{};
@@ -319,8 +339,7 @@ meshrun_error* test(meshrun_request* handle, int32_t* out_done) {
 void request_destroy(meshrun_request* handle) {
   if (handle == nullptr) return;
   const std::unique_ptr<Request> request(reinterpret_cast<Request*>(handle));
-  const double limit = request->default_timeout;
-  request->completion->wait_for(limit <= 0 ? -1.0 : limit);
+  request->settle();
 }
 
 const meshrun_comm_api kCommApi = {
