@@ -3,6 +3,8 @@
 // that the first error reported is the first one in the file.
 #include "config/config.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -45,6 +47,7 @@ struct FoundKey {
 };
 
 toml::table parse_document(std::string_view text, const std::string& source) {
+  config_detail::check_toml_shape(text, source);
   try {
     return toml::parse(text, std::string_view(source));
   } catch (const toml::parse_error& error) {
@@ -70,6 +73,13 @@ std::vector<std::string> split_key(const std::string& key, const std::string& te
     parts.push_back(key.substr(start, dot - start));
     if (parts.back().empty())
       fail_malformed(text, "empty part in key " + config_detail::quoted(key));
+    if (parts.back().size() > config_detail::kMaxKeyBytes) {
+      fail_malformed(text,
+                     fmt::format("a key part longer than {} bytes", config_detail::kMaxKeyBytes));
+    }
+    if (parts.size() > size_t(config_detail::kMaxNesting)) {
+      fail_malformed(text, fmt::format("more than {} parts", config_detail::kMaxNesting));
+    }
     if (dot == std::string::npos) return parts;
     start = dot + 1;
   }
@@ -77,9 +87,12 @@ std::vector<std::string> split_key(const std::string& key, const std::string& te
 
 // The override's value as the one-entry table {v = value}: its TOML reading
 // when it is a single TOML value, else the bare string.
-toml::table parse_override_value(const std::string& value, std::string& toml_error) {
+toml::table parse_override_value(const std::string& value, const std::string& text,
+                                 std::string& toml_error) {
+  const std::string document_text = "v = " + value;
+  config_detail::check_toml_shape(document_text, "override '" + one_line(text) + "'");
   try {
-    toml::table document = toml::parse(std::string_view("v = " + value));
+    toml::table document = toml::parse(std::string_view(document_text));
     if (document.size() == 1) return document;
     toml_error = "more than one key";
   } catch (const toml::parse_error& error) {
@@ -110,7 +123,7 @@ void apply_override(toml::table& root, const std::string& text, int ordinal,
     if (!node->is_table()) config_detail::fail_type({node, path, origin.position, {}}, "a table");
     table = node->as_table();
   }
-  toml::table value = parse_override_value(text.substr(equals + 1), origin.toml_error);
+  toml::table value = parse_override_value(text.substr(equals + 1), text, origin.toml_error);
   value.get("v")->visit(
       [&](auto&& node) { table->insert_or_assign(parts.back(), std::move(node)); });
   origins[key] = origin;

@@ -37,6 +37,14 @@ struct Entry {
 // "expected <expected>, got <what the node is>".
 [[noreturn]] void fail_type(const Entry& entry, const std::string& expected);
 
+// The most levels a config may nest, and the longest key part. A meshrun
+// config nests 3 deep and its keys are words; Hugging Face configs fit too.
+inline constexpr int kMaxNesting = 32;
+inline constexpr size_t kMaxKeyBytes = 256;
+// Throws meshrun::Error "source:line:col: ..." when `text` nests deeper or
+// has a longer key (shape.cpp says why toml++ must not read such a text).
+void check_toml_shape(std::string_view text, const std::string& source);
+
 // A message fragment with control characters escaped, so messages stay on one line.
 std::string one_line(std::string_view text);
 // 'text', escaped and shortened.

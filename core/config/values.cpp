@@ -51,7 +51,9 @@ std::string one_line(std::string_view text) {
   return out;
 }
 
-std::string quoted(std::string_view text) { return "'" + shortened(one_line(text)) + "'"; }
+// fmt, not operator+: GCC 12 reports a false -Wrestrict for "'" + std::string
+// at -O2 and above.
+std::string quoted(std::string_view text) { return fmt::format("'{}'", shortened(one_line(text))); }
 
 nlohmann::ordered_json to_json(const toml::node& node) {
   if (const auto* table = node.as_table()) {
@@ -115,7 +117,7 @@ std::string render(const toml::node& node) {
   if (const auto* array = node.as_array()) {
     std::vector<std::string> elements;
     for (const toml::node& element : *array) elements.push_back(render(element));
-    return "[" + join_names(elements) + "]";
+    return fmt::format("[{}]", join_names(elements));
   }
   if (node.is_table()) return "{...}";
   std::ostringstream text;

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <set>
+#include <unordered_map>
 
 #include "errors.hpp"
 #include "model/model.hpp"
@@ -60,10 +60,43 @@ std::vector<int64_t> shape_of(const ordered_json& parameter, const std::string& 
   return dims;
 }
 
-void read_units(const ordered_json& json, const std::string& origin, ModelDescription& d) {
-  std::set<std::string> seen;
+// The most float32 parameters a model may have: 2^47 bytes (128 TiB) is the
+// whole user address space of an x86-64 or AArch64 process. Below it no sum
+// or product of sizes the core forms (numel, offsets, bytes) can overflow.
+constexpr int64_t kFloatBytes = 4;
+constexpr int64_t kMaxParameterElements = (int64_t{1} << 47) / kFloatBytes;
+
+[[noreturn]] void refuse_unaddressable(const std::string& origin, const std::string& what,
+                                       double elements) {
+  bad_description(origin, fmt::format("{} take {:.4g} bytes as float32, more than the 2^47 bytes "
+                                      "(128 TiB) any machine can address",
+                                      what, elements * kFloatBytes));
+}
+
+// The product of the extents, refused past kMaxParameterElements.
+int64_t numel_of(const ModelParameter& parameter, const std::string& where,
+                 const std::string& origin) {
+  int64_t numel = 1;
+  double exact = 1;  // may be past int64_t, for the message
+  for (const int64_t extent : parameter.shape) {
+    exact *= double(extent);
+    if (__builtin_mul_overflow(numel, extent, &numel)) numel = kMaxParameterElements + 1;
+    numel = std::min(numel, kMaxParameterElements + 1);
+  }
+  if (numel > kMaxParameterElements) {
+    refuse_unaddressable(origin, fmt::format("{} ('{}')", where, parameter.name), exact);
+  }
+  return numel;
+}
+
+// Unit name -> index into ModelDescription::units.
+using UnitIndices = std::unordered_map<std::string, int32_t>;
+
+UnitIndices read_units(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  UnitIndices indices;
   for (const auto& unit : array_field(json, "units", origin)) {
-    if (!unit.is_string() || !seen.insert(unit.get<std::string>()).second) {
+    if (!unit.is_string() ||
+        !indices.emplace(unit.get<std::string>(), int32_t(d.units.size())).second) {
       bad_description(origin, "\"units\" must hold distinct unit names");
     }
     d.units.push_back(unit.get<std::string>());
@@ -72,29 +105,31 @@ void read_units(const ordered_json& json, const std::string& origin, ModelDescri
     bad_description(origin, "the last unit must be \"root\" (it encloses the others), not '" +
                                 d.units.back() + "'");
   }
+  return indices;
 }
 
-void read_parameters(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+void read_parameters(const ordered_json& json, const std::string& origin, const UnitIndices& units,
+                     ModelDescription& d) {
   for (const auto& entry : array_field(json, "parameters", origin)) {
     const std::string where = fmt::format("parameters[{}]", d.parameters.size());
     ModelParameter parameter;
     parameter.name = text_field(entry, "name", where, origin);
     parameter.shape = shape_of(entry, where, origin);
-    parameter.numel = 1;
-    for (const int64_t extent : parameter.shape) parameter.numel *= extent;
+    parameter.numel = numel_of(parameter, where, origin);
     const std::string unit = text_field(entry, "unit", where, origin);
-    const auto found = std::find(d.units.begin(), d.units.end(), unit);
-    if (found == d.units.end()) {
+    const auto found = units.find(unit);
+    if (found == units.end()) {
       bad_description(origin,
                       fmt::format("{} ('{}') is in unit '{}', which \"units\" does not list", where,
                                   parameter.name, unit));
     }
-    if (d.parameter_index(parameter.name) >= 0) {
+    if (!d.parameter_indices.emplace(parameter.name, int64_t(d.parameters.size())).second) {
       bad_description(origin, fmt::format("parameter '{}' is listed twice", parameter.name));
     }
-    parameter.unit = int32_t(found - d.units.begin());
+    parameter.unit = found->second;
     parameter.offset = d.numel;
     d.numel += parameter.numel;
+    if (d.numel > kMaxParameterElements) refuse_unaddressable(origin, "the parameters", d.numel);
     d.parameters.push_back(std::move(parameter));
   }
 }
@@ -105,7 +140,7 @@ void read_modules(const ordered_json& json, const std::string& origin, ModelDesc
     const std::string where = fmt::format("modules[{}]", d.modules.size());
     ModelModule module;
     module.name = text_field(entry, "name", where, origin);
-    if (d.module_index(module.name) >= 0) {
+    if (!d.module_indices.emplace(module.name, int64_t(d.modules.size())).second) {
       bad_description(origin, fmt::format("module '{}' is listed twice", module.name));
     }
     const ordered_json& names = field(entry, "parameters", where, origin);
@@ -155,17 +190,13 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
 }  // namespace
 
 int64_t ModelDescription::parameter_index(const std::string& name) const {
-  for (size_t p = 0; p < parameters.size(); ++p) {
-    if (parameters[p].name == name) return int64_t(p);
-  }
-  return -1;
+  const auto found = parameter_indices.find(name);
+  return found == parameter_indices.end() ? -1 : found->second;
 }
 
 int64_t ModelDescription::module_index(const std::string& name) const {
-  for (size_t m = 0; m < modules.size(); ++m) {
-    if (modules[m].name == name) return int64_t(m);
-  }
-  return -1;
+  const auto found = module_indices.find(name);
+  return found == module_indices.end() ? -1 : found->second;
 }
 
 ModelDescription parse_description(const std::string& text, const std::string& origin) {
@@ -176,8 +207,8 @@ ModelDescription parse_description(const std::string& text, const std::string& o
     bad_description(origin, fmt::format("not JSON: {}", error.what()));
   }
   if (!d.json.is_object()) bad_description(origin, "the description is not a JSON object");
-  read_units(d.json, origin, d);
-  read_parameters(d.json, origin, d);
+  const UnitIndices units = read_units(d.json, origin, d);
+  read_parameters(d.json, origin, units, d);
   read_modules(d.json, origin, d);
   read_limits(d.json, origin, d);
   return d;

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +44,8 @@ struct ModelDescription {
   std::string num_layers_key;   // e.g. "model.num_hidden_layers"
   int64_t numel = 0;            // elements over all parameters
   nlohmann::ordered_json json;  // as the plugin wrote it (for sidecars)
+  // Name -> index, so that reading a description of many layers stays linear.
+  std::unordered_map<std::string, int64_t> parameter_indices, module_indices;
 
   int32_t root_unit() const { return int32_t(units.size()) - 1; }
   // The index of the parameter called `name`, or -1.

@@ -1,5 +1,7 @@
 #include "common/config_reader.hpp"
 
+#include "common/parameters.hpp"
+
 #include <cmath>
 #include <stdexcept>
 
@@ -19,13 +21,24 @@ void ConfigReader::fail(const char* key, const std::string& expected) const {
                               config_.at(key).dump());
 }
 
-int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min) const {
+int64_t ConfigReader::integer(const char* key, int64_t fallback, int64_t min, int64_t max) const {
   if (!has(key)) return fallback;
   const auto& value = config_.at(key);
-  if (!value.is_number_integer() || value.get<int64_t>() < min) {
-    fail(key, "an integer >= " + std::to_string(min));
+  if (!value.is_number_integer() || value.get<int64_t>() < min || value.get<int64_t>() > max) {
+    fail(key, max == std::numeric_limits<int64_t>::max()
+                  ? "an integer >= " + std::to_string(min)
+                  : "an integer in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
   }
   return value.get<int64_t>();
+}
+
+int64_t ConfigReader::dimension(const char* key, int64_t fallback) const {
+  constexpr int64_t kFloatBytes = 4;
+  const int64_t value = integer(key, fallback);
+  if (value > kMaxParameterBytes / kFloatBytes) {
+    refuse_unaddressable(key, value, double(value) * kFloatBytes);
+  }
+  return value;
 }
 
 int64_t ConfigReader::nullable_integer(const char* key, int64_t fallback, int64_t min) const {

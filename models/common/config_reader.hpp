@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -20,7 +21,12 @@ class ConfigReader {
   bool has(const char* key) const { return config_.contains(key); }
   // The value of `key` when set, else `fallback`. Throws
   // std::invalid_argument("model.<key>: expected ..., got ...").
-  int64_t integer(const char* key, int64_t fallback, int64_t min = 1) const;
+  int64_t integer(const char* key, int64_t fallback, int64_t min = 1,
+                  int64_t max = std::numeric_limits<int64_t>::max()) const;
+  // A size of parameter tensors (>= 1): one larger than a parameter of
+  // kMaxParameterBytes could hold is refused with the bytes it would take,
+  // so that products and multiples of sizes cannot overflow.
+  int64_t dimension(const char* key, int64_t fallback) const;
   // As integer(), with JSON null as unset (Hugging Face writes some
   // defaults as null, "n_inner": null).
   int64_t nullable_integer(const char* key, int64_t fallback, int64_t min = 1) const;

@@ -1,7 +1,11 @@
 #include "common/parameters.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <limits>
 #include <numbers>
+#include <stdexcept>
 #include <utility>
 
 namespace meshrun::models {
@@ -42,9 +46,43 @@ bool is_matrix(const ParameterView& view) { return view.shape.size() > 1; }
 void add_parameter(std::vector<ParameterView>& views, std::string name, std::vector<int64_t> shape,
                    int64_t unit) {
   int64_t numel = 1;
-  for (int64_t size : shape) numel *= size;
+  for (int64_t size : shape) {
+    if (__builtin_mul_overflow(numel, size, &numel)) numel = std::numeric_limits<int64_t>::max();
+  }
   const auto index = int64_t(views.size());
   views.push_back({std::move(name), std::move(shape), numel, index, unit, nullptr, nullptr});
+}
+
+void require_addressable(const std::vector<ParameterView>& parameters,
+                         std::initializer_list<SizeKey> keys) {
+  constexpr int64_t kFloatBytes = 4;
+  constexpr int64_t kMaxElements = kMaxParameterBytes / kFloatBytes;
+  int64_t elements = 0;
+  for (const ParameterView& view : parameters) {
+    // Cannot overflow: the sum stops growing once past the bound.
+    elements += std::min(view.numel, kMaxElements + 1);
+    if (elements > kMaxElements) break;
+  }
+  if (elements <= kMaxElements) return;
+  const SizeKey largest = *std::max_element(keys.begin(), keys.end(),
+                                            [](SizeKey a, SizeKey b) { return a.value < b.value; });
+  // The bytes in floating point: the exact count may be past int64_t.
+  double bytes = 0;
+  for (const ParameterView& view : parameters) {
+    double numel = kFloatBytes;
+    for (const int64_t extent : view.shape) numel *= double(extent);
+    bytes += numel;
+  }
+  refuse_unaddressable(largest.name, largest.value, bytes);
+}
+
+void refuse_unaddressable(const char* key, int64_t value, double bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.4g", bytes);
+  throw std::invalid_argument("model." + std::string(key) + ": " + std::to_string(value) +
+                              " makes the parameters take " + text +
+                              " bytes as float32, more than the 2^47 bytes (128 TiB) any "
+                              "machine can address");
 }
 
 void init_normal(const std::vector<ParameterView>& parameters, uint64_t seed, int64_t index,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -22,9 +23,38 @@ struct ParameterView {
   float* grad = nullptr;
 };
 
-// Appends the parameter `name` with the next index, without storage.
+// Appends the parameter `name` with the next index, without storage. A
+// numel past int64_t is kept as INT64_MAX, for require_addressable to refuse.
 void add_parameter(std::vector<ParameterView>& views, std::string name, std::vector<int64_t> shape,
                    int64_t unit);
+
+// The most bytes a model's float32 parameters may take: 2^47 (128 TiB) is the
+// whole user address space of an x86-64 or AArch64 process, so a larger model
+// cannot be held by any machine. Below it every size product of the shipped
+// models stays far from int64_t overflow.
+inline constexpr int64_t kMaxParameterBytes = int64_t{1} << 47;
+
+// The most layers a shipped model may have. The deepest published
+// transformers have a few hundred; each layer adds parameters, a unit and a
+// module to the description, which the host plans with, so the bound keeps
+// `meshrun plan` within seconds (docs/decisions.md).
+inline constexpr int64_t kMaxLayers = 2048;
+
+// A [model] key that sizes the parameters, and its value.
+struct SizeKey {
+  const char* name;
+  int64_t value;
+};
+
+// Throws std::invalid_argument("model.<key>: <value> makes the parameters
+// take <bytes> bytes as float32, more than ...").
+[[noreturn]] void refuse_unaddressable(const char* key, int64_t value, double bytes);
+
+// Throws std::invalid_argument("model.<key>: ...") giving the bytes when
+// `parameters` take more than kMaxParameterBytes as float32; the key named is
+// the largest of `keys`, the one to lower first.
+void require_addressable(const std::vector<ParameterView>& parameters,
+                         std::initializer_list<SizeKey> keys);
 
 // Fills `values` with parameters[index]'s normal(0, stddev) initial values
 // for `seed`. The draws come from one splitmix64 + Box-Muller stream over the

@@ -52,6 +52,10 @@ std::vector<ParameterView> model_parameters(const Gpt2Config& c) {
   add_parameter(views, "transformer.ln_f.weight", {E}, root);
   add_parameter(views, "transformer.ln_f.bias", {E}, root);
   if (!c.tie_word_embeddings) add_parameter(views, "lm_head.weight", {c.vocab_size, E}, root);
+  models::require_addressable(views, {{"vocab_size", c.vocab_size},
+                                      {"n_positions", c.n_positions},
+                                      {"n_embd", E},
+                                      {"n_inner", c.n_inner}});
   return views;
 }
 

@@ -43,10 +43,10 @@ struct Gpt2Plugin {
   static Gpt2Config read_config(const char* config_json) {
     const meshrun::models::ConfigReader reader(config_json);
     Gpt2Config c;
-    c.vocab_size = reader.integer("vocab_size", c.vocab_size);
-    c.n_positions = reader.integer("n_positions", c.n_positions);
-    c.n_embd = reader.integer("n_embd", c.n_embd);
-    c.n_layer = reader.integer("n_layer", c.n_layer);
+    c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
+    c.n_positions = reader.dimension("n_positions", c.n_positions);
+    c.n_embd = reader.dimension("n_embd", c.n_embd);
+    c.n_layer = reader.integer("n_layer", c.n_layer, 1, meshrun::models::kMaxLayers);
     c.n_head = reader.integer("n_head", c.n_head);
     c.n_inner = reader.nullable_integer("n_inner", 4 * c.n_embd);
     reader.choice("activation_function", "gelu_new", {"gelu_new"});

@@ -59,6 +59,8 @@ std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
   add_parameter(views, "model.norm.weight", {H}, root);
   if (!config.tie_word_embeddings)
     add_parameter(views, "lm_head.weight", {config.vocab_size, H}, root);
+  models::require_addressable(
+      views, {{"vocab_size", config.vocab_size}, {"hidden_size", H}, {"intermediate_size", I}});
   return views;
 }
 

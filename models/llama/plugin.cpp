@@ -37,10 +37,11 @@ struct LlamaPlugin {
   static LlamaConfig read_config(const char* config_json) {
     const meshrun::models::ConfigReader reader(config_json);
     LlamaConfig c;
-    c.vocab_size = reader.integer("vocab_size", c.vocab_size);
-    c.hidden_size = reader.integer("hidden_size", c.hidden_size);
-    c.intermediate_size = reader.integer("intermediate_size", c.intermediate_size);
-    c.num_hidden_layers = reader.integer("num_hidden_layers", c.num_hidden_layers);
+    c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
+    c.hidden_size = reader.dimension("hidden_size", c.hidden_size);
+    c.intermediate_size = reader.dimension("intermediate_size", c.intermediate_size);
+    c.num_hidden_layers =
+        reader.integer("num_hidden_layers", c.num_hidden_layers, 1, meshrun::models::kMaxLayers);
     c.num_attention_heads = reader.integer("num_attention_heads", c.num_attention_heads);
     // Hugging Face's default: one key/value head per attention head.
     c.num_key_value_heads = reader.integer("num_key_value_heads", c.num_attention_heads);

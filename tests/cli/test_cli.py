@@ -116,6 +116,36 @@ class BadInputTest(InputErrorAssertions):
                 if result.returncode == 2:
                     self.assert_input_error(result)
 
+    def test_nesting_and_key_length_are_bounded(self):
+        # toml++ recurses over nested tables: 100,000 levels overflowed the stack.
+        deep = ".".join(["a"] * 100000)
+        self.plan_text(deep + " = 1\n", needles=["{path}:1:", "nested more than 32"])
+        self.plan_text("[" + deep + "]\n", needles=["{path}:1:", "nested more than 32"])
+        self.plan_text('[model]\nmodel_type = "llama"\n' + deep + " = 1\n",
+                       needles=["{path}:3:", "nested more than 32"])
+        self.plan_text("x = " + "[" * 100 + "]" * 100 + "\n", needles=["{path}:1:", "nested"])
+        # The closest valid key of an 8 MiB key took a minute to find.
+        self.plan_text("k" * (8 << 20) + " = 1\n", needles=["{path}:1:", "longer than 256"])
+        self.plan_text('["' + "k" * 300 + '"]\n', needles=["{path}:1:", "longer than 256"])
+        example = EXAMPLES[0]
+        self.assert_input_error(run("plan", example, deep[:20000] + "=1"), "more than 32 parts")
+        self.assert_input_error(run("plan", example, "model.x={" + deep[:20000] + "=1}"),
+                                "nested more than 32")
+
+    def test_model_sizes_are_bounded(self):
+        llama = '[model]\nmodel_type = "llama"\n'
+        for layers in (65536, 2**31, 2**62):
+            self.plan_text(llama + f"num_hidden_layers = {layers}\n",
+                           needles=["{path}:3:", "model.num_hidden_layers", "[1, 2048]"])
+        self.plan_text(llama + f"vocab_size = {2**62}\n",
+                       needles=["{path}:3:", "model.vocab_size", "1.845e+19 bytes"])
+        self.plan_text(llama + "hidden_size = 1048576\nintermediate_size = 1099511627776\n",
+                       needles=["{path}:4:", "model.intermediate_size", "bytes", "2^47"])
+        gpt2 = '[model]\nmodel_type = "gpt2"\n'
+        self.plan_text(gpt2 + f"n_embd = {2**61}\n", needles=["{path}:3:", "model.n_embd", "bytes"])
+        self.plan_text(gpt2 + "n_inner = 4611686018427387904\n",
+                       needles=["{path}:3:", "model.n_inner", "bytes"])
+
     def test_command_line_errors(self):
         example = EXAMPLES[0]
         self.assert_input_error(run("plan", example, "--world-size", "abc"), "--world-size")

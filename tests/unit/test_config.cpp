@@ -777,3 +777,37 @@ TEST_CASE("config: every example in examples/ parses", "[config][examples]") {
   CHECK(moe.distributed.ep_size == 2);
   CHECK(moe.distributed.moe.present);
 }
+
+TEST_CASE("config: nesting and key length are bounded before toml++ reads the text",
+          "[config][bad-input]") {
+  // toml++ destroys tables recursively: 100,000 levels overflowed the stack.
+  std::string deep = "a";
+  for (int level = 1; level < 100000; ++level) deep += ".a";
+  CHECK_THAT(
+      failure_of(deep + " = 1\n").message,
+      StartsWith("cfg.toml:1:64: 'a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a.a."
+                 "...': nested more than 32 levels deep"));
+  CHECK_THAT(failure_of("[" + deep + "]\n").message,
+             StartsWith("cfg.toml:1:33: '[a.a.a") && Contains("nested more than 32 levels deep"));
+  CHECK_THAT(failure_of("[model]\n" + deep + " = 2\nx = ]").message,
+             StartsWith("cfg.toml:2:") && Contains("nested more than 32 levels deep"));
+  CHECK_THAT(failure_of("x = [{a = [{b = {" + deep + " = 1}}]}]\n").message,
+             Contains("nested more"));
+  // A quoted key's dots and brackets, strings and comments count for nothing.
+  const std::string quoted_dots = std::string(200, '.');
+  CHECK_NOTHROW(parse("[model]\n'" + quoted_dots + "' = \"" + deep.substr(0, 200) + "[[[\" # ." +
+                      deep.substr(0, 200) + "\n"));
+
+  // An 8 MiB key took a minute: the closest valid key is an edit distance.
+  CHECK_THAT(failure_of(std::string(8 << 20, 'k') + " = 1\n").message,
+             StartsWith("cfg.toml:1:257: a key longer than 256 bytes ('kkkk"));
+  CHECK_THAT(failure_of("[\"" + std::string(300, 'k') + "\"]\n").message,
+             Contains("a key longer than 256 bytes"));
+  CHECK_NOTHROW(parse("[model]\n" + std::string(256, 'k') + " = 1\n"));
+
+  CHECK_THAT(failure_of("", {deep.substr(0, 99) + "=1"}).message, Contains("more than 32 parts"));
+  CHECK_THAT(failure_of("", {std::string(257, 'k') + "=1"}).message,
+             Contains("a key part longer than 256 bytes"));
+  CHECK_THAT(failure_of("", {"model.x={" + deep.substr(0, 99) + "=1}"}).message,
+             StartsWith("override 'model.x={a.a.a") && Contains("nested more than 32"));
+}

@@ -352,4 +352,13 @@ TEST_CASE("gpt2 stage refuses what the model cannot compute", "[gpt2][stage]") {
                     Contains("model.n_embd: 8 must be divisible by model.n_head"));
 }
 
+TEST_CASE("gpt2 refuses parameters no machine can hold, before any size overflows", "[gpt2]") {
+  using Catch::Matchers::Contains;
+  Gpt2Config config = narrow_config(false);
+  config.n_inner = int64_t{1} << 62;  // x n_embd overflowed int64_t
+  CHECK_THROWS_WITH(meshrun::gpt2::model_parameters(config),
+                    Contains("model.n_inner: 4611686018427387904 makes the parameters take ") &&
+                        Contains(" bytes as float32, more than the 2^47 bytes"));
+}
+
 }  // namespace

@@ -273,4 +273,18 @@ TEST_CASE("llama rejects bad input", "[llama]") {
   CHECK_THROWS_AS(model.backward(), std::logic_error);
 }
 
+TEST_CASE("llama refuses parameters no machine can hold, before any size overflows", "[llama]") {
+  using Catch::Matchers::Contains;
+  LlamaConfig config = narrow_config(false);
+  config.vocab_size = int64_t{1} << 62;  // x hidden_size overflowed int64_t
+  CHECK_THROWS_WITH(meshrun::llama::model_parameters(config),
+                    Contains("model.vocab_size: 4611686018427387904 makes the parameters take ") &&
+                        Contains("e+2") && Contains(" bytes as float32, more than the 2^47 bytes"));
+  config = narrow_config(false);
+  config.hidden_size = 1 << 20;
+  config.intermediate_size = int64_t{1} << 30;
+  CHECK_THROWS_WITH(meshrun::llama::model_parameters(config),
+                    Contains("model.intermediate_size: 1073741824 makes the parameters take"));
+}
+
 }  // namespace

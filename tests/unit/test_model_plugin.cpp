@@ -77,7 +77,7 @@ TEST_CASE("model plugin: llama's keys are checked at plan time, at their place i
   CHECK_THAT(plan_error(kTiny, {"model.rms_norm_eps=0"}),
              Contains("model.rms_norm_eps: expected a finite number > 0, got 0"));
   CHECK_THAT(plan_error(kTiny, {"model.num_hidden_layers=0"}),
-             Contains("model.num_hidden_layers: expected an integer >= 1, got 0"));
+             Contains("model.num_hidden_layers: expected an integer in [1, 2048], got 0"));
   CHECK_THAT(plan_error(kTiny, {"model.rope_theta=inf"}),
              Contains("model.rope_theta: expected a finite number > 0, got \"inf\""));
   CHECK_THAT(plan_error(kTiny, {"model.model_type=gpt9"}),

@@ -135,6 +135,14 @@ TEST_CASE("train: descriptions that do not hold together are refused naming the 
   CHECK_THROWS_WITH(parse_description(broken(R"([2, 2])", R"([2, 0])"), "toy"),
                     Contains("parameters[1].shape"));
   CHECK_THROWS_WITH(parse_description("[]", "toy"), Contains("not a JSON object"));
+  // 2^62 x 256 elements overflowed int64_t; 2^45 x 2 is past any address space.
+  CHECK_THROWS_WITH(parse_description(broken(R"([4, 2])", R"([4611686018427387904, 256])"), "toy"),
+                    Contains("parameters[0] ('embed') take 4.722e+21 bytes as float32") &&
+                        Contains("2^47 bytes"));
+  CHECK_THROWS_WITH(parse_description(broken(R"([4, 2])", R"([35184372088832, 2])"), "toy"),
+                    Contains("parameters[0] ('embed') take 2.815e+14 bytes"));
+  CHECK_THROWS_WITH(parse_description(broken(R"([2, 2])", R"([17592186044416, 2])"), "toy"),
+                    Contains("the parameters take 1.407e+14 bytes"));
 }
 
 TEST_CASE("train: bfloat16 storage rounds to nearest even", "[train]") {
