@@ -1,12 +1,19 @@
 # Finds the CUDA toolkit and NCCL (in /usr/local/cuda on these machines) and
 # sets MESHRUN_WITH_CUDA. Elsewhere the CUDA/NCCL targets are skipped with one
 # message. A machine without a GPU still builds everything; GPU tests skip.
+# A sanitized build (MESHRUN_SANITIZE) skips them too: ASan's shadow memory
+# collides with the CUDA driver's address space, nvcc's device code cannot be
+# instrumented, and the CI machines have no GPU to run them on.
 include(CheckLanguage)
+set(MESHRUN_WITH_CUDA OFF)
+if(MESHRUN_SANITIZE)
+  message(STATUS "meshrun: sanitized build; CUDA/NCCL targets are skipped")
+  return()
+endif()
 if(NOT DEFINED CMAKE_CUDA_COMPILER AND EXISTS "/usr/local/cuda/bin/nvcc")
   set(CMAKE_CUDA_COMPILER "/usr/local/cuda/bin/nvcc")
 endif()
 check_language(CUDA)
-set(MESHRUN_WITH_CUDA OFF)
 if(CMAKE_CUDA_COMPILER)
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)

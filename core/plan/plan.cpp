@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "errors.hpp"
+#include "support/input_file.hpp"
 
 namespace meshrun {
 namespace {
@@ -17,13 +18,36 @@ namespace {
   throw Error(error.code(), config.where(key) + ": " + error.what(), key);
 }
 
+// "FILE:LINE:COL: key: what", the one line bad input gets.
+[[noreturn]] void fail_at_key(const Config& config, int32_t code, const std::string& key,
+                              const std::string& what) {
+  throw Error(code, config.where(key) + ": " + key + ": " + what, key);
+}
+
 std::shared_ptr<PluginLibrary> load_named(const Config& config, const PluginLoader& loader,
                                           PluginKind kind, const std::string& name,
                                           const std::string& key) {
   try {
     return loader.load(kind, name);
   } catch (const Error& error) {
-    throw Error(error.code(), config.where(key) + ": " + key + ": " + error.what(), key);
+    fail_at_key(config, error.code(), key, error.what());
+  }
+}
+
+void check_input_file(const Config& config, const std::string& key, const std::string& path,
+                      int64_t max_bytes) {
+  if (const auto problem = unreadable_input_file(path, max_bytes)) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, key, *problem);
+  }
+}
+
+// The files a training run reads whole, checked where `meshrun plan` and
+// `meshrun train` both pass, before any rank starts.
+void check_input_files(const Config& config) {
+  check_input_file(config, "data.path", config.data.path, kMaxDataFileBytes);
+  const std::string& csv = config.distributed.pipeline.pp_schedule_csv;
+  if (config.distributed.pp_size > 1 && !csv.empty()) {
+    check_input_file(config, "distributed.pipeline.pp_schedule_csv", csv, kMaxScheduleCsvBytes);
   }
 }
 
@@ -94,6 +118,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   plan.strategy = load_strategy(config, loader);
   plan.mesh = resolve_config_mesh(config, world_size, *plan.strategy);
   if (!with_model) return plan;
+  check_input_files(config);
   plan.model = make_model(config, loader);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,

@@ -4,12 +4,14 @@
 #include "plugin/loader.hpp"
 
 #include <dlfcn.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
 #include <new>
 #include <set>
 #include <system_error>
@@ -23,6 +25,15 @@ namespace meshrun {
 namespace fs = std::filesystem;
 
 namespace {
+
+// Under AddressSanitizer plugins (and the libraries they bring, such as
+// libmpi) stay mapped after dlclose, so that the leak check at exit can name
+// the code that allocated (tests/sanitize/lsan.supp names them).
+#ifdef __SANITIZE_ADDRESS__
+constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE;
+#else
+constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL;
+#endif
 
 constexpr std::string_view kFilePrefix = "meshrun_";
 constexpr std::string_view kFileSuffix = ".so";
@@ -247,6 +258,49 @@ bool same_directory(const std::string& a, const std::string& b) {
   return canonical_a == canonical_b;
 }
 
+// MESHRUN_PLUGIN_PATH's folders, in order. A relative folder would load code
+// from whatever directory meshrun is started in, so it is refused; empty
+// elements (a stray ':') name no folder and are skipped.
+std::vector<std::string> plugin_path_from_environment() {
+  std::vector<std::string> dirs;
+  const char* env = std::getenv("MESHRUN_PLUGIN_PATH");
+  if (env == nullptr) return dirs;
+  const std::string_view path = env;
+  for (size_t start = 0; start <= path.size();) {
+    const size_t colon = std::min(path.find(':', start), path.size());
+    const std::string dir(path.substr(start, colon - start));
+    start = colon + 1;
+    if (dir.empty()) continue;
+    if (dir.front() != '/') {
+      throw Error(MESHRUN_INVALID_ARGUMENT,
+                  "MESHRUN_PLUGIN_PATH: element '" + dir +
+                      "' is a relative path, which would load plugins from whatever directory "
+                      "meshrun is started in; use absolute paths (here: '" +
+                      fs::absolute(dir).lexically_normal().string() + "')");
+    }
+    dirs.push_back(dir);
+  }
+  return dirs;
+}
+
+// A plugin file, or the folder it is found in, that every user may write:
+// anyone on the machine can put their code into this process (in a folder,
+// even one with the sticky bit, by adding a plugin that is not there yet).
+// Warned about once per path rather than refused, since a machine may share
+// a folder on purpose (docs/decisions.md).
+void warn_if_writable_by_others(const fs::path& path, std::string_view what) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0 || (info.st_mode & S_IWOTH) == 0) return;
+  static std::mutex mutex;
+  static std::set<std::string> warned;
+  const std::lock_guard lock(mutex);
+  if (!warned.insert(path.string()).second) return;
+  std::fprintf(stderr,
+               "meshrun: warning: plugin %s %s is writable by every user (mode %04o), who can "
+               "make meshrun run their code; remove that permission (chmod o-w)\n",
+               std::string(what).c_str(), path.c_str(), unsigned(info.st_mode & 07777));
+}
+
 const char* log_level_name(int32_t level) {
   switch (level) {
     case MESHRUN_LOG_DEBUG:
@@ -356,15 +410,7 @@ PluginLoader PluginLoader::from_environment() {
     if (!known) dirs.push_back(dir);
   };
   if (const auto dir = default_plugin_dir()) add(*dir);
-  if (const char* env = std::getenv("MESHRUN_PLUGIN_PATH")) {
-    const std::string_view path = env;
-    size_t start = 0;
-    while (start <= path.size()) {
-      const size_t colon = std::min(path.find(':', start), path.size());
-      add(std::string(path.substr(start, colon - start)));
-      start = colon + 1;
-    }
-  }
+  for (const std::string& dir : plugin_path_from_environment()) add(dir);
   return PluginLoader(std::move(dirs));
 }
 
@@ -425,11 +471,13 @@ std::shared_ptr<PluginLibrary> PluginLoader::load_file(const std::string& path,
 
   // A path without '/' would make dlopen search the library path instead.
   const std::string open_path = path.find('/') == std::string::npos ? "./" + path : path;
+  warn_if_writable_by_others(fs::path(open_path).parent_path(), "folder");
+  warn_if_writable_by_others(open_path, "file");
   dlerror();
   // dlopen runs the plugin's static initializers.
   std::unique_ptr<void, DlClose> handle([&] {
     const PluginCallScope scope(path, *file_kind, "load (dlopen)");
-    return dlopen(open_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    return dlopen(open_path.c_str(), kDlopenFlags);
   }());
   if (!handle) {
     const char* reason = dlerror();

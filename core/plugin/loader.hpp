@@ -75,7 +75,8 @@ class PluginLoader {
  public:
   explicit PluginLoader(std::vector<std::string> search_path, VersionPolicy policy = {});
   // The default search path: this build's/installation's plugin folder, then
-  // MESHRUN_PLUGIN_PATH.
+  // MESHRUN_PLUGIN_PATH, whose folders must be absolute (a relative one throws
+  // INVALID_ARGUMENT naming it).
   static PluginLoader from_environment();
 
   const std::vector<std::string>& search_path() const { return search_path_; }
@@ -94,7 +95,8 @@ class PluginLoader {
   // cannot be opened (dlerror), no meshrun_plugin_get_api symbol, NULL table,
   // table smaller than ABI 1.0, another major, a minor older than the oldest
   // supported, unknown kind, a kind or name that disagrees with `expect_kind`
-  // / `expect_name` or with the file name, a missing kind table.
+  // / `expect_name` or with the file name, a missing kind table. A file or
+  // folder every user can write is warned about on stderr, once per path.
   std::shared_ptr<PluginLibrary> load_file(const std::string& path,
                                            std::optional<PluginKind> expect_kind = {},
                                            std::string_view expect_name = {}) const;

@@ -10,6 +10,7 @@
 
 #include "errors.hpp"
 #include "schedule/schedule.hpp"
+#include "support/input_file.hpp"
 
 namespace meshrun::schedule {
 namespace {
@@ -28,6 +29,9 @@ std::string trim(std::string_view text) {
 
 // The file's rows of trimmed cells.
 std::vector<std::vector<std::string>> read_rows(const std::string& path) {
+  if (const auto problem = unreadable_input_file(path, kMaxScheduleCsvBytes)) {
+    throw Error(MESHRUN_INVALID_ARGUMENT, "schedule CSV: " + *problem);
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw Error(MESHRUN_NOT_FOUND,

@@ -77,6 +77,24 @@ class BadInputTest(InputErrorAssertions):
         self.plan_text("[distributed]\ntp_sise = 2\n", needles=["{path}:2:", "tp_size"])
         self.plan_text("[modle]\nvocab_size = 2\n", needles=["{path}:1:", "model"])
 
+    def test_data_and_schedule_files_must_be_regular_files(self):
+        # Read whole, /dev/zero would fill the memory and a FIFO would block
+        # forever; plan refuses them, and a missing schedule CSV, itself.
+        with tempfile.TemporaryDirectory() as folder:
+            fifo = os.path.join(folder, "fifo")
+            os.mkfifo(fifo)
+            for data, reason in (("/dev/zero", "'/dev/zero' is a character device"),
+                                 (fifo, "is a FIFO (named pipe)"),
+                                 (folder, "is a directory"),
+                                 ("/nonexistent/text", "No such file or directory")):
+                self.plan_text(f'[data]\npath = "{data}"\n',
+                               needles=["{path}:2:1: data.path: ", reason,
+                                        "expected a", "regular file"])
+        self.plan_text('[distributed]\npp_size = 2\n[distributed.pipeline]\n'
+                       'pp_schedule_csv = "/nonexistent/s.csv"\n',
+                       needles=["{path}:4:1: distributed.pipeline.pp_schedule_csv: ",
+                                "cannot read '/nonexistent/s.csv'"])
+
     def test_unknown_plugin_names_list_what_exists(self):
         self.plan_text('[distributed]\nstrategy = "fsdp3"\n',
                        needles=["{path}:2:", "distributed.strategy", "fsdp2", "ddp"])

@@ -10,6 +10,7 @@ Run by ctest: test_plugin_failures.py MESHRUN_EXE SOURCE_DIR TEST_PLUGIN_DIR
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,42 @@ class PluginFailureTest(InputErrorAssertions):
             self.assertEqual(result.returncode, 0, result.stderr)
             with open(os.path.join(folder, "run", "metrics.jsonl")) as f:
                 self.assertEqual(len(f.readlines()), 2)
+
+
+class PluginPathTest(InputErrorAssertions):
+    def meshrun(self, plugin_path, *args):
+        return subprocess.run([MESHRUN, *args], capture_output=True, text=True, errors="replace",
+                              timeout=60, env=dict(os.environ, MESHRUN_PLUGIN_PATH=plugin_path))
+
+    def test_relative_folders_are_refused(self):
+        for plugin_path, element in ((".", "."), (f"{TEST_PLUGIN_DIR}::plugins", "plugins")):
+            for args in (("plugins",), ("plan", CONFIG, "--world-size", "1")):
+                self.assert_input_error(self.meshrun(plugin_path, *args), "MESHRUN_PLUGIN_PATH",
+                                        f"element '{element}' is a relative path",
+                                        "use absolute paths (here: '/")
+
+    def test_what_every_user_can_write_is_named_once(self):
+        with tempfile.TemporaryDirectory() as folder:
+            plugins = [os.path.join(folder, name) for name in
+                       ("meshrun_schedule_plain_c.so", "meshrun_schedule_kind_mismatch.so")]
+            for plugin in plugins:
+                shutil.copy(os.path.join(TEST_PLUGIN_DIR, os.path.basename(plugin)), plugin)
+                os.chmod(plugin, 0o755)
+
+            def warnings():
+                result = self.meshrun(folder, "plugins", "--kind", "schedule")
+                self.assertEqual(result.returncode, 0, result.stderr)
+                return [line for line in result.stderr.splitlines() if "warning" in line]
+
+            self.assertEqual(warnings(), [])
+            advice = "is writable by every user ({}), who can make meshrun run their code; " \
+                     "remove that permission (chmod o-w)"
+            # The sticky bit does not help: anyone may still add a plugin.
+            os.chmod(folder, 0o1777)
+            os.chmod(plugins[1], 0o666)
+            self.assertEqual(warnings(), [
+                f"meshrun: warning: plugin folder {folder} " + advice.format("mode 1777"),
+                f"meshrun: warning: plugin file {plugins[1]} " + advice.format("mode 0666")])
 
 
 if __name__ == "__main__":

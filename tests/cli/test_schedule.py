@@ -172,6 +172,10 @@ class BadInputTest(InputErrorAssertions):
             self.assert_input_error(run("--csv", bad_cell, *sizes), "--csv", "row 1")
             missing = write_csv(directory, "missing.csv", [["0F0", "0F1", "0B0", "0B1"], ["1F0"]])
             self.assert_input_error(run("--csv", missing, *sizes), "--csv")
+            fifo = os.path.join(directory, "fifo.csv")
+            os.mkfifo(fifo)  # opening it would block until a writer comes
+            self.assert_input_error(run("--csv", fifo, *sizes, timeout=20), "--csv", fifo,
+                                    "is a FIFO (named pipe); expected a regular file")
 
 
 if __name__ == "__main__":

@@ -229,6 +229,11 @@ class BadInput(TrainTest, InputErrorAssertions):
     def test_missing_data_file(self):
         self.assert_bad_training_input("data.path", "data.path=/nonexistent/text")
 
+    def test_data_fifo_is_refused_without_blocking(self):
+        fifo = os.path.join(self.runs.root, "fifo")
+        os.mkfifo(fifo)
+        self.assert_bad_training_input("data.path", f"data.path={fifo}")
+
     def test_data_key_position_is_named(self):
         with open(self.runs.config) as f:
             text = f.read()

@@ -18,6 +18,7 @@
 
 #include "errors.hpp"
 #include "plugin/loader.hpp"
+#include "temp_folder.hpp"
 
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
@@ -41,30 +42,15 @@ std::string test_plugin(const std::string& name, const std::string& kind = "stra
   return kTestDir + "/meshrun_" + kind + "_" + name + ".so";
 }
 
-// A fresh directory under the system's temporary folder, removed afterwards.
-class TempDir {
+// A fresh directory to copy plugins into, removed afterwards.
+class TempDir : public TempFolder {
  public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "meshrun-plugin-test-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  const std::string& path() const { return path_; }
+  TempDir() : TempFolder("meshrun-plugin-test") {}
   std::string add(const std::string& from, const std::string& file_name) const {
-    const std::string to = path_ + "/" + file_name;
+    const std::string to = file(file_name);
     fs::copy_file(from, to);
     return to;
   }
-
- private:
-  std::string path_;
 };
 
 // Sets an environment variable for one scope and restores it after.

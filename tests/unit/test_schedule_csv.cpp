@@ -3,6 +3,7 @@
 // taken as written, and a malformed one is refused naming the row and
 // column.
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <catch2/catch.hpp>
 #include <filesystem>
@@ -133,7 +134,18 @@ TEST_CASE("schedule CSV: malformed files are refused naming the row and column",
              Contains("3 rows, but a schedule for pp 2 needs one row per rank"));
 }
 
-TEST_CASE("schedule CSV: a missing file is NOT_FOUND", "[schedule][csv]") {
-  CHECK_THAT(error_of([] { read_csv("/nonexistent/schedule.csv", 2, 1, 1); }, MESHRUN_NOT_FOUND),
-             Contains("cannot read the schedule CSV /nonexistent/schedule.csv"));
+TEST_CASE("schedule CSV: a missing file or one that is not a regular file is refused",
+          "[schedule][csv]") {
+  const auto refused = [](const std::string& path) {
+    return error_of([&] { read_csv(path, 2, 1, 1); }, MESHRUN_INVALID_ARGUMENT);
+  };
+  CHECK_THAT(refused("/nonexistent/schedule.csv"),
+             Contains("schedule CSV: cannot read '/nonexistent/schedule.csv'"));
+  // Read whole, /dev/zero would fill the memory; a FIFO would block the open.
+  CHECK_THAT(refused("/dev/zero"), Contains("schedule CSV: '/dev/zero' is a character device"));
+  const CsvFile file("");
+  const std::string fifo = file.path() + ".fifo";
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THAT(refused(fifo), Contains("is a FIFO (named pipe); expected a regular file"));
+  fs::remove(fifo);
 }
