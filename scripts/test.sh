@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The test command: builds everything and runs every test with ctest, then
-# builds it again with AddressSanitizer + UndefinedBehaviorSanitizer
+# The test command: builds everything and runs every test with ctest. With
+# --sanitize it builds again with AddressSanitizer + UndefinedBehaviorSanitizer
 # (MESHRUN_SANITIZE, in ${MESHRUN_SANITIZE_BUILD_DIR:-build-sanitize}) and runs
 # every test that executes meshrun's code there, multi-process ones included.
-#   scripts/test.sh               both
-#   scripts/test.sh --plain       the plain build only
+#   scripts/test.sh               the plain build (CI's command)
 #   scripts/test.sh --sanitize    the sanitized build only
+#   scripts/test.sh --both        the plain build, then the sanitized one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode="${1:-both}"
+mode="${1:---plain}"
 case "$mode" in
-  both | --plain | --sanitize) ;;
+  --plain | --sanitize | --both) ;;
   *)
-    echo "usage: scripts/test.sh [--plain | --sanitize]" >&2
+    echo "usage: scripts/test.sh [--plain | --sanitize | --both]" >&2
     exit 2
     ;;
 esac

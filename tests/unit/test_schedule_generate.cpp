@@ -215,7 +215,7 @@ TEST_CASE("schedule plugins: a table without generate is UNIMPLEMENTED, naming t
 }
 
 TEST_CASE("schedule plugins: pp 64, m 1024 is generated, lowered and validated in under a second",
-          "[schedule][plugins]") {
+          "[schedule][plugins][timing]") {
   for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
            {"1f1b", 1}, {"interleaved_1f1b", 2}, {"zbv_zero_bubble", 2}, {"dualpipev", 2}}) {
     const auto start = std::chrono::steady_clock::now();
