@@ -31,7 +31,7 @@ if [ "$mode" != --plain ]; then
   # aborts (-fno-sanitize-recover). Allocation stacks are unwound without
   # frame pointers, which Open MPI's libraries lack: the suppressions match
   # a leak by the library in its stack, and a cut stack would not show it.
-  export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1:strict_init_order=1:fast_unwind_on_malloc=0"
+  export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1:strict_init_order=1:fast_unwind_on_malloc=1"
   export LSAN_OPTIONS="suppressions=$suppressions/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="suppressions=$suppressions/ubsan.supp:print_stacktrace=1"
   # The label 'unsanitized' marks tests that run no meshrun code (formatting,

@@ -26,14 +26,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Under AddressSanitizer plugins (and the libraries they bring, such as
-// libmpi) stay mapped after dlclose, so that the leak check at exit can name
-// the code that allocated (tests/sanitize/lsan.supp names them).
-#ifdef __SANITIZE_ADDRESS__
-constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE;
-#else
 constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL;
-#endif
 
 constexpr std::string_view kFilePrefix = "meshrun_";
 constexpr std::string_view kFileSuffix = ".so";
