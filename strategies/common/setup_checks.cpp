@@ -60,7 +60,13 @@ void check_flat_float32(const DLTensor& tensor, const std::string& what, int64_t
 
 size_t first_parameter_of_range(const std::vector<int64_t>& offsets, int64_t begin, int64_t end) {
   const int64_t numel = offsets.back();
-  const std::string range = "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  // Appended piece by piece: GCC 12 at -O3 takes "[" + std::to_string(...)
+  // for an overlapping copy (a false -Wrestrict).
+  std::string range = "[";
+  range += std::to_string(begin);
+  range += ", ";
+  range += std::to_string(end);
+  range += ')';
   if (begin < 0 || end > numel || begin > end) {
     throw Error(MESHRUN_OUT_OF_RANGE, "gradients_ready range " + range + " is not within [0, " +
                                           std::to_string(numel) + ")");

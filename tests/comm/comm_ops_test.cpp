@@ -60,13 +60,25 @@ const std::vector<DtypeCase>& dtypes() {
   return cases;
 }
 
-// Below the mpi backend's 16 KiB shared-memory threshold for every dtype,
-// and above it for every dtype; both divisible by every group size used (2,
-// 3, 4).
-const std::vector<int64_t> kSizes = {1200, 300000};
+// The element counts every collective is checked at: below the mpi
+// backend's 16 KiB shared-memory threshold for every dtype, and above it for
+// every dtype; both divisible by every group size used (2, 3, 4).
 // All_reduce takes any count: also a prime one, which no piece size of the
-// backend divides.
-const std::vector<int64_t> kAllReduceSizes = {1200, 300000, 100003};
+// backend divides. `--sizes small` (the sanitized build's, whose
+// instrumented loops run several times slower) still crosses every
+// threshold and splits into several 64 KiB pieces and 12 KiB slots.
+struct Sizes {
+  std::vector<int64_t> every_op;
+  std::vector<int64_t> all_reduce;
+};
+const Sizes kFullSizes = {{1200, 300000}, {1200, 300000, 100003}};
+const Sizes kSmallSizes = {{1200, 30000}, {1200, 30000, 30011}};
+
+std::string sizes_text(const std::vector<int64_t>& sizes) {
+  std::string text;
+  for (const int64_t numel : sizes) text += (text.empty() ? "" : ", ") + std::to_string(numel);
+  return text;
+}
 
 // A communicator and the world ranks of its members, in its rank order.
 struct Group {
@@ -261,7 +273,7 @@ struct OpCase {
   const char* name;
   std::function<void(Checks&, const Case&)> run;
   bool has_in_place;
-  bool any_count;  // checked at kAllReduceSizes, not only kSizes
+  bool any_count;  // checked at Sizes::all_reduce, not only Sizes::every_op
 };
 
 std::vector<OpCase> op_cases() {
@@ -297,14 +309,16 @@ void report(Communicator& world, const Checks& checks, int failures_before,
   }
 }
 
-void check_collectives(Checks& checks, Communicator& world, const std::vector<Group>& groups) {
+void check_collectives(Checks& checks, Communicator& world, const std::vector<Group>& groups,
+                       const Sizes& sizes) {
   int salt = 0;
   for (const Group& group : groups) {
     for (const OpCase& op : op_cases()) {
       const int before = checks.failures();
+      const std::vector<int64_t>& counts = op.any_count ? sizes.all_reduce : sizes.every_op;
       for (const DtypeCase& dtype : dtypes()) {
         ++salt;
-        for (const int64_t numel : op.any_count ? kAllReduceSizes : kSizes) {
+        for (const int64_t numel : counts) {
           for (const bool in_place : {false, true}) {
             if (in_place && !op.has_in_place) continue;
             op.run(checks, Case{group, dtype, numel, in_place, salt});
@@ -313,8 +327,8 @@ void check_collectives(Checks& checks, Communicator& world, const std::vector<Gr
       }
       report(world, checks, before,
              std::string(op.name) + " on " + group.name + " (size " +
-                 std::to_string(group.comm->size()) + "): 5 dtypes x n=1200, 300000" +
-                 (op.any_count ? ", 100003" : "") + (op.has_in_place ? " x in/out of place" : ""));
+                 std::to_string(group.comm->size()) + "): 5 dtypes x n=" + sizes_text(counts) +
+                 (op.has_in_place ? " x in/out of place" : ""));
     }
   }
 }
@@ -492,6 +506,7 @@ void check_refusals(Checks& checks, Group& group) {
 struct Options {
   meshrun::ParallelismSizes sizes;
   std::string plugin = "mpi";
+  Sizes sizes_checked = kFullSizes;
 };
 
 Options parse(int argc, char** argv) {
@@ -505,8 +520,11 @@ Options parse(int argc, char** argv) {
       options.sizes.pp_size = std::stoll(value);
     } else if (flag == "--tp") {
       options.sizes.tp_size = std::stoll(value);
+    } else if (flag == "--sizes" && (value == "full" || value == "small")) {
+      options.sizes_checked = value == "full" ? kFullSizes : kSmallSizes;
     } else {
-      throw meshrun::invalid_argument("unknown option " + flag + " (--plugin, --pp, --tp)");
+      throw meshrun::invalid_argument("unknown option " + flag + " " + value +
+                                      " (--plugin, --pp, --tp, --sizes full|small)");
     }
   }
   return options;
@@ -530,7 +548,7 @@ int run(const Options& options) {
   groups.push_back({"world", &world, everyone});
 
   Checks checks(world.rank());
-  check_collectives(checks, world, groups);
+  check_collectives(checks, world, groups, options.sizes_checked);
   std::vector<Group*> shared;  // groups of more than one rank, the world last
   for (Group& group : groups) {
     if (group.comm->size() > 1) shared.push_back(&group);

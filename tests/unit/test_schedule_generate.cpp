@@ -4,7 +4,6 @@
 // naming the constraint, and a large pipeline is generated fast.
 #include <algorithm>
 #include <catch2/catch.hpp>
-#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -212,18 +211,4 @@ TEST_CASE("schedule plugins: a table without generate is UNIMPLEMENTED, naming t
   CHECK_THAT(error_of([&] { generate(old, 2, 1, 4); }, MESHRUN_UNIMPLEMENTED),
              Contains("schedule plugin old (plugins/meshrun_schedule_old.so) cannot generate "
                       "actions"));
-}
-
-TEST_CASE("schedule plugins: pp 64, m 1024 is generated, lowered and validated in under a second",
-          "[schedule][plugins][timing]") {
-  for (const auto& [name, v] : std::vector<std::pair<const char*, int64_t>>{
-           {"1f1b", 1}, {"interleaved_1f1b", 2}, {"zbv_zero_bubble", 2}, {"dualpipev", 2}}) {
-    const auto start = std::chrono::steady_clock::now();
-    const Schedule compute = generate(shipped_schedule(name), 64, v, 1024);
-    const Schedule lowered = lower(compute);
-    validate(lowered);
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-    INFO(name << ": " << took.count() << " s");
-    CHECK(took.count() < 1.0);
-  }
 }
