@@ -1,17 +1,20 @@
 // The pipeline schedule plugins (meshrun/schedule.h). The schedules differ
 // by their facts (stages per rank, placement, split backward) and their
-// generator, so this file is built once per schedule and
-// MESHRUN_SCHEDULE_NAME picks its row of kSchedules.
+// generator: a row of kSchedules each, and a plugin table per row, which
+// plugin_api (table.hpp) finds by the schedule's name.
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstring>
 #include <iterator>
 #include <limits>
 #include <string_view>
+#include <utility>
 
 #include "meshrun/plugin.hpp"
 #include "schedules/generators.hpp"
+#include "schedules/table.hpp"
 
 namespace {
 
@@ -47,15 +50,6 @@ constexpr ScheduleFacts kSchedules[] = {
      "DualPipeV (DeepSeek-V3): two stages per rank in a V, the forward of one leg paired with "
      "the backward of the other, the drain split into I and W"},
 };
-
-constexpr size_t row_of(std::string_view name) {
-  size_t row = 0;
-  while (row < std::size(kSchedules) && kSchedules[row].name != name) ++row;
-  return row;
-}
-
-constexpr size_t kRow = row_of(MESHRUN_SCHEDULE_NAME);
-static_assert(kRow < std::size(kSchedules), "MESHRUN_SCHEDULE_NAME names no row of kSchedules");
 
 // The sizes, checked against what every schedule needs: at least 1, and
 // stage and microbatch indices that fit the int32 of an action.
@@ -109,6 +103,9 @@ std::string actions_json(const RankActions& ranks) {
   return text;
 }
 
+// A schedule table's generate is one function per row, since the host passes
+// it no row.
+template <size_t Row>
 meshrun_error* generate(meshrun_plugin_instance* instance, int64_t pp, int64_t stages_per_rank,
                         int64_t microbatches, const char* options_json, char** out_actions_json) {
   return meshrun::plugin::guard([&] {
@@ -118,7 +115,7 @@ meshrun_error* generate(meshrun_plugin_instance* instance, int64_t pp, int64_t s
     }
     check_options(options_json);
     const Sizes sizes = checked_sizes(pp, stages_per_rank, microbatches);
-    const std::string text = actions_json(kSchedules[kRow].generate(sizes));
+    const std::string text = actions_json(kSchedules[Row].generate(sizes));
     const auto& host = reinterpret_cast<meshrun::plugin::HostServicesOnly*>(instance)->host();
     auto* copy = static_cast<char*>(host.allocate(host.context, text.size() + 1, 1));
     if (copy == nullptr) throw Error(MESHRUN_INTERNAL, "generate: out of memory");
@@ -127,33 +124,48 @@ meshrun_error* generate(meshrun_plugin_instance* instance, int64_t pp, int64_t s
   });
 }
 
-const meshrun_schedule_api kScheduleApi = {
+template <size_t Row>
+constexpr meshrun_schedule_api kScheduleApi = {
     sizeof(meshrun_schedule_api),
-    kSchedules[kRow].stages_per_rank,
-    kSchedules[kRow].placement,
-    kSchedules[kRow].splits_backward,
+    kSchedules[Row].stages_per_rank,
+    kSchedules[Row].placement,
+    kSchedules[Row].splits_backward,
     nullptr,
-    &generate,
+    &generate<Row>,
 };
 
-const meshrun_plugin_api kApi = {
+template <size_t Row>
+constexpr meshrun_plugin_api kApi = {
     sizeof(meshrun_plugin_api),
     MESHRUN_ABI_VERSION_MAJOR,
     MESHRUN_ABI_VERSION_MINOR,
     MESHRUN_PLUGIN_KIND_SCHEDULE,
-    MESHRUN_SCHEDULE_NAME,
+    kSchedules[Row].name.data(),
     MESHRUN_PLUGIN_VERSION,
-    kSchedules[kRow].description,
+    kSchedules[Row].description,
     &meshrun::plugin::create_instance<meshrun::plugin::HostServicesOnly>,
     &meshrun::plugin::destroy_instance<meshrun::plugin::HostServicesOnly>,
     nullptr,
-    &kScheduleApi,
+    &kScheduleApi<Row>,
     nullptr,
     nullptr,
     nullptr,
     nullptr,
 };
 
+template <size_t... Rows>
+constexpr std::array<const meshrun_plugin_api*, sizeof...(Rows)> apis(
+    std::index_sequence<Rows...>) {
+  return {&kApi<Rows>...};
+}
+
+constexpr auto kApis = apis(std::make_index_sequence<std::size(kSchedules)>());
+
 }  // namespace
 
-extern "C" const meshrun_plugin_api* meshrun_plugin_get_api(void) { return &kApi; }
+const meshrun_plugin_api* meshrun::schedules::plugin_api(std::string_view name) {
+  for (size_t row = 0; row < std::size(kSchedules); ++row) {
+    if (kSchedules[row].name == name) return kApis[row];
+  }
+  return nullptr;
+}

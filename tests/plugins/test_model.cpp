@@ -1,6 +1,6 @@
 // The test model: the smallest model plugin that trains, so that the test
 // sidecars of the same name (test_sidecar.cpp) have a model to plan, and the
-// conformance suite a model to check. TEST_MODEL_NAME names it.
+// conformance suite a model to check. plugin_name.hpp names it.
 //
 // A unigram model: logits = scale * bias over the 256 byte values, the same
 // for every position; loss = mean cross-entropy of the targets. Parameters:
@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "meshrun/model.hpp"
+#include "plugin_name.hpp"
 
 namespace {
 
 using meshrun::plugin::Error;
+using test_plugins::kPluginName;
 
 constexpr int64_t kVocab = 256;
 constexpr int64_t kScale = 0, kBias = 1;  // parameter indices
@@ -29,13 +31,13 @@ class TestModel {
   TestModel(const meshrun_host_services& host, const char* config_json) : host_(host) {
     const auto config = nlohmann::json::parse(config_json, nullptr, false);
     if (!config.is_object() || !config.empty()) {
-      throw std::invalid_argument("model: " TEST_MODEL_NAME " takes no [model] key");
+      throw std::invalid_argument(std::string("model: ") + kPluginName + " takes no [model] key");
     }
   }
   const meshrun_host_services& host() const { return host_; }
 
   std::string describe() const {
-    return R"({"config": {"model_type": ")" TEST_MODEL_NAME R"("},
+    return R"({"config": {"model_type": ")" + std::string(kPluginName) + R"("},
       "parameters": [{"name": "layers.0.scale", "shape": [1], "unit": "layers.0"},
                      {"name": "bias", "shape": [256], "unit": "root"}],
       "units": ["layers.0", "root"],
@@ -123,7 +125,10 @@ class TestStage {
 const char* const kNoKeys[] = {nullptr};
 
 const meshrun_model_api kModelApi =
-    meshrun::plugin::ModelTable<TestModel, TestStage>::make(TEST_MODEL_NAME, kNoKeys);
+    meshrun::plugin::ModelTable<TestModel, TestStage>::make(kPluginName, kNoKeys);
+
+const std::string kDescription =
+    std::string("test model: a unigram model over bytes, for ") + kPluginName;
 
 const meshrun_plugin_api kApi = [] {
   meshrun_plugin_api api{};
@@ -131,9 +136,9 @@ const meshrun_plugin_api kApi = [] {
   api.abi_major = MESHRUN_ABI_VERSION_MAJOR;
   api.abi_minor = MESHRUN_ABI_VERSION_MINOR;
   api.kind = MESHRUN_PLUGIN_KIND_MODEL;
-  api.name = TEST_MODEL_NAME;
+  api.name = kPluginName;
   api.version = "0.0.1-test";
-  api.description = "test model: a unigram model over bytes, for " TEST_MODEL_NAME;
+  api.description = kDescription.c_str();
   api.create = &meshrun::plugin::create_instance<meshrun::plugin::HostServicesOnly>;
   api.destroy = &meshrun::plugin::destroy_instance<meshrun::plugin::HostServicesOnly>;
   api.model = &kModelApi;

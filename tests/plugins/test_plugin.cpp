@@ -1,15 +1,18 @@
 // The loader's C++ test plugins: one valid ABI 1.0 strategy table, changed in
-// the one way each plugin's name says (TEST_PLUGIN_NAME selects it). Each is
-// built with meshrun_add_plugin into the test-plugin folder, never the
-// shipped one.
+// the one way each plugin's name says (plugin_name.hpp). Each is built with
+// meshrun_add_plugin into the test-plugin folder, never the shipped one.
 #include <string>
 #include <string_view>
 
 #include "meshrun/plugin.hpp"
+#include "plugin_name.hpp"
 
 namespace {
 
-constexpr std::string_view kName = TEST_PLUGIN_NAME;
+using test_plugins::kPluginName;
+
+const std::string_view kName = kPluginName;
+const std::string kDescription = std::string("loader test plugin: ") + kPluginName;
 
 class Instance {
  public:
@@ -95,15 +98,15 @@ const NewerStrategyApi kNewerStrategyApi = [] {
   return api;
 }();
 
-constexpr meshrun_plugin_api make_api() {
+meshrun_plugin_api make_api() {
   meshrun_plugin_api api = {
       sizeof(meshrun_plugin_api),
       MESHRUN_ABI_VERSION_MAJOR,
       MESHRUN_ABI_VERSION_MINOR,
       MESHRUN_PLUGIN_KIND_STRATEGY,
-      TEST_PLUGIN_NAME,
+      kPluginName,
       "0.0.1-test",
-      "loader test plugin: " TEST_PLUGIN_NAME,
+      kDescription.c_str(),
       &meshrun::plugin::create_instance<Instance>,
       &meshrun::plugin::destroy_instance<Instance>,
       &kStrategyApi,

@@ -1,5 +1,5 @@
 // The test sidecars: a plan entry that behaves in the one way each plugin's
-// name says (TEST_SIDECAR_NAME selects it):
+// name says (plugin_name.hpp):
 //   crashy       dereferences NULL in plan, for the CLI's crash report;
 //   other_model  refuses every request, as a sidecar of another model family
 //                may refuse a Llama-shaped one: conformance passes it;
@@ -15,10 +15,13 @@
 #include <string_view>
 
 #include "meshrun/plugin.hpp"
+#include "plugin_name.hpp"
 
 namespace {
 
-constexpr std::string_view kName = TEST_SIDECAR_NAME;
+using test_plugins::kPluginName;
+
+const std::string_view kName = kPluginName;
 
 using meshrun::plugin::Error;
 
@@ -59,10 +62,12 @@ meshrun_error* plan(meshrun_plugin_instance* instance, const char* request_json,
   });
 }
 
+const std::string kDescription = std::string("test sidecar: ") + kPluginName;
+
 const meshrun_sidecar_api kSidecarApi = [] {
   meshrun_sidecar_api api{};
   api.struct_size = MESHRUN_SIDECAR_API_SIZE_1_2;
-  api.model_type = TEST_SIDECAR_NAME;
+  api.model_type = kPluginName;
   api.plan = &plan;
   return api;
 }();
@@ -72,9 +77,9 @@ const meshrun_plugin_api kApi = {
     MESHRUN_ABI_VERSION_MAJOR,
     MESHRUN_ABI_VERSION_MINOR,
     MESHRUN_PLUGIN_KIND_SIDECAR,
-    TEST_SIDECAR_NAME,
+    kPluginName,
     "0.0.1-test",
-    "test sidecar: " TEST_SIDECAR_NAME,
+    kDescription.c_str(),
     &meshrun::plugin::create_instance<meshrun::plugin::HostServicesOnly>,
     &meshrun::plugin::destroy_instance<meshrun::plugin::HostServicesOnly>,
     nullptr,
