@@ -173,6 +173,16 @@ const TableSchema* table_with_key(const TableSchema& schema, const std::string& 
   return nullptr;
 }
 
+void list_keys(const TableSchema& schema, std::vector<std::string>& keys) {
+  for (const Field& field : schema.fields) {
+    if (field.table != nullptr) {
+      list_keys(*field.table, keys);
+    } else {
+      keys.push_back(schema.path + "." + field.name);
+    }
+  }
+}
+
 // " (did you mean 'x'?)" for a typo, " (it belongs in [t])" for a key put in
 // the wrong table, else "".
 std::string suggestion(const FoundKey& found, const std::vector<std::string>& names) {
@@ -265,6 +275,12 @@ Config parse_config(std::string_view toml_text, const std::string& source_name,
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   return parse_config(read_file(path), path, overrides);
+}
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> keys;
+  list_keys(config_detail::root_schema(), keys);
+  return keys;
 }
 
 std::string misplaced_key_hint(std::string_view name, std::string_view table) {

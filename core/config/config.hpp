@@ -159,7 +159,7 @@ struct DistributedConfig {
   bool disable_bucketing = false;
   bool average_in_collective = false;
   bool report_nan_in_param_grad = false;
-  bool check_for_nan_in_grad = false;  // accepted for compatibility; no effect
+  bool check_for_nan_in_grad = false;
 
   PipelineConfig pipeline;
   MoeConfig moe;
@@ -189,6 +189,11 @@ Config parse_config(std::string_view toml_text, const std::string& source_name,
 
 // Reads the file at `path` (NOT_FOUND when it cannot be read) and parses it.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// Every value key the schema accepts, dotted ("distributed.pipeline.pp_seq_len"),
+// in schema order: what a test walks to give every key a verdict. [model]'s
+// architecture keys are not listed: they are the model plugin's.
+std::vector<std::string> config_keys();
 
 // " (it belongs in [distributed])" when another table of the config has a
 // key called `name`, else "": for messages about a misplaced key.

@@ -100,6 +100,130 @@ void check_strategy_features(const Config& config) {
   }
 }
 
+// A key meshrun accepts but does not act on: its default is taken (AutoModel
+// configs carry the defaults), any other value is refused, so a run never
+// silently does less than its config says.
+struct Refusal {
+  const char* key;
+  bool (*departs)(const Config&);  // the value is not what meshrun does
+  const char* why;
+  const char* fix;  // what would be valid
+};
+
+// The reasons several keys share.
+constexpr const char* kMegatronPlansOnly =
+    "strategy 'megatron_fsdp' plans meshes only so far (its plugin has no training entry points: "
+    "`meshrun train` refuses it), so this value would change nothing";
+constexpr const char* kNoExperts =
+    "not implemented yet: no shipped model has experts, so meshrun plans the expert-parallel mesh "
+    "only (`meshrun plan`) and `meshrun train` refuses ep_size > 1";
+
+const Refusal kRefusals[] = {
+    {"distributed.activation_checkpointing_scope",
+     [](const Config& c) { return c.distributed.activation_checkpointing_scope != "all"; },
+     "not implemented yet: activation checkpointing is planned for every layer unit, and "
+     "`meshrun train` does not recompute activations yet",
+     "remove the key or set it to \"all\""},
+    {"distributed.autocast_dtype",
+     [](const Config& c) { return !c.distributed.autocast_dtype.empty(); },
+     "not implemented yet: meshrun has no autocast; mixed precision works today through "
+     "fsdp2's [distributed.mp_policy] (param_dtype, reduce_dtype, output_dtype)",
+     "remove the key"},
+    {"distributed.sequence_parallel",
+     [](const Config& c) { return c.distributed.sequence_parallel && c.distributed.tp_size == 1; },
+     "needs distributed.tp_size > 1: it shards the activations of tensor-parallel layers on the "
+     "sequence, and with tp_size 1 there are none (with tp_size > 1 `meshrun plan` shows the "
+     "sequence-parallel layout, which `meshrun train` does not run yet)",
+     "set it to false"},
+    {"distributed.tp_plan", [](const Config& c) { return !c.distributed.tp_plan.empty(); },
+     "not implemented yet: the tensor-parallel plan comes from the model's sidecar (Llama's: "
+     "`meshrun plan` with tp_size > 1 shows it), and `meshrun train` runs tp_size 1 only",
+     "remove the key"},
+    {"distributed.offload_policy",
+     [](const Config& c) { return !c.distributed.offload_policy.empty(); },
+     "meshrun has no CPU offload: its models compute on the CPU, so parameters, gradients and "
+     "optimizer state live in host memory already",
+     "remove the key"},
+    {"distributed.enable_async_tensor_parallel",
+     [](const Config& c) { return c.distributed.enable_async_tensor_parallel; },
+     "not implemented yet: `meshrun train` runs tp_size 1 only, so there is no tensor-parallel "
+     "communication to overlap",
+     "remove the key or set it to false"},
+    {"distributed.enable_compile", [](const Config& c) { return c.distributed.enable_compile; },
+     "meshrun has no graph compiler", "remove the key or set it to false"},
+    {"distributed.zero_dp_strategy",
+     [](const Config& c) { return c.distributed.zero_dp_strategy != 3; }, kMegatronPlansOnly,
+     "remove the key or set it to 3"},
+    {"distributed.overlap_grad_reduce",
+     [](const Config& c) { return !c.distributed.overlap_grad_reduce; }, kMegatronPlansOnly,
+     "remove the key or set it to true (AutoModel's default, accepted though nothing is "
+     "overlapped yet)"},
+    {"distributed.overlap_param_gather",
+     [](const Config& c) { return !c.distributed.overlap_param_gather; }, kMegatronPlansOnly,
+     "remove the key or set it to true (AutoModel's default, accepted though nothing is "
+     "overlapped yet)"},
+    {"distributed.grad_reduce_in_fp32",
+     [](const Config& c) { return c.distributed.grad_reduce_in_fp32; }, kMegatronPlansOnly,
+     "remove the key or set it to false"},
+    {"distributed.preserve_fp32_weights",
+     [](const Config& c) { return !c.distributed.preserve_fp32_weights; }, kMegatronPlansOnly,
+     "remove the key or set it to true"},
+    {"distributed.fsdp_double_buffer",
+     [](const Config& c) { return c.distributed.fsdp_double_buffer; }, kMegatronPlansOnly,
+     "remove the key or set it to false"},
+    {"distributed.disable_bucketing",
+     [](const Config& c) { return c.distributed.disable_bucketing; }, kMegatronPlansOnly,
+     "remove the key or set it to false"},
+    {"distributed.average_in_collective",
+     [](const Config& c) { return c.distributed.average_in_collective; }, kMegatronPlansOnly,
+     "remove the key or set it to false"},
+    {"distributed.report_nan_in_param_grad",
+     [](const Config& c) { return c.distributed.report_nan_in_param_grad; }, kMegatronPlansOnly,
+     "`meshrun train` names the first parameter whose gradient is not finite whatever the "
+     "strategy; remove the key or set it to false"},
+    {"distributed.check_for_nan_in_grad",
+     [](const Config& c) { return c.distributed.check_for_nan_in_grad; }, kMegatronPlansOnly,
+     "`meshrun train` stops at the first non-finite loss or gradient norm whatever the strategy "
+     "(train.skip_nonfinite_steps); remove the key or set it to false"},
+    {"distributed.pipeline.pp_recv_buffer_pool",
+     [](const Config& c) { return c.distributed.pipeline.pp_recv_buffer_pool; },
+     "not implemented yet: the pipeline executor allocates each received activation when the "
+     "schedule first needs it and frees it once consumed",
+     "remove the key or set it to false"},
+    {"distributed.moe.ignore_router_for_ac",
+     [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
+     "remove the key or set it to false"},
+    {"distributed.moe.reshard_after_forward",
+     [](const Config& c) { return c.distributed.moe.reshard_after_forward; }, kNoExperts,
+     "remove the key or set it to false"},
+    {"distributed.moe.lm_head_precision",
+     [](const Config& c) { return !c.distributed.moe.lm_head_precision.empty(); }, kNoExperts,
+     "remove the key"},
+    {"distributed.moe.wrap_outer_model",
+     [](const Config& c) { return !c.distributed.moe.wrap_outer_model; }, kNoExperts,
+     "remove the key or set it to true"},
+};
+
+void check_refused_values(const Config& config) {
+  for (const Refusal& refusal : kRefusals) {
+    if (is_set(config, refusal.key) && refusal.departs(config)) {
+      fail(position_of(config, refusal.key), refusal.key,
+           std::string(refusal.why) + "; " + refusal.fix);
+    }
+  }
+}
+
+// pp_seq_len is AutoModel's sequence length of the pipeline's messages;
+// meshrun's pipeline sends the training sequences, data.seq_len long.
+void check_pipeline_sequence(const Config& config) {
+  const int64_t pp_seq_len = config.distributed.pipeline.pp_seq_len;
+  if (pp_seq_len == 0 || pp_seq_len == config.data.seq_len) return;
+  fail_rule(config, {"distributed.pipeline.pp_seq_len"},
+            fmt::format("{} differs from data.seq_len ({}): the pipeline sends the training "
+                        "sequences; remove the key, or set it to 0 or to data.seq_len",
+                        pp_seq_len, config.data.seq_len));
+}
+
 void check_parallel_tables(Config& config) {
   const DistributedConfig& d = config.distributed;
   if (d.pipeline.present && d.pp_size <= 1) {
@@ -130,6 +254,8 @@ void check_cross_key_rules(Config& config) {
   check_strategy_keys(config);
   check_strategy_features(config);
   check_parallel_tables(config);
+  check_refused_values(config);
+  check_pipeline_sequence(config);
 }
 
 }  // namespace meshrun::config_detail

@@ -51,6 +51,28 @@ void check_input_files(const Config& config) {
   }
 }
 
+// AutoModel's pp_batch_size is the batch a pipeline step runs: what meshrun
+// derives as a data-parallel rank's share of train.global_batch_size. Taken
+// when it agrees, refused when it does not, so the key never says one batch
+// while the run trains another.
+void check_pipeline_batch(const Config& config, const MeshContext& mesh) {
+  const std::string key = "distributed.pipeline.pp_batch_size";
+  if (mesh.axis_size(Axis::pp) <= 1 || !config.positions.count(key)) return;
+  const int64_t batch = config.distributed.pipeline.pp_batch_size;
+  const int64_t global = config.train.global_batch_size;
+  const int64_t dp = mesh.axis_size(Axis::dp);
+  int64_t product = 0;
+  if (!__builtin_mul_overflow(batch, dp, &product) && product == global) return;
+  const std::string fix = global % dp == 0 ? fmt::format("is {}; set it to {} or remove the key",
+                                                         global / dp, global / dp)
+                                           : "is not a whole number of sequences; remove the key";
+  fail_at_key(config, MESHRUN_INVALID_ARGUMENT, key,
+              fmt::format("{} sequences per pipeline step, but meshrun takes the pipeline's batch "
+                          "from [train]: a data-parallel rank's share, train.global_batch_size "
+                          "({}) / dp ({}), {}",
+                          batch, global, dp, fix));
+}
+
 std::shared_ptr<const Model> make_model(const Config& config, const PluginLoader& loader) {
   auto library =
       load_named(config, loader, PluginKind::model, config.model.model_type, "model.model_type");
@@ -119,6 +141,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   plan.mesh = resolve_config_mesh(config, world_size, *plan.strategy);
   if (!with_model) return plan;
   check_input_files(config);
+  check_pipeline_batch(config, plan.mesh);
   plan.model = make_model(config, loader);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,

@@ -164,6 +164,26 @@ class BadInputTest(InputErrorAssertions):
         self.plan_text(gpt2 + "n_inner = 4611686018427387904\n",
                        needles=["{path}:3:", "model.n_inner", "bytes"])
 
+    def test_keys_meshrun_does_not_act_on_are_refused_before_any_rank_starts(self):
+        # One refusal of each kind; tests/unit/test_config_keys.cpp walks every key.
+        cases = [("[distributed]\nenable_compile = true\n", "distributed.enable_compile",
+                  "no graph compiler"),
+                 ("[distributed]\nstrategy = \"megatron_fsdp\"\noverlap_grad_reduce = false\n",
+                  "distributed.overlap_grad_reduce", "plans meshes only"),
+                 ("[distributed]\ntp_plan = \"llama\"\n", "distributed.tp_plan",
+                  "not implemented yet"),
+                 ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",
+                  "distributed.pipeline.pp_batch_size", "set it to 16")]
+        for text, key, reason in cases:
+            with self.subTest(key=key), ConfigFile(text) as path:
+                needles = (f"{path}:", key, reason)
+                self.assert_input_error(run("plan", path), *needles)
+                with tempfile.TemporaryDirectory() as folder:
+                    output = os.path.join(folder, "run")
+                    result = run("train", path, "--nproc-per-node", "2", "--output", output)
+                    self.assert_input_error(result, *needles)
+                    self.assertFalse(os.path.exists(output))
+
     def test_command_line_errors(self):
         example = EXAMPLES[0]
         self.assert_input_error(run("plan", example, "--world-size", "abc"), "--world-size")

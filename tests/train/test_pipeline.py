@@ -98,7 +98,8 @@ class BadInput(PipelineTest, InputErrorAssertions):
         self.assert_input_error(result, key)
 
     def test_bad_pipelines_name_their_key(self):
-        self.assert_refused("distributed.pipeline.pp_microbatch_size", *PP2,
+        # 6 sequences per pipeline step, but a rank's share of the batch is 8
+        self.assert_refused("distributed.pipeline.pp_batch_size", *PP2,
                             "distributed.pipeline.pp_microbatch_size=3",
                             "distributed.pipeline.pp_batch_size=6")
         # one layer per stage makes 4 stages: 2 per rank, which 1F1B cannot run
