@@ -525,8 +525,8 @@ TEST_CASE("config rule: fsdp2 prefetch depths >= 0", "[config][rules]") {
 }
 
 TEST_CASE("config rule: zero_dp_strategy is 0, 1, 2 or 3", "[config][rules]") {
-  CHECK(parse("[distributed]\nstrategy = \"mfsdp\"\nzero_dp_strategy = 0\n")
-            .distributed.zero_dp_strategy == 0);
+  CHECK(parse("[distributed]\nstrategy = \"mfsdp\"\nzero_dp_strategy = 3\n")
+            .distributed.zero_dp_strategy == 3);
   const std::string rest = "strategy = \"megatron_fsdp\"\n";
   expect_all_rejected({{"distributed", "zero_dp_strategy = 4", "from 0 to 3, got 4"},
                        {"distributed", "zero_dp_strategy = -1", "from 0 to 3, got -1"}},

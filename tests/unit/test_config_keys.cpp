@@ -63,8 +63,8 @@ Verdict checked(std::string value, std::string accepted, std::vector<std::string
   return {Kind::checked, std::move(value), std::move(context), std::move(accepted), ""};
 }
 
-Verdict trainer(std::string value, std::string where) {
-  return {Kind::trainer, std::move(value), {}, "", std::move(where)};
+Verdict trainer(std::string value, std::string where, std::vector<std::string> context = {}) {
+  return {Kind::trainer, std::move(value), std::move(context), "", std::move(where)};
 }
 
 Verdict refused(std::string value, std::string accepted, std::vector<std::string> context = {}) {
@@ -117,7 +117,8 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.pipeline.pp_schedule", plan_change("\"gpipe\"", kPipeline)},
       {"distributed.pipeline.pp_schedule_csv", plan_change("\"" + csv + "\"", kPipeline)},
       {"distributed.pipeline.pp_microbatch_size",
-       trainer("2", "microbatches per step (test_pipeline.py)")},
+       trainer("2", "microbatches per step (test_pipeline.py)",
+               {"distributed.pipeline.pp_batch_size=4"})},
       {"distributed.pipeline.pp_batch_size", checked("4", "16", kPipeline)},  // global 16 / dp 1
       {"distributed.pipeline.layers_per_stage", plan_change("1", kPipeline)},
       {"distributed.pipeline.round_virtual_stages_to_pp_multiple",
