@@ -132,12 +132,12 @@ const Refusal kRefusals[] = {
     {"distributed.sequence_parallel",
      [](const Config& c) { return c.distributed.sequence_parallel && c.distributed.tp_size == 1; },
      "needs distributed.tp_size > 1: it shards the activations of tensor-parallel layers on the "
-     "sequence, and with tp_size 1 there are none (with tp_size > 1 `meshrun plan` shows the "
-     "sequence-parallel layout, which `meshrun train` does not run yet)",
+     "sequence, and with tp_size 1 there are none",
      "set it to false"},
     {"distributed.tp_plan", [](const Config& c) { return !c.distributed.tp_plan.empty(); },
-     "not implemented yet: the tensor-parallel plan comes from the model's sidecar (Llama's: "
-     "`meshrun plan` with tp_size > 1 shows it), and `meshrun train` runs tp_size 1 only",
+     "not implemented yet: each parameter's tensor-parallel placement is the one its model "
+     "computes (the model's description says it; `meshrun plan --json` shows it under "
+     "model.parameters)",
      "remove the key"},
     {"distributed.offload_policy",
      [](const Config& c) { return !c.distributed.offload_policy.empty(); },
@@ -146,8 +146,8 @@ const Refusal kRefusals[] = {
      "remove the key"},
     {"distributed.enable_async_tensor_parallel",
      [](const Config& c) { return c.distributed.enable_async_tensor_parallel; },
-     "not implemented yet: `meshrun train` runs tp_size 1 only, so there is no tensor-parallel "
-     "communication to overlap",
+     "not implemented yet: the tensor-parallel all-reduces run between the layers' matrix "
+     "products, not overlapped with them",
      "remove the key or set it to false"},
     {"distributed.enable_compile", [](const Config& c) { return c.distributed.enable_compile; },
      "meshrun has no graph compiler", "remove the key or set it to false"},

@@ -7,6 +7,7 @@
 
 #include "errors.hpp"
 #include "model/model.hpp"
+#include "model/tensor_parallel.hpp"
 
 namespace meshrun {
 namespace {
@@ -127,6 +128,14 @@ void read_parameters(const ordered_json& json, const std::string& origin, const 
       bad_description(origin, fmt::format("parameter '{}' is listed twice", parameter.name));
     }
     parameter.unit = found->second;
+    if (entry.contains("tp")) {
+      parameter.tp = text_field(entry, "tp", where, origin);
+      if (!parse_tensor_placement(parameter.tp, parameter.shape.size())) {
+        bad_description(origin, fmt::format("{}.tp ('{}') must be \"replicate\", \"shard(d)\" or "
+                                            "\"shard(d,blocks)\" with d < {}",
+                                            where, parameter.tp, parameter.shape.size()));
+      }
+    }
     parameter.offset = d.numel;
     d.numel += parameter.numel;
     if (d.numel > kMaxParameterElements) refuse_unaddressable(origin, "the parameters", d.numel);

@@ -298,11 +298,13 @@ StageContents stage_contents(const Model& model, const std::vector<std::string>&
 
 ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modules,
                        StageHooks& hooks, const StageCommunicators& comms,
-                       const std::string& plan_json, const std::string& options_json)
+                       const std::string& plan_json, const std::string& options_json,
+                       const ModelDescription* local)
     : model_(model), contents_(stage_contents(model, modules)) {
   std::vector<bool> held(model.description().parameters.size(), false);
   for (const int64_t p : contents_.parameters) held[size_t(p)] = true;
-  bridge_ = std::make_unique<Bridge>(hooks, model.description(), std::move(held));
+  bridge_ = std::make_unique<Bridge>(hooks, local != nullptr ? *local : model.description(),
+                                     std::move(held));
   std::vector<const char*> names;
   for (const std::string& name : modules) names.push_back(name.c_str());
 
@@ -312,10 +314,15 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   setup.modules = names.data();
   setup.hooks = &bridge_->table;
   Communicator* any = comms.tp != nullptr ? comms.tp : comms.cp;
-  setup.comm = any != nullptr ? &any->comm_api() : nullptr;
-  setup.tp = comms.tp != nullptr ? comms.tp->handle() : nullptr;
-  setup.cp = comms.cp != nullptr ? comms.cp->handle() : nullptr;
-  setup.ep = comms.ep != nullptr ? comms.ep->handle() : nullptr;
+  comms_ =
+      std::make_unique<CountedCommunicators>(any != nullptr ? &any->comm_api() : nullptr,
+                                             comms.tp != nullptr ? comms.tp->handle() : nullptr,
+                                             comms.cp != nullptr ? comms.cp->handle() : nullptr,
+                                             comms.ep != nullptr ? comms.ep->handle() : nullptr);
+  setup.comm = comms_->api();
+  setup.tp = comms_->tp();
+  setup.cp = comms_->cp();
+  setup.ep = comms_->ep();
   setup.plan_json = plan_json.c_str();
   setup.options_json = options_json.c_str();
   call("stage_create", [&] { return model.api().stage_create(model.handle(), &setup, &stage_); });

@@ -14,6 +14,7 @@
 
 #include "comm/comm.hpp"
 #include "meshrun/model.h"
+#include "model/counted_comm.hpp"
 #include "plugin/loader.hpp"
 
 namespace meshrun {
@@ -24,6 +25,9 @@ struct ModelParameter {
   int64_t numel = 0;
   int64_t offset = 0;  // in the flat parameter layout (description order)
   int32_t unit = 0;    // index into ModelDescription::units
+  // How the model computes it over tp ranks: "replicate", "shard(d)" or
+  // "shard(d,blocks)" (model/tensor_parallel.hpp).
+  std::string tp = "replicate";
 };
 
 // A module a pipeline split may cut before or after.
@@ -135,10 +139,12 @@ struct StageCommunicators {
 class ModelStage {
  public:
   // A stage computing `modules` (names from the description). `hooks`,
-  // `comms` and `model` must outlive the stage. Throws the plugin's error.
+  // `comms`, `model` and `local` must outlive the stage. The parameter views
+  // have `local`'s shapes (one tp rank's, model/tensor_parallel.hpp), or the
+  // description's when it is null. Throws the plugin's error.
   ModelStage(const Model& model, const std::vector<std::string>& modules, StageHooks& hooks,
              const StageCommunicators& comms, const std::string& plan_json,
-             const std::string& options_json);
+             const std::string& options_json, const ModelDescription* local = nullptr);
   ~ModelStage();
   ModelStage(const ModelStage&) = delete;
   ModelStage& operator=(const ModelStage&) = delete;
@@ -159,6 +165,8 @@ class ModelStage {
   void backward_weight(int32_t microbatch);
   void discard(int32_t microbatch);
   int64_t activation_bytes();
+  // Bytes the model's tensor-parallel communication sent since the last call.
+  int64_t take_tensor_parallel_bytes() { return comms_->take_tp_bytes(); }
 
  private:
   struct Bridge;
@@ -170,6 +178,7 @@ class ModelStage {
   const Model& model_;
   StageContents contents_;
   std::unique_ptr<Bridge> bridge_;
+  std::unique_ptr<CountedCommunicators> comms_;
   meshrun_model_stage* stage_ = nullptr;
   int64_t batch_ = 0, seq_len_ = 0, input_numel_ = 0, output_numel_ = 0;
 };

@@ -172,14 +172,22 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
   for (int32_t u = 0; u < d.root_unit(); ++u) {
     units.push_back({{"name", d.units[size_t(u)]}, {"parameters", ordered_json::array()}});
   }
+  // Over tp ranks each parameter is placed as the model computes it.
+  const int64_t tp = mesh.axis_size(Axis::tp);
   ordered_json parameters = ordered_json::array();
   for (const ModelParameter& p : d.parameters) {
     units[p.unit == d.root_unit() ? 0 : size_t(p.unit) + 1]["parameters"].push_back(p.name);
+    const std::string placement = tp > 1 ? p.tp : "replicate";
+    std::vector<int64_t> local_shape = p.shape;
+    if (const auto parsed = parse_tensor_placement(placement, p.shape.size());
+        parsed && parsed->sharded()) {
+      local_shape[size_t(parsed->dim)] /= tp;
+    }
     parameters.push_back({{"name", p.name},
                           {"shape", p.shape},
                           {"unit", d.units[size_t(p.unit)]},
-                          {"tp", "replicate"},
-                          {"local_shape", p.shape}});
+                          {"tp", placement},
+                          {"local_shape", std::move(local_shape)}});
   }
   ordered_json checkpointed = ordered_json::array();
   const std::string& mode = config.distributed.activation_checkpointing;

@@ -154,6 +154,8 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   }
   try {
     plan.model_plan = plan_model(config, plan.mesh, *plan.model, plan.sidecar, plan.schedule.get());
+    plan.tensor_parallel = std::make_shared<const TensorParallelLayout>(
+        plan.model->description(), plan.model_plan, plan.mesh.axis_size(Axis::tp));
   } catch (const Error& error) {
     rethrow_at_key(config, error, "model.model_type");
   }

@@ -13,6 +13,7 @@
 #include "config/config.hpp"
 #include "mesh/mesh.hpp"
 #include "model/model.hpp"
+#include "model/tensor_parallel.hpp"
 #include "plugin/loader.hpp"
 
 namespace meshrun {
@@ -27,6 +28,9 @@ struct Plan {
   // The plan of the model (docs/plan.md): units, parameter placement,
   // pipeline split, checkpointing; the default plan, or the sidecar's.
   nlohmann::ordered_json model_plan;
+  // The model plan's placement of the parameters over tp ranks; null
+  // without a model.
+  std::shared_ptr<const TensorParallelLayout> tensor_parallel;
 };
 
 // Loads the strategy, model, sidecar (when the model family has one) and

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "train/hooks.hpp"
+#include "train/optimizer.hpp"
 
 namespace meshrun::train {
 
@@ -29,23 +30,102 @@ void FlatParameters::release() {
   std::vector<float>().swap(gradients);
 }
 
-void start_weights(const Config& config, const Model& model, FlatParameters& parameters) {
+void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
+                   FlatParameters& parameters) {
   const ModelDescription& d = model.description();
-  std::vector<float> full;
+  std::vector<float> checkpoint, full;
   if (!config.model.checkpoint.empty()) {
-    full.resize(size_t(d.numel));
-    read_consolidated(config, d, full.data());
+    checkpoint.resize(size_t(d.numel));
+    read_consolidated(config, d, checkpoint.data());
   }
   for (size_t k = 0; k < parameters.indices.size(); ++k) {
-    float* values = parameters.values.data() + parameters.offsets[k];
-    const ModelParameter& parameter = d.parameters[size_t(parameters.indices[k])];
-    if (full.empty()) {
-      model.init_parameter(uint64_t(config.train.seed), parameters.indices[k], values);
+    const int64_t p = parameters.indices[k];
+    const ModelParameter& parameter = d.parameters[size_t(p)];
+    if (checkpoint.empty()) {
+      full.resize(size_t(parameter.numel));
+      model.init_parameter(uint64_t(config.train.seed), p, full.data());
     } else {
-      std::copy_n(full.begin() + parameter.offset, parameter.numel, values);
+      full.assign(checkpoint.begin() + parameter.offset,
+                  checkpoint.begin() + parameter.offset + parameter.numel);
     }
+    tp.layout.slice(p, tp.group.rank(), full.data(),
+                    parameters.values.data() + parameters.offsets[k]);
   }
   round_to(parameters.values.data(), parameters.numel(), config.model.torch_dtype);
+}
+
+namespace {
+
+// Appends `range`, or extends the last range when it continues it in both
+// layouts: without tensor parallelism a rank's ranges stay as few as its
+// strategy made them.
+void append_merged(std::vector<HeldRange>& ranges, const HeldRange& range) {
+  if (!ranges.empty()) {
+    HeldRange& last = ranges.back();
+    if (last.global_begin + last.count == range.global_begin &&
+        last.local_begin + last.count == range.local_begin) {
+      last.count += range.count;
+      return;
+    }
+  }
+  ranges.push_back(range);
+}
+
+}  // namespace
+
+std::vector<HeldRange> model_ranges(const std::vector<HeldRange>& ranges,
+                                    const FlatParameters& parameters, const TensorParallelRank& tp,
+                                    bool saving, int64_t local_base) {
+  std::vector<HeldRange> out;
+  const std::vector<int64_t>& offsets = parameters.offsets;
+  for (const HeldRange& range : ranges) {
+    const int64_t end = range.global_begin + range.count;
+    auto k = size_t(std::upper_bound(offsets.begin(), offsets.end(), range.global_begin) -
+                    offsets.begin() - 1);
+    for (int64_t at = range.global_begin; at < end; at = offsets[++k]) {
+      const int64_t p = parameters.indices[k];
+      const int64_t count = std::min(end, offsets[k + 1]) - at;
+      if (saving && tp.group.rank() != 0 && !tp.layout.placement(p).sharded()) continue;
+      const int64_t local = local_base + range.local_begin + (at - range.global_begin);
+      tp.layout.for_each_run(
+          p, tp.group.rank(), at - offsets[k], count, [&](int64_t l, int64_t f, int64_t n) {
+            append_merged(out, {tp.layout.full_offset(p) + f, local + l - (at - offsets[k]), n});
+          });
+    }
+  }
+  return out;
+}
+
+void gather_tensor_parallel(const FlatParameters& parameters, const float* local_values,
+                            const TensorParallelRank& tp, float* full) {
+  const int64_t ranks = tp.group.size(), numel = parameters.numel();
+  std::vector<float> all(size_t(ranks * numel)), pieces;
+  FlatTensor send(const_cast<float*>(local_values), dtype_float32(), numel);
+  FlatTensor receive(all.data(), dtype_float32(), ranks * numel);
+  tp.group.all_gather(send.get(), receive.get()).wait();
+  for (size_t k = 0; k < parameters.indices.size(); ++k) {
+    const int64_t p = parameters.indices[k], begin = parameters.offsets[k];
+    const int64_t count = parameters.offsets[k + 1] - begin;
+    pieces.resize(size_t(ranks * count));
+    for (int64_t r = 0; r < ranks; ++r) {
+      std::copy_n(all.begin() + r * numel + begin, count, pieces.begin() + r * count);
+    }
+    tp.layout.assemble(p, pieces.data(), full + tp.layout.full_offset(p));
+  }
+}
+
+double tensor_parallel_squared_norm(const LocalParameters& local,
+                                    const std::vector<int64_t>& parameters,
+                                    const TensorParallelRank& tp) {
+  if (tp.group.size() == 1) return squared_norm(local.grads, local.numel);
+  double squared = 0;
+  for (size_t k = 0; k < local.held.size(); ++k) {
+    const int64_t p = parameters[size_t(local.held_parameter[k])];
+    if (tp.group.rank() == 0 || tp.layout.placement(p).sharded()) {
+      squared += squared_norm(local.grads + local.held[k].local_begin, local.held[k].count);
+    }
+  }
+  return squared;
 }
 
 LocalParameters replicated_parameters(float* values, float* gradients,

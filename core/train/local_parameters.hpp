@@ -10,6 +10,7 @@
 
 #include "comm/comm.hpp"
 #include "model/model.hpp"
+#include "model/tensor_parallel.hpp"
 #include "strategy/strategy.hpp"
 #include "train/checkpoint.hpp"
 
@@ -34,9 +35,18 @@ struct FlatParameters {
   void release();
 };
 
-// The starting weights of the parameters: initialized from train.seed, or
-// read from model.checkpoint, then rounded to model.torch_dtype.
-void start_weights(const Config& config, const Model& model, FlatParameters& parameters);
+// This rank's place in tensor parallelism: how the plan places the
+// parameters over tp, and the tp group (size 1 without tensor parallelism).
+struct TensorParallelRank {
+  const TensorParallelLayout& layout;
+  Communicator& group;
+};
+
+// The starting weights of the parameters, this tp rank's pieces of them:
+// initialized from train.seed, or read from model.checkpoint, then rounded
+// to model.torch_dtype. `parameters` is in the tp-local layout.
+void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
+                   FlatParameters& parameters);
 
 struct LocalParameters {
   float* params = nullptr;
@@ -64,6 +74,28 @@ LocalParameters replicated_parameters(float* values, float* gradients,
 // only replica 0 of each shard saves it (the replicas hold equal shards).
 LocalParameters sharded_parameters(Strategy& strategy, Communicator& shard_group,
                                    Communicator& replicate_group);
+
+// `ranges` of `parameters`' tp-local flat layout (as local buffers hold
+// them, shifted by `local_base`) as ranges of the full model's flat layout
+// (checkpoints are of the full model, whatever the layout). With `saving`,
+// parameters that tp replicates are left to tp rank 0, so that the ranks
+// together name every element once.
+std::vector<HeldRange> model_ranges(const std::vector<HeldRange>& ranges,
+                                    const FlatParameters& parameters, const TensorParallelRank& tp,
+                                    bool saving, int64_t local_base = 0);
+
+// The full values of `parameters` from `local_values` (tp-local flat layout,
+// parameters.numel()) into `full` (the full model's flat layout).
+// Collective over the tp group.
+void gather_tensor_parallel(const FlatParameters& parameters, const float* local_values,
+                            const TensorParallelRank& tp, float* full);
+
+// This rank's share of the squared gradient norm over the tp group: the
+// squares of the pieces of tp-sharded parameters, and the tp-replicated
+// ones (equal on every tp rank) on tp rank 0 only.
+double tensor_parallel_squared_norm(const LocalParameters& local,
+                                    const std::vector<int64_t>& parameters,
+                                    const TensorParallelRank& tp);
 
 // 1 for the elements that get weight decay: every matrix, none of the 1-D
 // norm weights and biases (GPT-2 / nanoGPT practice: decaying a norm's scale

@@ -52,6 +52,7 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"step_time_s", m.step_time_s},
                                  {"grad_sync_wait_s", m.grad_sync_wait_s},
                                  {"comm_wait_s", m.comm_wait_s},
+                                 {"tp_bytes", m.tp_bytes},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
   if (m.skipped) line["skipped"] = true;

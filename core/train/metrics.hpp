@@ -38,6 +38,9 @@ struct StepMetrics {
   // Time the step spent inside the strategy's calls (hooks and
   // finish_gradients): its communication that compute did not hide.
   double comm_wait_s = 0;
+  // Bytes this rank's tensor-parallel collectives sent in the step (the
+  // model's all-reduces over tp); 0 without tensor parallelism.
+  int64_t tp_bytes = 0;
   std::optional<double> val_loss;
   MemoryUse mem;
 };

@@ -4,14 +4,15 @@
 
 namespace meshrun::train {
 
-PipelineStage::PipelineStage(const Model& model, const std::vector<std::string>& modules,
-                             Strategy& strategy, const StageUnits& units,
-                             const StageCommunicators& computing, const std::string& plan_json,
-                             const std::string& options_json, float loss_scale)
+PipelineStage::PipelineStage(const Model& model, const ModelDescription& local,
+                             const std::vector<std::string>& modules, Strategy& strategy,
+                             const StageUnits& units, const StageCommunicators& computing,
+                             const std::string& plan_json, const std::string& options_json,
+                             float loss_scale)
     : strategy_(strategy),
       binding_(strategy, units, stage_contents(model, modules).parameters,
                model.description().parameters.size()),
-      stage_(model, modules, *this, computing, plan_json, options_json),
+      stage_(model, modules, *this, computing, plan_json, options_json, &local),
       loss_scale_(loss_scale) {}
 
 void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int64_t rows) {

@@ -26,7 +26,9 @@ class PipelineStage : public pipeline::StageWork,
   // `loss_scale`: what the last stage seeds its backward with per
   // microbatch (1/m with scale_grads_in_schedule, else 1). Everything
   // passed in must outlive the stage.
-  PipelineStage(const Model& model, const std::vector<std::string>& modules, Strategy& strategy,
+  // `local`: the tp-local shapes (model/tensor_parallel.hpp).
+  PipelineStage(const Model& model, const ModelDescription& local,
+                const std::vector<std::string>& modules, Strategy& strategy,
                 const StageUnits& units, const StageCommunicators& computing,
                 const std::string& plan_json, const std::string& options_json, float loss_scale);
 

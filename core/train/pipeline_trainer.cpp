@@ -15,10 +15,11 @@ namespace meshrun::train {
 // (the description's order, restricted to the stage), their strategy, the
 // compute, and AdamW on the local shard.
 struct PipelineTrainer::Held {
-  Held(const Model& model, int64_t index, std::vector<std::string> modules)
+  Held(const Model& model, const ModelDescription& local, int64_t index,
+       std::vector<std::string> modules)
       : index(index),
         modules(std::move(modules)),
-        parameters(model.description(), stage_contents(model, this->modules).parameters) {}
+        parameters(local, stage_contents(model, this->modules).parameters) {}
 
   int64_t index = 0;  // the global stage
   std::vector<std::string> modules;
@@ -73,20 +74,20 @@ PipelineTrainer::~PipelineTrainer() = default;
 // instance each, which shards them.
 void PipelineTrainer::build_stages() {
   const Model& model = *ctx_.plan.model;
+  const ModelDescription& local = ctx_.plan.tensor_parallel->local();
   const std::string plan_json = ctx_.plan.model_plan.dump();
   const bool scale_in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
   for (const auto& split : ctx_.plan.model_plan.at("pipeline")) {
     if (split.at("rank").get<int64_t>() != ctx_.pipeline.rank()) continue;
-    auto held = std::make_unique<Held>(model, split.at("stage").get<int64_t>(),
+    auto held = std::make_unique<Held>(model, local, split.at("stage").get<int64_t>(),
                                        split.at("modules").get<std::vector<std::string>>());
-    start_weights(ctx_.config, model, held->parameters);
-    held->units = stage_units(model.description(), stage_contents(model, held->modules));
+    start_weights(ctx_.config, model, tensor_parallel(), held->parameters);
+    held->units = stage_units(local, stage_contents(model, held->modules));
     held->units.strategy.shard_group = &ctx_.shard_group;
     held->units.strategy.replicate_group = &ctx_.replicate_group;
-    held->strategy =
-        std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel,
-                                   held->parameters.strategy_buffers(model.description()),
-                                   ctx_.strategy_options, &held->units.strategy);
+    held->strategy = std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel,
+                                                held->parameters.strategy_buffers(local),
+                                                ctx_.strategy_options, &held->units.strategy);
     if (!held->strategy->sharded()) {
       throw invalid_argument(
           fmt::format("strategy {} does not shard; pipeline training needs "
@@ -98,7 +99,7 @@ void PipelineTrainer::build_stages() {
     held->optimizer = std::make_unique<AdamW>(
         ctx_.config.train, decay_mask(held->local, model.description(), held->parameters.indices));
     held->work = std::make_unique<PipelineStage>(
-        model, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
+        model, local, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
         ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
     held_.push_back(std::move(held));
   }
@@ -122,6 +123,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     held->work->compute().set_shape(micro, seq_len);
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
     std::fill_n(held->local.grads, held->local.numel, 0.0f);
+    held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
   }
   const pipeline::StepTimes times = executor_->run_step();
   const auto sync_start = std::chrono::steady_clock::now();
@@ -129,6 +131,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.grad_sync_wait_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
   metrics.comm_wait_s = metrics.grad_sync_wait_s + times.wait_s + times.sharding_s;
+  for (auto& held : held_) metrics.tp_bytes += held->work->compute().take_tensor_parallel_bytes();
   // The objective is the mean over the microbatches: without
   // scale_grads_in_schedule the last stage seeded each with 1, so the
   // accumulated gradients are scaled here.
@@ -138,18 +141,26 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
       for (int64_t i = 0; i < held->local.numel; ++i) held->local.grads[i] *= scale;
     }
   }
+  // Every tp rank of the last stage has the loss: tp rank 0's counts.
   double loss = 0;
   for (auto& held : held_) loss += held->work->take_loss_sum() / double(microbatches_);
+  if (ctx_.computing.tp->rank() != 0) loss = 0;
   metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
 }
 
 double PipelineTrainer::gradient_norm() {
-  // The shards of a stage partition it over the shard group and the stages
-  // partition the model over the pipeline; replicas hold equal shards.
+  // The shards of a stage partition it over the shard group, the stages
+  // partition the model over the pipeline, and tp ranks hold pieces of the
+  // sharded parameters; replicas hold equal shards.
   double squared = 0;
-  for (auto& held : held_) squared += squared_norm(held->local.grads, held->local.numel);
+  for (auto& held : held_) {
+    squared +=
+        tensor_parallel_squared_norm(held->local, held->parameters.indices, tensor_parallel());
+  }
   squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
   squared = all_reduce(squared, ReduceOp::sum, ctx_.pipeline);
+  if (ctx_.computing.tp->size() > 1)
+    squared = all_reduce(squared, ReduceOp::sum, *ctx_.computing.tp);
   return std::sqrt(squared);
 }
 
@@ -219,6 +230,7 @@ std::optional<double> PipelineTrainer::validate() {
     ctx_.data.validation_batch(first, count, tokens_, targets_);
     sum += forward_for_evaluation(count);
   }
+  if (ctx_.computing.tp->rank() != 0) sum = 0;
   return all_reduce(sum, ReduceOp::sum, ctx_.world) / double(windows * ctx_.data.seq_len());
 }
 
@@ -244,15 +256,9 @@ std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {
   if (saved && ctx_.replicate_group.rank() != 0) return ranges;
   int64_t base = 0;
   for (const auto& held : held_) {
-    const FlatParameters& parameters = held->parameters;
-    for (size_t k = 0; k < held->local.held.size(); ++k) {
-      const HeldRange& piece = held->local.held[k];
-      const auto p = size_t(held->local.held_parameter[k]);
-      const int64_t full_offset =
-          ctx_.plan.model->description().parameters[size_t(parameters.indices[p])].offset;
-      ranges.push_back({full_offset + (piece.global_begin - parameters.offsets[p]),
-                        base + piece.local_begin, piece.count});
-    }
+    const auto stage =
+        model_ranges(held->local.held, held->parameters, tensor_parallel(), saved, base);
+    ranges.insert(ranges.end(), stage.begin(), stage.end());
     base += held->local.numel;
   }
   return ranges;
@@ -303,21 +309,21 @@ void PipelineTrainer::resume(const CheckpointIndex& index) {
   next_step_ = index.step;
 }
 
-// Every stage gathered, copied into the full layout by data-parallel rank 0
-// of its pipeline rank, and summed over the world: each element has one
-// writer, so the sum is exact.
+// Every stage gathered over dp and tp, copied into the full layout by rank
+// 0 of dp and tp of its pipeline rank, and summed over the world: each
+// element has one writer, so the sum is exact.
 void PipelineTrainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
   const ModelDescription& description = ctx_.plan.model->description();
-  std::vector<float> full(size_t(description.numel), 0.0f);
+  std::vector<float> full(size_t(description.numel), 0.0f), stage_full(full.size());
   for (auto& held : held_) {
-    const FlatParameters& parameters = held->parameters;
-    std::vector<float> stage(size_t(parameters.numel()));
+    std::vector<float> stage(size_t(held->parameters.numel()));
     held->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
-    if (ctx_.data_parallel.rank() != 0) continue;
-    for (size_t k = 0; k < parameters.indices.size(); ++k) {
-      const ModelParameter& parameter = description.parameters[size_t(parameters.indices[k])];
-      std::copy_n(stage.begin() + parameters.offsets[k], parameter.numel,
+    gather_tensor_parallel(held->parameters, stage.data(), tensor_parallel(), stage_full.data());
+    if (ctx_.data_parallel.rank() != 0 || ctx_.computing.tp->rank() != 0) continue;
+    for (const int64_t p : held->parameters.indices) {
+      const ModelParameter& parameter = description.parameters[size_t(p)];
+      std::copy_n(stage_full.begin() + parameter.offset, parameter.numel,
                   full.begin() + parameter.offset);
     }
   }

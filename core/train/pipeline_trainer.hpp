@@ -75,6 +75,9 @@ class PipelineTrainer : public TrainingRank {
   // Elements [begin, end) of the stage's local shard in the full model's
   // flat layout, and the rank's local shards and moments concatenated.
   std::vector<HeldRange> rank_ranges(bool saved) const;
+  TensorParallelRank tensor_parallel() const {
+    return {*ctx_.plan.tensor_parallel, *ctx_.computing.tp};
+  }
   std::vector<std::vector<float>> concatenated_state();
   void scatter_state(const std::vector<std::vector<float>>& state);
 

@@ -42,23 +42,34 @@ void check_batch(const Config& config, int64_t dp) {
   }
 }
 
-// The trainer runs data and pipeline parallelism: no model computes tensor,
+// The trainer runs data, tensor and pipeline parallelism: no model computes
 // context or expert parallel yet (the plan shows those layouts; `meshrun
 // plan` prints them).
 void check_parallel_sizes(const Config& config) {
   const DistributedConfig& d = config.distributed;
-  for (const auto& [key, size] : {std::pair{"distributed.tp_size", d.tp_size},
-                                  {"distributed.cp_size", d.cp_size},
-                                  {"distributed.ep_size", d.ep_size}}) {
+  for (const auto& [key, size] :
+       {std::pair{"distributed.cp_size", d.cp_size}, {"distributed.ep_size", d.ep_size}}) {
     if (size != 1) {
       throw config_error(config, key,
-                         fmt::format("{} > 1: meshrun train runs data and pipeline parallelism "
-                                     "only so far (ddp; fsdp2 with dp_replicate_size, dp_shard "
-                                     "and pp_size); set it to 1, or see the layout with "
+                         fmt::format("{} > 1: meshrun train runs data, tensor and pipeline "
+                                     "parallelism only so far (ddp; fsdp2 with "
+                                     "dp_replicate_size, dp_shard, tp_size and pp_size); set it "
+                                     "to 1, or see the layout with "
                                      "`meshrun plan`",
                                      size));
     }
   }
+}
+
+// The Llama sidecar plans sequence parallelism (`meshrun plan` shows it), but
+// the models compute tensor parallelism with replicated norms and residual
+// stream: accepting the key would be a promise the run does not keep.
+void check_sequence_parallel(const Config& config) {
+  if (!config.distributed.sequence_parallel) return;
+  throw config_error(config, "distributed.sequence_parallel",
+                     "meshrun train computes tensor parallelism without sequence parallelism so "
+                     "far (the norms and the residual stream are replicated over tp ranks); set "
+                     "it to false");
 }
 
 // The plan names the units to checkpoint, but no model recomputes them yet:
@@ -163,21 +174,23 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
                          Communicator& world, MeshCommunicators& axes,
                          const std::string& output_dir) {
   const Model& model = *plan.model;
+  const ModelDescription& local = plan.tensor_parallel->local();
   const std::vector<std::string> modules = module_names(model.description());
   const StageContents contents = stage_contents(model, modules);
-  FlatParameters parameters(model.description(), contents.parameters);
-  start_weights(config, model, parameters);
-  StageUnits units = stage_units(model.description(), contents);
+  FlatParameters parameters(local, contents.parameters);
+  start_weights(config, model, {*plan.tensor_parallel, axes.axis(Axis::tp)}, parameters);
+  StageUnits units = stage_units(local, contents);
   units.strategy.shard_group = &axes.axis(Axis::dp_shard_cp);
   units.strategy.replicate_group = &axes.axis(Axis::dp_replicate);
   const std::string options = strategy_options_json(config.distributed);
-  Strategy strategy(plan.strategy, axes.axis(Axis::dp),
-                    parameters.strategy_buffers(model.description()), options, &units.strategy);
+  Strategy strategy(plan.strategy, axes.axis(Axis::dp), parameters.strategy_buffers(local), options,
+                    &units.strategy);
   // The strategy copied its shard: the full weights are no longer needed.
   if (strategy.sharded()) parameters.release();
   Trainer trainer({config, data, model, modules, strategy, parameters, units, world,
                    axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
-                   computing_axes(axes, plan.mesh), plan.model_plan.dump(), options, output_dir});
+                   computing_axes(axes, plan.mesh), *plan.tensor_parallel, plan.model_plan.dump(),
+                   options, output_dir});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, model.description()));
   }
@@ -215,6 +228,7 @@ void check_training_input(const Config& config, const Plan& plan) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
+  check_sequence_parallel(config);
   check_activation_checkpointing(config);
   check_strategy_trains(config, *plan.strategy);
   check_model_fits_data(config, plan);

@@ -28,7 +28,7 @@ std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
 LocalParameters local_parameters(const TrainContext& ctx) {
   if (!ctx.strategy.sharded()) {
     FlatParameters& p = ctx.parameters;
-    return replicated_parameters(p.values.data(), p.gradients.data(), p.offsets, ctx.world);
+    return replicated_parameters(p.values.data(), p.gradients.data(), p.offsets, ctx.data_parallel);
   }
   return sharded_parameters(ctx.strategy, ctx.shard_group, ctx.replicate_group);
 }
@@ -38,13 +38,16 @@ LocalParameters local_parameters(const TrainContext& ctx) {
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
       hooks_(make_hooks(ctx_)),
-      stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json),
+      stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json,
+             &ctx_.tensor_parallel.local()),
       local_(local_parameters(ctx_)),
+      model_held_(model_ranges(local_.held, ctx_.parameters, tensor_parallel(), false)),
+      model_saved_(model_ranges(local_.saved, ctx_.parameters, tensor_parallel(), true)),
       optimizer_(ctx_.config.train,
                  decay_mask(local_, ctx_.model.description(), ctx_.parameters.indices)) {}
 
 void Trainer::resume(const CheckpointIndex& index) {
-  load_sharded(index, local_.held, checkpoint_buffers());
+  load_sharded(index, model_held_, checkpoint_buffers());
   optimizer_.restore(index.step);
   next_step_ = index.step;
 }
@@ -71,7 +74,8 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const int64_t micro_batches = share / train.micro_batch_size;
   const int64_t first = ctx_.data_parallel.rank() * share;
   std::fill_n(local_.grads, local_.numel, 0.0f);
-  hooks_->take_seconds_in_strategy();  // not this step's: validation's gathers
+  hooks_->take_seconds_in_strategy();   // not this step's: validation's gathers
+  stage_.take_tensor_parallel_bytes();  // likewise
   double loss_sum = 0.0;
   stage_.set_shape(train.micro_batch_size, ctx_.data.seq_len());
   for (int64_t k = 0; k < micro_batches; ++k) {
@@ -85,6 +89,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   ctx_.strategy.finish_gradients();
   metrics.grad_sync_wait_s = seconds_since(sync_start);
   metrics.comm_wait_s = metrics.grad_sync_wait_s + hooks_->take_seconds_in_strategy();
+  metrics.tp_bytes = stage_.take_tensor_parallel_bytes();
   // Each micro-batch's loss is a mean over its tokens, so the accumulated
   // gradient is micro_batches times the mean over this rank's share; the
   // strategy averaged the shares, which makes it the global batch's mean.
@@ -98,13 +103,15 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
 double Trainer::gradient_norm() {
   // A replicated strategy leaves the whole averaged gradient on every rank;
   // the shards of a sharded one partition it over the shard group (replicas
-  // hold equal shards, so the replicate group adds nothing).
-  double squared = squared_norm(local_.grads, local_.numel);
-  if (local_.norm_group != nullptr) {
-    auto shard = float(squared);
-    FlatTensor tensor(&shard, dtype_float32(), 1);
-    local_.norm_group->all_reduce(tensor.get(), ReduceOp::sum).wait();
-    squared = shard;
+  // hold equal shards, so the replicate group adds nothing); tp ranks hold
+  // pieces of the sharded parameters.
+  double squared = tensor_parallel_squared_norm(local_, ctx_.parameters.indices, tensor_parallel());
+  for (Communicator* group : {local_.norm_group, ctx_.computing.tp}) {
+    if (group == nullptr || group->size() == 1) continue;
+    auto share = float(squared);
+    FlatTensor tensor(&share, dtype_float32(), 1);
+    group->all_reduce(tensor.get(), ReduceOp::sum).wait();
+    squared = share;
   }
   return std::sqrt(squared);
 }
@@ -158,7 +165,7 @@ void Trainer::save_checkpoint(int64_t step) {
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
   save_sharded(dir.string(), checkpoint_layout(ctx_.config.model, ctx_.model.description()),
-               ctx_.config.train.seed, step, local_.saved, checkpoint_buffers(), ctx_.world);
+               ctx_.config.train.seed, step, model_saved_, checkpoint_buffers(), ctx_.world);
 }
 
 MemoryUse Trainer::memory_use() {
@@ -174,19 +181,20 @@ MemoryUse Trainer::memory_use() {
 }
 
 // The consolidated weights on rank 0; a sharded strategy gathers them first
-// (collective over the shard group, so every rank comes here).
+// (collective over the shard group), then the tp ranks their pieces
+// (collective over tp), so every rank comes here.
 void Trainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
-  std::vector<float> gathered;
-  const float* full = ctx_.parameters.values.data();
-  const int64_t numel = ctx_.model.description().numel;
+  const float* local = ctx_.parameters.values.data();
+  std::vector<float> gathered, full(size_t(ctx_.model.description().numel));
   if (ctx_.strategy.sharded()) {
-    gathered.resize(size_t(numel));
-    ctx_.strategy.gather_parameters(gathered.data(), numel);
-    full = gathered.data();
+    gathered.resize(size_t(ctx_.parameters.numel()));
+    ctx_.strategy.gather_parameters(gathered.data(), ctx_.parameters.numel());
+    local = gathered.data();
   }
+  gather_tensor_parallel(ctx_.parameters, local, tensor_parallel(), full.data());
   if (ctx_.world.rank() == 0) {
-    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model.description(), full);
+    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model.description(), full.data());
   }
 }
 

@@ -38,8 +38,9 @@ struct TrainContext {
   Communicator& shard_group;      // dp_shard_cp
   Communicator& replicate_group;  // dp_replicate
   StageCommunicators computing;   // the axes the model computes over
-  std::string plan_json;          // the model plan
-  std::string options_json;       // the strategy options
+  const TensorParallelLayout& tensor_parallel;
+  std::string plan_json;     // the model plan
+  std::string options_json;  // the strategy options
   std::string output_dir;
 };
 
@@ -68,11 +69,15 @@ class Trainer : public TrainingRank {
   double all_reduce(double value, ReduceOp op);
   double evaluate(int64_t count);
   std::vector<FlatBuffer> checkpoint_buffers();
+  TensorParallelRank tensor_parallel() const { return {ctx_.tensor_parallel, *ctx_.computing.tp}; }
 
   TrainContext ctx_;
   std::unique_ptr<TimedHooks> hooks_;
   ModelStage stage_;
   LocalParameters local_;
+  // local_'s ranges in the full model's flat layout: all it holds, and what
+  // it saves.
+  std::vector<HeldRange> model_held_, model_saved_;
   AdamW optimizer_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;

@@ -40,6 +40,46 @@ class HostHooks : public StageHooks {
   plugin::ModelHooks hooks_;
 };
 
+// The stage's tp communicator (meshrun_model_stage_setup.tp) through the
+// comm backend's table; one rank without it. A failed collective (a peer
+// gone past the timeout) throws the backend's error object, which the stage
+// hands back to the host unchanged.
+class HostTensorParallelGroup : public TensorParallelGroup {
+ public:
+  explicit HostTensorParallelGroup(const meshrun_model_stage_setup& setup)
+      : api_(setup.comm), comm_(setup.tp) {
+    if (api_ == nullptr || comm_ == nullptr) return;
+    check(api_->rank(comm_, &rank_));
+    check(api_->size(comm_, &size_));
+  }
+  int64_t size() const override { return size_; }
+  int64_t rank() const override { return rank_; }
+  void all_reduce_sum(float* data, int64_t count) override {
+    all_reduce(data, count, MESHRUN_REDUCE_SUM);
+  }
+  void all_reduce_max(float* data, int64_t count) override {
+    all_reduce(data, count, MESHRUN_REDUCE_MAX);
+  }
+
+ private:
+  static void check(meshrun_error* error) {
+    if (error != nullptr) throw plugin::HostError(error);
+  }
+  void all_reduce(float* data, int64_t count, int32_t op) {
+    int64_t shape[1] = {count};
+    DLTensor tensor{data, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    meshrun_request* request = nullptr;
+    check(api_->all_reduce(comm_, &tensor, &tensor, op, &request));
+    meshrun_error* error = api_->wait(request, -1.0);
+    api_->request_destroy(request);
+    check(error);
+  }
+
+  const meshrun_comm_api* api_;
+  meshrun_communicator* comm_;
+  int64_t rank_ = 0, size_ = 1;
+};
+
 template <class Plugin>
 class HostModel {
  public:
@@ -85,7 +125,10 @@ template <class Plugin>
 class HostStage {
  public:
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
-      : hooks_(*setup.hooks), stage_(model.config(), model.layout_of(setup), hooks_) {}
+      : hooks_(*setup.hooks),
+        tp_(setup),
+        stage_(model.config(), model.layout_of(setup), hooks_, &tp_,
+               plan_placements(setup.plan_json)) {}
 
   void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
     stage_.set_shape(batch, seq_len);
@@ -108,6 +151,7 @@ class HostStage {
 
  private:
   HostHooks hooks_;
+  HostTensorParallelGroup tp_;
   TransformerStage<typename Plugin::Family> stage_;
 };
 

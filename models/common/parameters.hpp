@@ -11,8 +11,10 @@ namespace meshrun::models {
 
 // One parameter tensor: its Hugging Face name and shape, its index among the
 // model's parameters and its unit (decoder layer l is unit l, the root —
-// embeddings, final norm, lm_head — one past the last layer), and where its
-// values and gradient are while a stage computes with it.
+// embeddings, final norm, lm_head — one past the last layer), how the
+// family computes it over tensor-parallel ranks, and where its values and
+// gradient are while a stage computes with it. A stage's views have the
+// shape and numel of its tp rank's piece.
 struct ParameterView {
   std::string name;
   std::vector<int64_t> shape;
@@ -21,6 +23,9 @@ struct ParameterView {
   int64_t unit = 0;
   float* data = nullptr;
   float* grad = nullptr;
+  // "replicate", "shard(d)": the rank's 1/tp of dimension d, or
+  // "shard(d,blocks)": of each of `blocks` equal blocks of d (docs/plan.md).
+  std::string tp = "replicate";
 };
 
 // Appends the parameter `name` with the next index, without storage. A

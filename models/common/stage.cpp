@@ -21,18 +21,20 @@ void ImmediateWeightGradients::linear(const LinearWeight& weight, const float* d
 }
 
 double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
-                            const int32_t* targets, int64_t rows, int64_t hidden, int64_t vocab) {
-  kernels::linear_forward(logits, x, lm_head.data, rows, hidden, vocab);
-  return kernels::cross_entropy_forward(logits, targets, rows, vocab);
+                            const int32_t* targets, int64_t rows, int64_t hidden,
+                            const VocabShard& vocab, TensorParallelGroup& tp) {
+  kernels::linear_forward(logits, x, lm_head.data, rows, hidden, vocab.size);
+  return vocab_parallel_cross_entropy_forward(logits, targets, rows, vocab, tp);
 }
 
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
-                           int64_t rows, int64_t hidden, int64_t vocab,
-                           WeightGradients& gradients) {
-  kernels::cross_entropy_backward(logits, targets, rows, vocab, loss_scale);
-  kernels::linear_backward_input(dx, logits, lm_head.data, rows, hidden, vocab);
-  gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab}, logits, x);
+                           int64_t rows, int64_t hidden, const VocabShard& vocab,
+                           TensorParallelGroup& tp, WeightGradients& gradients) {
+  vocab_parallel_cross_entropy_backward(logits, targets, rows, vocab, loss_scale);
+  kernels::linear_backward_input(dx, logits, lm_head.data, rows, hidden, vocab.size);
+  reduce_partial_sums(tp, dx, rows * hidden);
+  gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab.size}, logits, x);
 }
 
 void require(bool condition, const char* family, const std::string& message) {

@@ -23,7 +23,11 @@
 //   kEmbeddingTensors, kLayerTensors: the views of the embedding (the first
 //     root parameters; a tied lm_head is the first of them) and of a layer
 //   check_layer_storage(layer views, backward): the host's storage is fit
-//   Pass(config, batch, seq_len): what a forward at one shape shares, with
+//   check_tensor_parallel(config, tp_size): the model splits over tp ranks
+//     (throws std::invalid_argument if not); parameters() say each one's
+//     placement (ParameterView::tp)
+//   Pass(config, batch, seq_len, tp): what a forward at one shape shares,
+//     with local sizes over the tp group (common/tensor_parallel.hpp), and
 //     rows() = batch * seq_len, hidden, and d_residual [rows, hidden], the
 //     residual stream's gradient
 //   LayerActivations(pass), HeadActivations(pass): what a layer's and the
@@ -45,6 +49,7 @@
 #include <vector>
 
 #include "common/parameters.hpp"
+#include "common/tensor_parallel.hpp"
 
 namespace meshrun::models {
 
@@ -119,15 +124,19 @@ class ImmediateWeightGradients : public WeightGradients {
 
 // The end of every family's head: logits [rows, V] = x [rows, H] lm_head^T
 // (lm_head [V, H], nn.Linear's layout, or a tied embedding) and their mean
-// natural-log cross-entropy against targets. logits keep the softmax for
-// the backward.
+// natural-log cross-entropy against targets. Vocabulary-parallel over tp:
+// lm_head and logits hold the rank's `vocab` shard. logits keep the softmax
+// for the backward.
 double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
-                            const int32_t* targets, int64_t rows, int64_t hidden, int64_t vocab);
+                            const int32_t* targets, int64_t rows, int64_t hidden,
+                            const VocabShard& vocab, TensorParallelGroup& tp);
 // dx = d(loss_scale * loss)/dx, through logits (overwritten with their
-// gradient); lm_head's weight gradient goes to `gradients`, which may take x.
+// gradient), summed over tp; lm_head's weight gradient goes to `gradients`,
+// which may take x.
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
-                           int64_t rows, int64_t hidden, int64_t vocab, WeightGradients& gradients);
+                           int64_t rows, int64_t hidden, const VocabShard& vocab,
+                           TensorParallelGroup& tp, WeightGradients& gradients);
 
 // Throws std::invalid_argument(family + ": " + message) unless condition.
 void require(bool condition, const char* family, const std::string& message);
@@ -138,10 +147,13 @@ class TransformerStage {
   using Config = typename Family::Config;
 
   // Throws std::invalid_argument for a configuration check_config refuses,
-  // a layout that does not fit the model or holds nothing, and tied
-  // embeddings on a stage without both the embedding and the head. `hooks`
-  // must outlive the stage.
-  TransformerStage(Config config, StageLayout layout, StageHooks& hooks);
+  // a layout that does not fit the model or holds nothing, tied embeddings
+  // on a stage without both the embedding and the head, and, over a tp
+  // group of more than one rank, a model check_tensor_parallel refuses or
+  // `placements` (the plan's, by name) that differ from the family's.
+  // `hooks` and `tp` (null: one rank) must outlive the stage.
+  TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
+                   TensorParallelGroup* tp = nullptr, const Placements& placements = {});
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -199,6 +211,7 @@ class TransformerStage {
   int64_t root_unit() const { return Family::num_layers(config_); }
   bool holds_root() const { return layout_.embedding || layout_.head; }
   void check_layout() const;
+  void localize(const Placements& placements);
   void select_parameters();
   // The hooks' pre_ call of `unit`, then its views pointed at its storage.
   void enter(int64_t unit, float* hidden, bool backward);
@@ -217,6 +230,8 @@ class TransformerStage {
   Config config_;
   StageLayout layout_;
   StageHooks& hooks_;
+  SingleRank single_rank_;
+  TensorParallelGroup& tp_;
   std::vector<ParameterView> parameters_;
   int64_t head_index_ = 0;     // into parameters_: the head's first view
   int64_t lm_head_index_ = 0;  // the embedding's first view when tied

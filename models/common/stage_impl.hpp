@@ -109,12 +109,36 @@ struct TransformerStage<Family>::Microbatch {
 };
 
 template <class Family>
-TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks)
-    : config_(std::move(config)), layout_(layout), hooks_(hooks) {
+TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
+                                           TensorParallelGroup* tp, const Placements& placements)
+    : config_(std::move(config)),
+      layout_(layout),
+      hooks_(hooks),
+      tp_(tp != nullptr ? *tp : single_rank_) {
   Family::check_config(config_);
   check_layout();
   use_one_blas_thread_by_default();
   select_parameters();
+  if (tp_.size() > 1) {
+    Family::check_tensor_parallel(config_, tp_.size());
+    localize(placements);
+  }
+}
+
+// The plan may place a parameter only as the family computes it; a sharded
+// view has the rank's extent.
+template <class Family>
+void TransformerStage<Family>::localize(const Placements& placements) {
+  for (ParameterView& view : parameters_) {
+    const auto found = placements.find(view.name);
+    const std::string planned = found != placements.end() ? found->second : "replicate";
+    require(planned == view.tp, Family::kName,
+            "tensor parallelism: the plan places " + view.name + " as '" + planned +
+                "', but the model computes it as '" + view.tp + "'");
+    if (planned == "replicate") continue;
+    view.shape[size_t(planned[6] - '0')] /= tp_.size();
+    view.numel /= tp_.size();
+  }
 }
 
 template <class Family>
@@ -198,7 +222,7 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   }
   spare_.clear();
   pass_.reset();  // the old shape's scratch goes before the new one comes
-  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
+  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_);
   batch_ = batch;
   seq_len_ = seq_len;
 }

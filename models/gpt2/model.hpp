@@ -46,8 +46,17 @@ void check_config(const Gpt2Config& config);
 // mlp.c_fc.{weight [E, I], bias}, mlp.c_proj.{weight [I, E], bias}}
 // (Conv1D weights are [in, out]); transformer.ln_f.{weight, bias};
 // lm_head.weight [V, E] unless tied. The root unit (n_layer) holds the
-// embeddings, ln_f and lm_head. Without storage.
+// embeddings, ln_f and lm_head. Without storage. Over tp (Megatron-LM's
+// GPT-2): c_attn column-parallel ("shard(1,3)": each rank's columns of q, k
+// and v), c_fc column-parallel ("shard(1)") with their biases; the c_proj
+// weights row-parallel ("shard(0)": their input rows), their biases and the
+// norms replicated; wte and lm_head vocabulary-parallel ("shard(0)"), wpe
+// replicated.
 std::vector<ParameterView> model_parameters(const Gpt2Config& config);
+
+// Throws std::invalid_argument("model.<key>: ...") unless the heads, the
+// inner size and the vocabulary divide over tp ranks.
+void check_tensor_parallel(const Gpt2Config& config, int64_t tp);
 
 // Initial values of parameters[index] for `seed`, Hugging Face's
 // _init_weights: matrices (embeddings, Conv1D and lm_head weights) ~

@@ -23,6 +23,14 @@ void conv1d_bias_forward(float* y, const float* x, const ParameterView* conv, in
   bias_forward(y, conv[1].data, rows, out);
 }
 
+// The row-parallel c_proj: y = sum over tp of x_r W_r, then + b once.
+void row_parallel_forward(float* y, const float* x, const ParameterView* conv, int64_t rows,
+                          int64_t in, int64_t out, models::TensorParallelGroup& tp) {
+  conv1d_forward(y, x, conv[0].data, rows, in, out);
+  models::reduce_partial_sums(tp, y, rows * out);
+  bias_forward(y, conv[1].data, rows, out);
+}
+
 // dx = dy W^T; the bias's gradient at once, the weight's (x^T dy) to
 // `gradients`, which may take x.
 void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
@@ -46,18 +54,20 @@ void layernorm_backward_ready(float* dx, const float* dy, const float* x, const 
 
 }  // namespace
 
-BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len)
-    : attention{batch, seq_len, c.n_head, c.n_head, c.n_embd / c.n_head},
+BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
+                     models::TensorParallelGroup& tp)
+    : tp(tp),
+      attention{batch, seq_len, c.n_head / tp.size(), c.n_head / tp.size(), c.n_embd / c.n_head},
       hidden(c.n_embd),
-      inner(c.n_inner),
-      vocab(c.vocab_size),
+      inner(c.n_inner / tp.size()),
+      vocab(models::vocab_shard(c.vocab_size, tp)),
       eps(c.layer_norm_epsilon),
       positions(rows()),
       projection(rows() * hidden),
       d_residual(rows() * hidden),
       d_norm(rows() * hidden),
-      d_qkv(rows() * 3 * hidden),
-      d_attention(rows() * hidden),
+      d_qkv(rows() * attention.qkv_dim()),
+      d_attention(rows() * attention.q_dim()),
       d_scores(attention.d_scores_size()),
       d_mlp(rows() * inner) {
   models::require(seq_len <= c.n_positions, Gpt2::kName,
@@ -70,10 +80,10 @@ BlockActivations::BlockActivations(const BlockPass& pass)
     : ln1(pass.rows() * pass.hidden),
       mean1(pass.rows()),
       rstd1(pass.rows()),
-      qkv(pass.rows() * 3 * pass.hidden),
+      qkv(pass.rows() * pass.attention.qkv_dim()),
       probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
             pass.attention.seq_len),
-      attention(pass.rows() * pass.hidden),
+      attention(pass.rows() * pass.attention.q_dim()),
       h(pass.rows() * pass.hidden),
       ln2(pass.rows() * pass.hidden),
       mean2(pass.rows()),
@@ -89,7 +99,7 @@ HeadActivations::HeadActivations(const BlockPass& pass)
     : final_norm(pass.rows() * pass.hidden),
       final_mean(pass.rows()),
       final_rstd(pass.rows()),
-      logits(pass.rows() * pass.vocab) {}
+      logits(pass.rows() * pass.vocab.size) {}
 
 int64_t HeadActivations::bytes() const {
   return bytes_of(final_norm, final_mean, final_rstd, logits);
@@ -98,7 +108,8 @@ int64_t HeadActivations::bytes() const {
 void Gpt2::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                              float* out) {
   const int64_t N = pass.rows(), E = pass.hidden;
-  kernels::embedding_forward(out, tokens, embedding[0].data, N, E);
+  models::vocab_parallel_embedding_forward(out, tokens, embedding[0].data, N, E, pass.vocab,
+                                           pass.tp);
   kernels::embedding_forward(pass.projection.data(), pass.positions.data(), embedding[1].data, N,
                              E);
   residual_forward(out, out, pass.projection.data(), N * E);
@@ -106,28 +117,30 @@ void Gpt2::embedding_forward(Pass& pass, const ParameterView* embedding, const i
 
 void Gpt2::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
   const int64_t N = pass.rows(), E = pass.hidden;
-  kernels::embedding_backward(embedding[0].grad, tokens, pass.d_residual.data(), N, E);
+  models::vocab_parallel_embedding_backward(embedding[0].grad, tokens, pass.d_residual.data(), N, E,
+                                            pass.vocab);
   kernels::embedding_backward(embedding[1].grad, pass.positions.data(), pass.d_residual.data(), N,
                               E);
 }
 
 void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
                          LayerActivations& saved, float* out) {
-  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner;
+  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner, Q = pass.attention.q_dim();
   float* projection = pass.projection.data();
 
   layernorm_forward(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
                     block[kLn1Weight].data, block[kLn1Bias].data, N, E, pass.eps);
-  conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * E);
+  conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * Q);
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), pass.attention);
-  conv1d_bias_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, E, E);
+  row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
+                       pass.tp);
   residual_forward(saved.h.data(), x, projection, N * E);
 
   layernorm_forward(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
                     block[kLn2Weight].data, block[kLn2Bias].data, N, E, pass.eps);
   conv1d_bias_forward(saved.fc.data(), saved.ln2.data(), &block[kFcWeight], N, E, I);
   gelu_forward(saved.act.data(), saved.fc.data(), N * I);
-  conv1d_bias_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E);
+  row_parallel_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E, pass.tp);
   residual_forward(out, saved.h.data(), projection, N * E);
 }
 
@@ -136,7 +149,7 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
 // its parameters' gradients right after, while dy is at hand.
 void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x,
                           LayerActivations& saved, WeightGradients& gradients) {
-  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner;
+  const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner, Q = pass.attention.q_dim();
   float* d_residual = pass.d_residual.data();
   float* d_norm = pass.d_norm.data();
 
@@ -144,15 +157,17 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
                        gradients);
   gelu_backward(pass.d_mlp.data(), pass.d_mlp.data(), saved.fc.data(), N * I);
   conv1d_bias_backward(d_norm, pass.d_mlp.data(), &block[kFcWeight], saved.ln2, N, E, I, gradients);
+  models::reduce_partial_sums(pass.tp, d_norm, N * E);
   layernorm_backward_ready(d_residual, d_norm, saved.h.data(), &block[kLn2Weight],
                            saved.mean2.data(), saved.rstd2.data(), N, E, gradients);
 
   conv1d_bias_backward(pass.d_attention.data(), d_residual, &block[kAttnProjWeight],
-                       saved.attention, N, E, E, gradients);
+                       saved.attention, N, Q, E, gradients);
   attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
                      saved.qkv.data(), saved.probs.data(), pass.attention);
-  conv1d_bias_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * E,
+  conv1d_bias_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
                        gradients);
+  models::reduce_partial_sums(pass.tp, d_norm, N * E);
   layernorm_backward_ready(d_residual, d_norm, x, &block[kLn1Weight], saved.mean1.data(),
                            saved.rstd1.data(), N, E, gradients);
 }
@@ -163,7 +178,7 @@ double Gpt2::head_forward(Pass& pass, const ParameterView* head, const Parameter
   layernorm_forward(saved.final_norm.data(), saved.final_mean.data(), saved.final_rstd.data(), x,
                     head[0].data, head[1].data, N, E, pass.eps);
   return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
-                                      targets, N, E, pass.vocab);
+                                      targets, N, E, pass.vocab, pass.tp);
 }
 
 void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
@@ -171,7 +186,7 @@ void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterV
                          HeadActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), E = pass.hidden;
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, N, E, pass.vocab, gradients);
+                                targets, loss_scale, N, E, pass.vocab, pass.tp, gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
   layernorm_backward_ready(pass.d_residual.data(), pass.d_norm.data(), x, head,
                            saved.final_mean.data(), saved.final_rstd.data(), N, E, gradients);

@@ -42,15 +42,19 @@ enum BlockTensor {
 
 // What every block of a pass at one (batch, seq_len) shares: the sizes and
 // scratch that holds nothing from one block to the next. N = batch *
-// seq_len rows throughout.
+// seq_len rows throughout. Over a tp group the sizes are one rank's: heads
+// and inner / tp, its vocabulary shard.
 struct BlockPass {
   // Throws std::invalid_argument for seq_len beyond n_positions: wpe has a
   // row per position.
-  BlockPass(const Gpt2Config& config, int64_t batch, int64_t seq_len);
+  BlockPass(const Gpt2Config& config, int64_t batch, int64_t seq_len,
+            models::TensorParallelGroup& tp);
   int64_t rows() const { return attention.batch * attention.seq_len; }
 
+  models::TensorParallelGroup& tp;
   AttentionShape attention;  // multi-head: kv_heads = heads
-  int64_t hidden, inner, vocab;
+  int64_t hidden, inner;
+  models::VocabShard vocab;
   double eps;
   std::vector<int32_t> positions;  // [N]: row b * T + t is at position t
   // A c_proj's output before its residual add; the position embeddings.
@@ -102,6 +106,9 @@ struct Gpt2 {
   static constexpr auto init_parameter = &gpt2::init_parameter;
   // Each of a block's tensors is used alone: any storage will do.
   static void check_layer_storage(const ParameterView* /*layer*/, bool /*backward*/) {}
+  static void check_tensor_parallel(const Config& config, int64_t tp) {
+    gpt2::check_tensor_parallel(config, tp);
+  }
 
   // out = wte[tokens] + wpe[positions]; `embedding` points at wte, wpe.
   static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,

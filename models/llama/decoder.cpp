@@ -13,12 +13,14 @@ using models::WeightLayout;
 
 constexpr WeightLayout kOutIn = WeightLayout::out_in;
 
-DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len)
-    : attention{batch, seq_len, c.num_attention_heads, c.num_key_value_heads,
-                c.hidden_size / c.num_attention_heads},
+DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
+                         TensorParallelGroup& tp)
+    : tp(tp),
+      attention{batch, seq_len, c.num_attention_heads / tp.size(),
+                c.num_key_value_heads / tp.size(), c.hidden_size / c.num_attention_heads},
       hidden(c.hidden_size),
-      intermediate(c.intermediate_size),
-      vocab(c.vocab_size),
+      intermediate(c.intermediate_size / tp.size()),
+      vocab(models::vocab_shard(c.vocab_size, tp)),
       eps(c.rms_norm_eps),
       rotary(attention.head_dim, seq_len, c.rope_theta),
       projection(rows() * hidden),
@@ -50,7 +52,7 @@ int64_t LayerActivations::bytes() const {
 HeadActivations::HeadActivations(const DecoderPass& pass)
     : final_norm(pass.rows() * pass.hidden),
       final_rstd(pass.rows()),
-      logits(pass.rows() * pass.vocab) {}
+      logits(pass.rows() * pass.vocab.size) {}
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
 
@@ -75,12 +77,13 @@ void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
 
 void Llama::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                               float* out) {
-  kernels::embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden);
+  models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
+                                           pass.vocab, pass.tp);
 }
 
 void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
-  kernels::embedding_backward(embedding->grad, tokens, pass.d_residual.data(), pass.rows(),
-                              pass.hidden);
+  models::vocab_parallel_embedding_backward(embedding->grad, tokens, pass.d_residual.data(),
+                                            pass.rows(), pass.hidden, pass.vocab);
 }
 
 void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
@@ -96,6 +99,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), shape);
   linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
                  H);
+  models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
   residual_forward(saved.h.data(), x, pass.projection.data(), N * H);
 
   rmsnorm_forward(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm].data, N,
@@ -103,6 +107,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
   swiglu_forward(saved.mlp.data(), saved.gate_up.data(), N, I);
   linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
+  models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
   residual_forward(out, saved.h.data(), pass.projection.data(), N * H);
 }
 
@@ -119,6 +124,7 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_residual, saved.mlp);
   swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
   linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
+  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * H);
   gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
                    saved.norm2);
   rmsnorm_backward(d_residual, layer[kPostNorm].grad, pass.d_norm.data(), saved.h.data(),
@@ -133,6 +139,7 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
                         shape.qkv_dim());
+  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * H);
   gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),
                    saved.norm1);
   rmsnorm_backward(d_residual, layer[kInputNorm].grad, pass.d_norm.data(), x,
@@ -145,7 +152,7 @@ double Llama::head_forward(Pass& pass, const ParameterView* head, const Paramete
   const int64_t N = pass.rows(), H = pass.hidden;
   rmsnorm_forward(saved.final_norm.data(), saved.final_rstd.data(), x, head->data, N, H, pass.eps);
   return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
-                                      targets, N, H, pass.vocab);
+                                      targets, N, H, pass.vocab, pass.tp);
 }
 
 void Llama::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
@@ -153,7 +160,7 @@ void Llama::head_backward(Pass& pass, const ParameterView* head, const Parameter
                           HeadActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden;
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, N, H, pass.vocab, gradients);
+                                targets, loss_scale, N, H, pass.vocab, pass.tp, gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
   rmsnorm_backward(pass.d_residual.data(), head->grad, pass.d_norm.data(), x, head->data,
                    saved.final_rstd.data(), N, H);

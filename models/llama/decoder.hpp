@@ -17,6 +17,8 @@ namespace meshrun::llama {
 
 using kernels::AttentionShape;
 using kernels::RotaryTable;
+using models::TensorParallelGroup;
+using models::VocabShard;
 using models::WeightGradients;
 
 // A decoder layer's tensors, in buffer order. q, k, v are adjacent, so they
@@ -25,13 +27,16 @@ enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTe
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes, the
 // rotary table, and scratch that holds nothing from one layer to the next.
-// N = batch * seq_len rows throughout.
+// N = batch * seq_len rows throughout. Over a tp group the sizes are one
+// rank's: heads, key/value heads and intermediate / tp, its vocabulary shard.
 struct DecoderPass {
-  DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len);
+  DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len, TensorParallelGroup& tp);
   int64_t rows() const { return attention.batch * attention.seq_len; }
 
+  TensorParallelGroup& tp;
   AttentionShape attention;
-  int64_t hidden, intermediate, vocab;
+  int64_t hidden, intermediate;
+  VocabShard vocab;
   double eps;
   RotaryTable<float> rotary;
   std::vector<float> projection;  // o_proj / down_proj output before its residual add
@@ -85,6 +90,9 @@ struct Llama {
   }
   // Throws std::invalid_argument unless q, k, v and gate, up are adjacent.
   static void check_layer_storage(const ParameterView* layer, bool backward);
+  static void check_tensor_parallel(const Config& config, int64_t tp) {
+    llama::check_tensor_parallel(config, tp);
+  }
 
   // out = embed_tokens[tokens]
   static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
@@ -92,6 +100,8 @@ struct Llama {
   static void embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens);
   // h = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x)))))
   // out = h + down_proj(swiglu(gate_up_proj(rmsnorm(h))))
+  // Over tp: qkv and gate_up column-parallel (the rank's heads and
+  // intermediate columns), o and down row-parallel, summed over the group.
   // `layer` points at the layer's first view; the others follow in
   // LayerTensor order.
   static void layer_forward(Pass& pass, const ParameterView* layer, const float* x,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace meshrun::llama {
 
@@ -36,6 +37,29 @@ void check_config(const LlamaConfig& c) {
               " must be even (rotary embeddings rotate channel pairs)");
 }
 
+std::string tensor_parallel_placement(const std::string& name) {
+  const auto in = [&](const char* module) {
+    return name.find(std::string(".") + module + ".") != std::string::npos;
+  };
+  for (const char* column : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (in(column)) return "shard(0)";
+  }
+  if (in("o_proj") || in("down_proj")) return "shard(1)";
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return "shard(0)";
+  return "replicate";
+}
+
+void check_tensor_parallel(const LlamaConfig& c, int64_t tp) {
+  for (const auto& [key, value] : {std::pair{"num_attention_heads", c.num_attention_heads},
+                                   {"num_key_value_heads", c.num_key_value_heads},
+                                   {"intermediate_size", c.intermediate_size},
+                                   {"vocab_size", c.vocab_size}}) {
+    require(value % tp == 0, std::string("model.") + key + ": " + std::to_string(value) +
+                                 " is not divisible by distributed.tp_size = " +
+                                 std::to_string(tp) + ", over which tensor parallelism splits it");
+  }
+}
+
 std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
   const int64_t H = config.hidden_size, I = config.intermediate_size;
   const int64_t head_dim = H / config.num_attention_heads;
@@ -59,6 +83,7 @@ std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
   add_parameter(views, "model.norm.weight", {H}, root);
   if (!config.tie_word_embeddings)
     add_parameter(views, "lm_head.weight", {config.vocab_size, H}, root);
+  for (ParameterView& view : views) view.tp = tensor_parallel_placement(view.name);
   models::require_addressable(
       views, {{"vocab_size", config.vocab_size}, {"hidden_size", H}, {"intermediate_size", I}});
   return views;

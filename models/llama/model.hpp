@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common/parameters.hpp"
@@ -41,6 +42,17 @@ inline int64_t root_unit(const LlamaConfig& config) { return config.num_hidden_l
 // post_attention_layernorm, mlp.{gate,up,down}_proj}.weight;
 // model.norm.weight; lm_head.weight unless tied. Without storage.
 std::vector<ParameterView> model_parameters(const LlamaConfig& config);
+
+// Megatron-LM's tensor parallelism as AutoModel's Llama plan places it:
+// q, k, v, gate and up column-wise ("shard(0)": the rank's output rows), o
+// and down row-wise ("shard(1)": its input columns), the embedding and
+// lm_head vocabulary-parallel ("shard(0)"), the norms "replicate".
+std::string tensor_parallel_placement(const std::string& name);
+
+// Throws std::invalid_argument("model.<key>: ...") unless the heads, the
+// key/value heads, the intermediate size and the vocabulary divide over tp
+// ranks (AutoModel's _validate_tp_mesh, and the vocabulary-parallel layers).
+void check_tensor_parallel(const LlamaConfig& config, int64_t tp);
 
 // Initial values of parameters[index] for `seed`: matrices ~ normal(0,
 // 0.02), norms 1, drawn from one splitmix64 + Box-Muller stream over the

@@ -1,13 +1,16 @@
 // The Llama sidecar ("ModelParallelizer"): refines the default plan of
-// model_type "llama" (docs/plan.md) with AutoModel's tensor-parallel plan
-// for Llama: the placement of every parameter over tp and the module-level
-// styles, after checking that the heads divide over tp. Units, the pipeline
-// split and the checkpoint set stay the default plan's.
+// model_type "llama" (docs/plan.md) with AutoModel's module-level
+// tensor-parallel plan for Llama, after checking that the heads, the
+// intermediate size and the vocabulary divide over tp. The placement of
+// every parameter is the model's description's; units, the pipeline split
+// and the checkpoint set stay the default plan's.
 #include <nlohmann/json.hpp>
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
+#include "llama/model.hpp"
 #include "meshrun/plugin.hpp"
 
 namespace {
@@ -15,38 +18,19 @@ namespace {
 using meshrun::plugin::Error;
 using nlohmann::json;
 
-[[noreturn]] void reject(const std::string& key, const std::string& reason) {
-  throw Error(MESHRUN_INVALID_ARGUMENT, key + ": " + reason);
-}
-
-// AutoModel's _validate_tp_mesh: heads and key/value heads divide by tp.
+// AutoModel's _validate_tp_mesh (heads and key/value heads divide by tp),
+// and the intermediate size and vocabulary the parallel layers split.
 void validate(const json& config, int64_t tp) {
-  const auto heads = config.at("num_attention_heads").get<int64_t>();
-  const auto kv_heads = config.at("num_key_value_heads").get<int64_t>();
-  if (heads % tp != 0) {
-    reject("model.num_attention_heads",
-           std::to_string(heads) +
-               " heads are not divisible by distributed.tp_size = " + std::to_string(tp));
+  meshrun::llama::LlamaConfig c;
+  c.num_attention_heads = config.at("num_attention_heads").get<int64_t>();
+  c.num_key_value_heads = config.at("num_key_value_heads").get<int64_t>();
+  c.intermediate_size = config.at("intermediate_size").get<int64_t>();
+  c.vocab_size = config.at("vocab_size").get<int64_t>();
+  try {
+    meshrun::llama::check_tensor_parallel(c, tp);
+  } catch (const std::invalid_argument& e) {
+    throw Error(MESHRUN_INVALID_ARGUMENT, e.what());
   }
-  if (kv_heads % tp != 0) {
-    reject("model.num_key_value_heads",
-           std::to_string(kv_heads) +
-               " key/value heads are not divisible by distributed.tp_size = " + std::to_string(tp));
-  }
-}
-
-// The dimension tp shards a parameter on (column-wise projections and the
-// vocabulary-parallel embedding and lm_head on 0, row-wise on 1), or -1
-// for the replicated norms.
-int shard_dim(const std::string& name) {
-  for (const char* column : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
-    if (name.find(std::string(".") + column + ".") != std::string::npos) return 0;
-  }
-  for (const char* row : {"o_proj", "down_proj"}) {
-    if (name.find(std::string(".") + row + ".") != std::string::npos) return 1;
-  }
-  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return 0;
-  return -1;
 }
 
 // AutoModel's tensor-parallel plan for Llama, with sequence parallelism
@@ -82,13 +66,6 @@ json plan_of(const json& request) {
   validate(request.at("description").at("config"), tp);
   json plan = request.at("default_plan");
   if (tp == 1) return plan;
-  for (json& parameter : plan.at("parameters")) {
-    const int dim = shard_dim(parameter.at("name").get<std::string>());
-    if (dim < 0) continue;
-    parameter["tp"] = "shard(" + std::to_string(dim) + ")";
-    auto& extent = parameter["local_shape"][size_t(dim)];
-    extent = (extent.get<int64_t>() + tp - 1) / tp;
-  }
   plan["tensor_parallel"] = tensor_parallel_plan(request.value("sequence_parallel", false));
   return plan;
 }

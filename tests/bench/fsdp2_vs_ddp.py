@@ -67,7 +67,8 @@ def plan_json(meshrun, config, ranks):
                                      check=True, capture_output=True, text=True).stdout)
 
 
-def main():
+def bench_arguments():
+    """The arguments of a training benchmark, its config, and tokens per step."""
     parser = argparse.ArgumentParser()
     parser.add_argument("meshrun")
     parser.add_argument("config", nargs="?", default=os.path.join(HERE, "..", "..", "examples",
@@ -78,7 +79,11 @@ def main():
     args = parser.parse_args()
     with open(args.config, "rb") as f:
         toml = tomllib.load(f)
-    tokens_per_step = toml["train"]["global_batch_size"] * toml["data"]["seq_len"]
+    return args, toml, toml["train"]["global_batch_size"] * toml["data"]["seq_len"]
+
+
+def main():
+    args, toml, tokens_per_step = bench_arguments()
 
     variants = {"ddp": ("distributed.strategy=ddp",),
                 "fsdp2 fp32": ("distributed.strategy=fsdp2",) + FP32,

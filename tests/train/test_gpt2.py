@@ -24,7 +24,6 @@ Tolerances:
 import json
 import math
 import os
-import struct
 import sys
 import tomllib
 import unittest
@@ -33,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 from meshrun_testing import InputErrorAssertions  # noqa: E402
-from test_train import (TINY, Runs, TrainTest, losses, metrics, run,  # noqa: E402
-                        safetensors_header)
+from test_train import (TINY, Runs, TrainTest, losses, metrics, read_safetensors,  # noqa: E402
+                        run, safetensors_header)
 
 try:  # the PyTorch reference alone needs them
     import numpy
@@ -95,15 +94,9 @@ def hugging_face_names(layers, tied):
 
 def load_safetensors(path):
     """{name: float64 torch tensor} of a float32 safetensors file."""
-    with open(path, "rb") as f:
-        length = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(length))
-        data = f.read()
-    header.pop("__metadata__", None)
     tensors = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        array = numpy.frombuffer(data[begin:end], dtype="<f4").reshape(entry["shape"])
+    for name, (_, shape, raw) in read_safetensors(path).items():
+        array = numpy.frombuffer(raw, dtype="<f4").reshape(shape)
         tensors[name] = torch.from_numpy(array.astype(numpy.float64))
     return tensors
 

@@ -92,6 +92,18 @@ def losses(output):
     return [m["loss"] for m in metrics(output)]
 
 
+def read_safetensors(path):
+    """{name: (dtype, shape, raw little-endian bytes)} of a safetensors file."""
+    with open(path, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(length))
+        data = f.read()
+    header.pop("__metadata__", None)
+    return {name: (entry["dtype"], entry["shape"],
+                   data[entry["data_offsets"][0]:entry["data_offsets"][1]])
+            for name, entry in header.items()}
+
+
 def safetensors_header(path):
     with open(path, "rb") as f:
         length = struct.unpack("<Q", f.read(8))[0]
@@ -259,7 +271,9 @@ class BadInput(TrainTest, InputErrorAssertions):
             ("model.model_type", "model.model_type=gpt9"),
             # no training entry points
             ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
-            ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=2"),
+            ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=3"),
+            ("distributed.sequence_parallel", "distributed.strategy=fsdp2",
+             "distributed.tp_size=2", "distributed.sequence_parallel=true"),
             ("distributed.activation_checkpointing", "distributed.activation_checkpointing=true"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),

@@ -25,8 +25,13 @@
  *   "config":     the resolved Hugging Face config.json of the model (every
  *                 key with its default applied; "model_type" and
  *                 "architectures" included), written beside exported weights
- *   "parameters": [{"name", "shape", "unit"}], every parameter in the order
- *                 of the flat parameter layout (Hugging Face names)
+ *   "parameters": [{"name", "shape", "unit", "tp"?}], every parameter in the
+ *                 order of the flat parameter layout (Hugging Face names);
+ *                 "tp" is how the model computes it over tensor-parallel
+ *                 ranks: "replicate" (the default), "shard(d)" (a rank holds
+ *                 its 1/tp of dimension d) or "shard(d,b)" (its 1/tp of each
+ *                 of b equal blocks of d). With tp > 1 the `parameter` hook
+ *                 hands out the rank's piece, of the local shape
  *   "units":      unit names; the last is "root" and encloses the others,
  *                 which are in forward order (a strategy shards per unit)
  *   "modules":    [{"name", "parameters": [names], "group"?}], the modules a
@@ -40,6 +45,12 @@
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".
+ *
+ * Tensor parallelism. The stage computes over setup->tp with setup->comm
+ * (the host's table over the backend: it counts the bytes the model sends
+ * and refuses `split`); init_parameter still fills the full tensor, and the
+ * host keeps the rank's piece. The plan (setup->plan_json, "parameters")
+ * repeats each placement; a stage refuses one it does not compute.
  *
  * Hooks. During forward, backward, backward_input and backward_weight a
  * stage calls, for every unit u one of whose parameters it holds:
@@ -111,7 +122,8 @@ typedef struct meshrun_model_hooks {
    * strategy may start reducing it. */
   meshrun_error* (*gradient_ready)(void* context, int64_t parameter);
   /* Fills `value` and `gradient` with views of parameter `parameter`:
-   * float32, CPU, contiguous, the described shape; the shape arrays and the
+   * float32, CPU, contiguous, the described shape (a tp rank's piece of it
+   * under tensor parallelism); the shape arrays and the
    * memory are the host's, valid until the post_ hook of the parameter's
    * unit. `gradient->data` is NULL outside a backward; gradients accumulate
    * (+=) over a step's micro-batches. Either pointer may be NULL.

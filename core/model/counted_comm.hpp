@@ -1,0 +1,39 @@
+// The communicators a model stage computes over (tp, cp, ep), handed to the
+// model plugin behind a comm table of the host's that forwards every call
+// to the backend and counts the bytes the model's collectives move, so that
+// metrics.jsonl can show what tensor parallelism costs per step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "meshrun/comm.h"
+
+namespace meshrun {
+
+class CountedCommunicators {
+ public:
+  // Wraps any of the three that is not null; `backend` is their table.
+  CountedCommunicators(const meshrun_comm_api* backend, meshrun_communicator* tp,
+                       meshrun_communicator* cp, meshrun_communicator* ep);
+  ~CountedCommunicators();
+  CountedCommunicators(const CountedCommunicators&) = delete;
+  CountedCommunicators& operator=(const CountedCommunicators&) = delete;
+
+  // What the stage setup hands the model: the host's table and handles
+  // (null where the backend's were null). Valid while this object lives.
+  const meshrun_comm_api* api() const;
+  meshrun_communicator* tp() const;
+  meshrun_communicator* cp() const;
+  meshrun_communicator* ep() const;
+
+  // Bytes of the tensors the model sent (a collective's or a send's input)
+  // over the tp communicator since the last call.
+  int64_t take_tp_bytes();
+
+ private:
+  struct Tables;
+  std::unique_ptr<Tables> tables_;
+};
+
+}  // namespace meshrun

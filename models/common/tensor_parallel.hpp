@@ -1,0 +1,86 @@
+// The parallel layers any model plugin can build tensor parallelism from
+// (Megatron-LM's, as AutoModel's plans place them), over the tp group the
+// host hands a stage (meshrun/model.h, meshrun_model_stage_setup.tp):
+//
+//   column-parallel linear  y_r = x W_r^T, W_r the rank's rows of W: no
+//     communication forward; the input gradient dx = sum_r dy_r W_r is a
+//     partial sum, completed by reduce_partial_sums in backward
+//   row-parallel linear     y = sum_r x_r W_r^T, W_r the rank's columns:
+//     reduce_partial_sums completes the forward; backward needs none
+//   vocabulary-parallel embedding and cross-entropy: rank r holds rows
+//     [r V/tp, (r+1) V/tp) of the table and of lm_head, and the loss is
+//     computed without ever gathering the full logits
+//
+// A family computes its layers with local sizes (heads / tp, intermediate /
+// tp, vocab / tp) and calls these at the points above; with a group of one
+// rank every call is the plain single-process computation.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace meshrun::models {
+
+// The ranks a stage's tensor-parallel layers span.
+class TensorParallelGroup {
+ public:
+  virtual ~TensorParallelGroup() = default;
+  virtual int64_t size() const = 0;
+  virtual int64_t rank() const = 0;
+  // In place over the group: data[i] = sum (or max) over ranks of data[i].
+  virtual void all_reduce_sum(float* data, int64_t count) = 0;
+  virtual void all_reduce_max(float* data, int64_t count) = 0;
+};
+
+// The group of one rank: no tensor parallelism.
+class SingleRank : public TensorParallelGroup {
+ public:
+  int64_t size() const override { return 1; }
+  int64_t rank() const override { return 0; }
+  void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
+  void all_reduce_max(float* /*data*/, int64_t /*count*/) override {}
+};
+
+// The sum over tp ranks of partial results: a row-parallel linear's output
+// in forward, a column-parallel linear's input gradient in backward.
+inline void reduce_partial_sums(TensorParallelGroup& tp, float* data, int64_t count) {
+  if (tp.size() > 1) tp.all_reduce_sum(data, count);
+}
+
+// The vocabulary rows [begin, begin + size) this tp rank holds.
+struct VocabShard {
+  int64_t begin = 0;
+  int64_t size = 0;
+  bool holds(int32_t token) const { return token >= begin && token < begin + size; }
+};
+VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp);
+
+// out[r, :] = table[tokens[r], :] over the ranks' shards: each rank writes
+// the rows it holds, zero elsewhere, and the sum completes them.
+void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
+                                      int64_t rows, int64_t dim, const VocabShard& shard,
+                                      TensorParallelGroup& tp);
+// d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens this rank holds.
+void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
+                                       int64_t rows, int64_t dim, const VocabShard& shard);
+
+// Mean cross-entropy over N rows of logits split over the vocabulary:
+//   L = 1/N sum_r (M_r + log sum_v exp(z_rv - M_r) - z_r,target_r)
+// with M_r = max over all ranks' logits. Each rank holds logits [N, shard]:
+// one all-reduce (max) of M and one (sum) of the exp-sums and target logits
+// (only the target's rank contributes it), 3N floats in all. The logits
+// become the rank's softmax probabilities, which the backward needs.
+double vocab_parallel_cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
+                                            const VocabShard& shard, TensorParallelGroup& tp);
+// dz_rv = scale (p_rv - [v == target_r]) / N over the rank's columns, in place.
+void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
+                                           const VocabShard& shard, float scale);
+
+// The plan's tensor-parallel placement of every parameter ("tp" of the
+// plan's "parameters": "replicate", "shard(0)", ...), by Hugging Face name.
+using Placements = std::map<std::string, std::string>;
+// Reads them from the plan JSON a stage is given; empty for "{}".
+Placements plan_placements(const char* plan_json);
+
+}  // namespace meshrun::models

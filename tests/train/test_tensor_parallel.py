@@ -1,0 +1,138 @@
+"""`meshrun train` with tensor parallelism (distributed.tp_size > 1), against 1 rank.
+
+Run by ctest: test_tensor_parallel.py MESHRUN_EXE [TestClass ...]
+
+Every run computes in float32 (mp_policy.param_dtype = float32) on the same
+global batch as the 1-rank reference. Tensor parallelism changes only the
+order of sums: a row-parallel projection adds the ranks' partial products,
+the vocabulary-parallel cross-entropy adds the ranks' exp-sums, and the
+gradient norm adds the ranks' squares, each ~1e-7 relative, carried through
+a few AdamW steps. So losses, gradient norms and validation losses agree to
+test_train.py's 1e-4 relative. Exported weights agree to 1e-4 absolute:
+AdamW's m / sqrt(v) turns a 1e-7 difference in a near-zero gradient into a
+visible one in the update, but 4 steps at lr 3e-3 move a weight by at most
+1.2e-2, and the differences seen are ~1e-5. Names, shapes and dtypes are
+identical.
+"""
+
+import array
+import json
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from test_gpt2 import TINY_GPT2  # noqa: E402
+from test_train import (MESHRUN, Runs, TrainTest, losses, metrics,  # noqa: E402
+                        read_safetensors)
+
+FP32 = ("distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=float32")
+TP2 = FP32 + ("distributed.tp_size=2",)
+PP2 = ("distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2",
+       "distributed.pipeline.pp_batch_size=8")
+WEIGHT_TOLERANCE = 1e-4
+
+
+def grad_norms(output):
+    return [m["grad_norm"] for m in metrics(output)]
+
+
+def val_losses(output):
+    return [m["val_loss"] for m in metrics(output) if "val_loss" in m]
+
+
+def exported(output):
+    return {name: (dtype, shape, array.array("f", raw)) for name, (dtype, shape, raw)
+            in read_safetensors(os.path.join(output, "model.safetensors")).items()}
+
+
+class TensorParallelTest(TrainTest):
+    @classmethod
+    def setUpClass(cls):
+        cls.runs = Runs()
+        cls.reference = cls.runs.train("one", 1)
+
+    def assert_matches(self, reference, output):
+        self.assert_close(losses(reference), losses(output))
+        self.assert_close(grad_norms(reference), grad_norms(output))
+        self.assert_close(val_losses(reference), val_losses(output))
+
+    def assert_same_weights(self, reference, output):
+        expected, actual = exported(reference), exported(output)
+        self.assertEqual({k: v[:2] for k, v in expected.items()},
+                         {k: v[:2] for k, v in actual.items()})
+        for name, (_, _, values) in expected.items():
+            difference = max(abs(a - b) for a, b in zip(values, actual[name][2]))
+            self.assertLessEqual(difference, WEIGHT_TOLERANCE, name)
+
+
+class Equivalence(TensorParallelTest):
+    def test_tp2_matches_one_rank(self):
+        output = self.runs.train("tp2", 2, *TP2)
+        self.assert_matches(self.reference, output)
+        self.assert_same_weights(self.reference, output)
+
+    def test_tp2_by_dp_shard2_matches_one_rank(self):
+        output = self.runs.train("tp2dp2", 4, *TP2)
+        self.assert_matches(self.reference, output)
+        self.assert_same_weights(self.reference, output)
+
+    def test_pp2_by_tp2_matches_one_rank(self):
+        output = self.runs.train("pp2tp2", 4, *TP2, *PP2)
+        self.assert_matches(self.reference, output)
+        self.assert_same_weights(self.reference, output)
+
+    def test_split_backward_schedule_with_tp2_matches_one_rank(self):
+        layers = "model.num_hidden_layers=4"
+        reference = self.runs.train("one-4-layers", 1, layers)
+        output = self.runs.train("zb-tp2", 4, *TP2, *PP2, layers,
+                                 "distributed.pipeline.pp_schedule=interleaved_zero_bubble")
+        self.assert_matches(reference, output)
+
+    def test_gpt2_tp2_matches_one_rank(self):
+        runs = Runs()
+        with open(runs.config, "w") as f:
+            f.write(TINY_GPT2)
+        try:
+            reference = runs.train("gpt2-one", 1)
+            output = runs.train("gpt2-tp2", 2, *TP2)
+            self.assert_matches(reference, output)
+            self.assert_same_weights(reference, output)
+        finally:
+            runs.cleanup()
+
+    def test_placements_are_in_the_plan(self):
+        import subprocess
+        result = subprocess.run([MESHRUN, "plan", self.runs.config, "--json", "--world-size", "2",
+                                 *TP2], capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        placement = {p["name"]: (p["tp"], p["local_shape"])
+                     for p in json.loads(result.stdout)["model"]["parameters"]}
+        self.assertEqual(placement["model.layers.0.self_attn.k_proj.weight"],
+                         ("shard(0)", [8, 32]))
+        self.assertEqual(placement["model.layers.0.mlp.down_proj.weight"], ("shard(1)", [32, 32]))
+        self.assertEqual(placement["model.norm.weight"], ("replicate", [32]))
+
+
+class Checkpoints(TensorParallelTest):
+    """Sharded checkpoints hold the full model's elements, whatever the layout."""
+
+    def resume(self, name, nproc, step2, *overrides):
+        return self.runs.train(name, nproc, *overrides, f"checkpoint.resume_from={step2}")
+
+    def test_tp2_checkpoint_resumes_at_tp1_and_dp4_and_back(self):
+        full = self.runs.train("tp2-saving", 2, *TP2, "checkpoint.save_every=2")
+        step2 = os.path.join(full, "checkpoints", "step_2")
+        self.assertEqual(losses(full)[2:], losses(self.resume("tp2-again", 2, step2, *TP2)))
+        for name, nproc, overrides in (("tp1", 1, FP32), ("dp4", 4, FP32), ("ddp2", 2, ())):
+            with self.subTest(layout=name):
+                self.assert_close(losses(full)[2:],
+                                  losses(self.resume(name, nproc, step2, *overrides)))
+        dp4 = self.runs.train("dp4-saving", 4, *FP32, "checkpoint.save_every=2")
+        back = self.resume("back-to-tp2", 2, os.path.join(dp4, "checkpoints", "step_2"), *TP2)
+        self.assert_close(losses(dp4)[2:], losses(back))
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1] + sys.argv[2:], verbosity=2)
