@@ -99,7 +99,8 @@ void PipelineTrainer::build_stages() {
         ctx_.config.train, decay_mask(held->local, model.description(), held->parameters.indices));
     held->work = std::make_unique<PipelineStage>(
         model, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
-        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
+        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f,
+        [this] { sample_activations(); });
     held_.push_back(std::move(held));
   }
 }
@@ -123,6 +124,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
     std::fill_n(held->local.grads, held->local.numel, 0.0f);
   }
+  activations_.begin_step();
   const pipeline::StepTimes times = executor_->run_step();
   const auto sync_start = std::chrono::steady_clock::now();
   for (auto& held : held_) held->strategy->finish_gradients();
@@ -235,8 +237,15 @@ MemoryUse PipelineTrainer::memory_use() {
     use.buffers_reserved += strategy.buffers_reserved;
   }
   use.buffers_peak += executor_->peak_buffer_bytes();
+  activations_.report(use);
   use.peak_rss = peak_rss_bytes();
   return use;
+}
+
+void PipelineTrainer::sample_activations() {
+  int64_t bytes = 0;
+  for (auto& held : held_) bytes += held->work->compute().activation_bytes();
+  activations_.sample(bytes);
 }
 
 std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {

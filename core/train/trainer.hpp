@@ -74,6 +74,7 @@ class Trainer : public TrainingRank {
   ModelStage stage_;
   LocalParameters local_;
   AdamW optimizer_;
+  ActivationMeter activations_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;
 };
