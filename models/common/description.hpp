@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,5 +46,14 @@ std::string describe_model(nlohmann::ordered_json fields,
 // modules of the embedding or of the head.
 StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
                          const std::vector<std::string>& names, const char* family);
+
+// The layers whose forward the backward recomputes: the plan's
+// "activation_checkpointing" entries (docs/plan.md) of mode "full", each
+// naming a layer's module. A null or empty plan checkpoints nothing. Throws
+// std::invalid_argument starting with `family` for a plan that is not JSON,
+// a module that is not a layer, and any other mode: "selective" is not
+// computed.
+std::set<int64_t> recomputed_layers(const ModelModules& modules, int64_t num_layers,
+                                    const char* plan_json, const char* family);
 
 }  // namespace meshrun::models

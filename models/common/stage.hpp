@@ -11,6 +11,12 @@
 // into the input gradient (backward_input, "I") and the weight gradients
 // (backward_weight, "W").
 //
+// Activation checkpointing ("full"): the forward of a recomputed layer
+// keeps only its input, which the residual stream holds anyway; its
+// backward first runs the layer's forward again into one scratch shared by
+// all such layers, with the same parameters and ops, so gradients are
+// bit-identical to keeping everything.
+//
 // TransformerStage<Family> is that driver; the family computes the pieces.
 // A Family has (all static but the types):
 //   Config, with vocab_size and tie_word_embeddings (Hugging Face names);
@@ -41,6 +47,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -138,10 +145,12 @@ class TransformerStage {
   using Config = typename Family::Config;
 
   // Throws std::invalid_argument for a configuration check_config refuses,
-  // a layout that does not fit the model or holds nothing, and tied
-  // embeddings on a stage without both the embedding and the head. `hooks`
+  // a layout that does not fit the model or holds nothing, tied embeddings
+  // on a stage without both the embedding and the head, and a recomputed
+  // layer outside the model (those of other stages are ignored). `hooks`
   // must outlive the stage.
-  TransformerStage(Config config, StageLayout layout, StageHooks& hooks);
+  TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
+                   const std::set<int64_t>& recomputed_layers = {});
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -185,12 +194,13 @@ class TransformerStage {
   // Drops what mb's forward kept, without a backward: a forward that only
   // evaluates. Throws std::logic_error when mb is not in flight.
   void discard(int32_t mb);
-  // Bytes of the state kept for the microbatches in flight: 0 once each
-  // has finished its backward.
+  // Bytes of the state kept for the microbatches in flight, with the
+  // recompute scratch while any is: 0 once each has finished its backward.
   int64_t activation_bytes() const;
 
  private:
   struct Microbatch;
+  struct Recompute;
   class AnnouncedGradients;
   class DeferredGradients;
 
@@ -199,11 +209,21 @@ class TransformerStage {
   int64_t root_unit() const { return Family::num_layers(config_); }
   bool holds_root() const { return layout_.embedding || layout_.head; }
   void check_layout() const;
+  void check_recomputed(const std::set<int64_t>& layers) const;
   void select_parameters();
   // The hooks' pre_ call of `unit`, then its views pointed at its storage.
   void enter(int64_t unit, float* hidden, bool backward);
   std::string microbatch_name(int32_t mb) const;
   Microbatch& forwarded(int32_t mb, const char* action);
+  // Where stage layer i's forward writes what it keeps: the microbatch's
+  // own, or the scratch of a recomputed layer.
+  typename Family::LayerActivations& forward_activations(Microbatch& state, int64_t i);
+  // What stage layer i's backward reads, recomputed first when the forward
+  // did not keep it; the layer's views are bound.
+  typename Family::LayerActivations& backward_activations(Microbatch& state, int64_t i);
+  // A split backward moves inputs of the linears out of what it reads into
+  // its pending weight pass: the scratch gets them back.
+  void restore_scratch();
   void backward_pass(Microbatch& state, float loss_scale, const float* grad_output,
                      float* grad_input, WeightGradients& gradients);
   // gradient_ready of the embedding's views, last first; a tied lm_head's
@@ -222,6 +242,8 @@ class TransformerStage {
   int64_t lm_head_index_ = 0;  // the embedding's first view when tied
   int64_t batch_ = 0, seq_len_ = 0;
   std::unique_ptr<typename Family::Pass> pass_;
+  std::vector<bool> recomputed_;          // per stage layer
+  std::unique_ptr<Recompute> recompute_;  // of the current shape, when any layer is recomputed
   std::map<int32_t, std::unique_ptr<Microbatch>> microbatches_;
   // The states of finished microbatches, of the current shape: a forward
   // reuses one rather than allocating and zeroing the activations again.

@@ -70,20 +70,24 @@ struct TransformerStage<Family>::Microbatch {
   // The forward's state. residual holds the stage's input and each layer's
   // output that a backward reads: with L layers, slots 0..L-1 (the layers'
   // inputs) and, with the head, slot L (the final norm's input). Without
-  // the head the last output goes straight to the caller's buffer.
+  // the head the last output goes straight to the caller's buffer. A
+  // recomputed layer keeps no activations.
   struct Saved {
-    Saved(const Pass& pass, const StageLayout& layout)
+    Saved(const Pass& pass, const StageLayout& layout, const std::vector<bool>& recomputed)
         : tokens(layout.embedding ? pass.rows() : 0),
           targets(layout.head ? pass.rows() : 0),
           residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) * pass.rows() *
                    pass.hidden),
-          layers(layout.end_layer - layout.first_layer, LayerActivations(pass)),
+          layers(recomputed.size()),
           hidden(pass.rows() * pass.hidden) {
+      for (size_t i = 0; i < layers.size(); ++i) {
+        if (!recomputed[i]) layers[i].emplace(pass);
+      }
       if (layout.head) head.emplace(pass);
     }
     int64_t bytes() const {
       int64_t total = bytes_of(tokens, targets, residual);
-      for (const LayerActivations& layer : layers) total += layer.bytes();
+      for (const auto& layer : layers) total += layer ? layer->bytes() : 0;
       return total + (head ? head->bytes() : 0);
     }
     // Residual slot `slot`, else (one past the last) the caller's output.
@@ -93,7 +97,7 @@ struct TransformerStage<Family>::Microbatch {
 
     std::vector<int32_t> tokens, targets;
     std::vector<float> residual;
-    std::vector<LayerActivations> layers;
+    std::vector<std::optional<LayerActivations>> layers;
     std::optional<HeadActivations> head;
     int64_t hidden;  // elements of one slot
   };
@@ -108,13 +112,32 @@ struct TransformerStage<Family>::Microbatch {
   std::vector<stage_detail::PendingLinear> pending;
 };
 
+// What a recomputed layer's forward writes, in its forward and again in
+// its backward: its activations, and its output, which the residual
+// stream already holds and the backward does not read.
 template <class Family>
-TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks)
+struct TransformerStage<Family>::Recompute {
+  explicit Recompute(const typename Family::Pass& pass)
+      : layer(pass), output(pass.rows() * pass.hidden), layer_bytes(layer.bytes()) {}
+  int64_t bytes() const { return layer.bytes() + bytes_of(output); }
+
+  typename Family::LayerActivations layer;
+  std::vector<float> output;
+  int64_t layer_bytes;  // while it holds all its buffers
+};
+
+template <class Family>
+TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
+                                           const std::set<int64_t>& recomputed_layers)
     : config_(std::move(config)), layout_(layout), hooks_(hooks) {
   Family::check_config(config_);
   check_layout();
+  check_recomputed(recomputed_layers);
   use_one_blas_thread_by_default();
   select_parameters();
+  for (int64_t layer = layout_.first_layer; layer < layout_.end_layer; ++layer) {
+    recomputed_.push_back(recomputed_layers.count(layer) > 0);
+  }
 }
 
 template <class Family>
@@ -142,6 +165,16 @@ void TransformerStage<Family>::check_layout() const {
   require(!config_.tie_word_embeddings || (layout_.embedding && layout_.head), name,
           "tie_word_embeddings needs the embedding and lm_head on one stage: tied embeddings "
           "cannot be split across pipeline stages");
+}
+
+template <class Family>
+void TransformerStage<Family>::check_recomputed(const std::set<int64_t>& layers) const {
+  const int64_t L = Family::num_layers(config_);
+  for (const int64_t layer : layers) {
+    require(layer >= 0 && layer < L, Family::kName,
+            "recomputed layer " + std::to_string(layer) + " is not within the model's [0, " +
+                std::to_string(L) + ")");
+  }
 }
 
 // The embedding's views come first in model order, the head's last.
@@ -197,8 +230,12 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
                            " microbatches are in flight; finish their backward first");
   }
   spare_.clear();
+  recompute_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
+  if (std::find(recomputed_.begin(), recomputed_.end(), true) != recomputed_.end()) {
+    recompute_ = std::make_unique<Recompute>(*pass_);
+  }
   batch_ = batch;
   seq_len_ = seq_len;
 }
@@ -248,7 +285,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
     const int64_t layer = layout_.first_layer + i;
     enter(layer, saved.stream(i, output), false);
     Family::layer_forward(pass, layer_views(layer), saved.stream(i, output),
-                          saved.layers[size_t(i)], saved.stream(i + 1, output));
+                          forward_activations(*state, i), saved.stream(i + 1, output));
     hooks_.post_forward(layer, saved.stream(i + 1, output), N * H);
   }
   double loss = 0;
@@ -278,6 +315,32 @@ typename TransformerStage<Family>::Microbatch& TransformerStage<Family>::forward
 }
 
 template <class Family>
+typename Family::LayerActivations& TransformerStage<Family>::forward_activations(Microbatch& state,
+                                                                                 int64_t i) {
+  auto& kept = state.saved->layers[size_t(i)];
+  return kept ? *kept : recompute_->layer;
+}
+
+// The forward again, as the forward ran it: the same input (the residual
+// slot, as the hooks left it) and parameters, and the same ops.
+template <class Family>
+typename Family::LayerActivations& TransformerStage<Family>::backward_activations(Microbatch& state,
+                                                                                  int64_t i) {
+  auto& saved = *state.saved;
+  if (saved.layers[size_t(i)]) return *saved.layers[size_t(i)];
+  Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, nullptr),
+                        recompute_->layer, recompute_->output.data());
+  return recompute_->layer;
+}
+
+template <class Family>
+void TransformerStage<Family>::restore_scratch() {
+  if (recompute_ && recompute_->layer.bytes() != recompute_->layer_bytes) {
+    recompute_->layer = typename Family::LayerActivations(*pass_);
+  }
+}
+
+template <class Family>
 std::unique_ptr<typename TransformerStage<Family>::Microbatch>
 TransformerStage<Family>::take_state() {
   if (!spare_.empty()) {
@@ -286,7 +349,7 @@ TransformerStage<Family>::take_state() {
     return state;
   }
   auto state = std::make_unique<Microbatch>();
-  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_);
+  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, recomputed_);
   return state;
 }
 
@@ -398,9 +461,11 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   for (int64_t i = layers - 1; i >= 0; --i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, nullptr, true);
-    Family::layer_backward(pass, layer_views(layer), saved.stream(i, nullptr),
-                           saved.layers[size_t(i)], gradients);
+    auto& activations = backward_activations(state, i);
+    Family::layer_backward(pass, layer_views(layer), saved.stream(i, nullptr), activations,
+                           gradients);
     hooks_.post_backward(layer);
+    restore_scratch();
   }
   if (layout_.embedding) {
     Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
@@ -411,7 +476,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
 
 template <class Family>
 int64_t TransformerStage<Family>::activation_bytes() const {
-  int64_t total = 0;
+  int64_t total = recompute_ && !microbatches_.empty() ? recompute_->bytes() : 0;
   for (const auto& [mb, state] : microbatches_) total += state->bytes();
   return total;
 }
