@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     runs = {"kept": [], "full": []}
     with tempfile.TemporaryDirectory(prefix="meshrun-bench-ac-") as root:
         for round_ in range(args.rounds):
