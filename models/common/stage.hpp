@@ -219,7 +219,8 @@ class TransformerStage {
   // own, or the scratch of a recomputed layer.
   typename Family::LayerActivations& forward_activations(Microbatch& state, int64_t i);
   // What stage layer i's backward reads, recomputed first when the forward
-  // did not keep it; the layer's views are bound.
+  // did not keep it and the scratch no longer holds it; the layer's views
+  // are bound.
   typename Family::LayerActivations& backward_activations(Microbatch& state, int64_t i);
   // A split backward moves inputs of the linears out of what it reads into
   // its pending weight pass: the scratch gets them back.

@@ -114,16 +114,25 @@ struct TransformerStage<Family>::Microbatch {
 
 // What a recomputed layer's forward writes, in its forward and again in
 // its backward: its activations, and its output, which the residual
-// stream already holds and the backward does not read.
+// stream already holds and the backward does not read. The last forward's
+// activations are still there when its backward comes next (a step
+// without a pipeline does so for its last layer), and need no recompute.
 template <class Family>
 struct TransformerStage<Family>::Recompute {
   explicit Recompute(const typename Family::Pass& pass)
       : layer(pass), output(pass.rows() * pass.hidden), layer_bytes(layer.bytes()) {}
   int64_t bytes() const { return layer.bytes() + bytes_of(output); }
+  bool holds(const Microbatch& state, int64_t i) const {
+    return holder == &state && holder_layer == i;
+  }
 
   typename Family::LayerActivations layer;
   std::vector<float> output;
   int64_t layer_bytes;  // while it holds all its buffers
+  // Whose forward activations `layer` holds, as stage layer holder_layer;
+  // null once a backward has used or changed them.
+  const Microbatch* holder = nullptr;
+  int64_t holder_layer = -1;
 };
 
 template <class Family>
@@ -318,7 +327,10 @@ template <class Family>
 typename Family::LayerActivations& TransformerStage<Family>::forward_activations(Microbatch& state,
                                                                                  int64_t i) {
   auto& kept = state.saved->layers[size_t(i)];
-  return kept ? *kept : recompute_->layer;
+  if (kept) return *kept;
+  recompute_->holder = &state;
+  recompute_->holder_layer = i;
+  return recompute_->layer;
 }
 
 // The forward again, as the forward ran it: the same input (the residual
@@ -328,8 +340,11 @@ typename Family::LayerActivations& TransformerStage<Family>::backward_activation
                                                                                   int64_t i) {
   auto& saved = *state.saved;
   if (saved.layers[size_t(i)]) return *saved.layers[size_t(i)];
-  Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, nullptr),
-                        recompute_->layer, recompute_->output.data());
+  if (!recompute_->holds(state, i)) {
+    Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, nullptr),
+                          recompute_->layer, recompute_->output.data());
+  }
+  recompute_->holder = nullptr;
   return recompute_->layer;
 }
 
@@ -337,6 +352,7 @@ template <class Family>
 void TransformerStage<Family>::restore_scratch() {
   if (recompute_ && recompute_->layer.bytes() != recompute_->layer_bytes) {
     recompute_->layer = typename Family::LayerActivations(*pass_);
+    recompute_->holder = nullptr;
   }
 }
 
