@@ -61,17 +61,6 @@ void check_parallel_sizes(const Config& config) {
   }
 }
 
-// The plan names the units to checkpoint in either mode, but the shipped
-// models recompute whole layers only: accepting "selective" would be a
-// promise the run does not keep.
-void check_activation_checkpointing(const Config& config) {
-  if (config.distributed.activation_checkpointing != "selective") return;
-  throw config_error(config, "distributed.activation_checkpointing",
-                     "'selective': not implemented yet: meshrun train recomputes whole layers "
-                     "only (`meshrun plan` shows the units it would checkpoint); set it to "
-                     "\"full\" (or true) or false");
-}
-
 // The data are bytes: the model must take every byte as a token, and
 // sequences as long as data.seq_len.
 void check_model_fits_data(const Config& config, const Plan& plan) {
@@ -216,7 +205,6 @@ void check_training_input(const Config& config, const Plan& plan) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
-  check_activation_checkpointing(config);
   check_strategy_trains(config, *plan.strategy);
   check_model_fits_data(config, plan);
   if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);

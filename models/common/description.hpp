@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -47,13 +46,12 @@ std::string describe_model(nlohmann::ordered_json fields,
 StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
                          const std::vector<std::string>& names, const char* family);
 
-// The layers whose forward the backward recomputes: the plan's
-// "activation_checkpointing" entries (docs/plan.md) of mode "full", each
-// naming a layer's module. A null or empty plan checkpoints nothing. Throws
+// The checkpointed layers: the plan's "activation_checkpointing" entries
+// (docs/plan.md), each naming a layer's module and its mode, "full" or
+// "selective". A null or empty plan checkpoints nothing. Throws
 // std::invalid_argument starting with `family` for a plan that is not JSON,
-// a module that is not a layer, and any other mode: "selective" is not
-// computed.
-std::set<int64_t> recomputed_layers(const ModelModules& modules, int64_t num_layers,
-                                    const char* plan_json, const char* family);
+// a module that is not a layer, and another mode.
+Checkpointing checkpointed_layers(const ModelModules& modules, int64_t num_layers,
+                                  const char* plan_json, const char* family);
 
 }  // namespace meshrun::models

@@ -8,7 +8,6 @@
 // ABI headers.
 #pragma once
 
-#include <set>
 #include <string>
 #include <vector>
 
@@ -75,9 +74,9 @@ class HostModel {
     return stage_layout(Plugin::modules(config_), Family::num_layers(config_), names,
                         Family::kName);
   }
-  std::set<int64_t> recomputed_layers(const meshrun_model_stage_setup& setup) const {
-    return models::recomputed_layers(Plugin::modules(config_), Family::num_layers(config_),
-                                     setup.plan_json, Family::kName);
+  Checkpointing checkpointed_layers(const meshrun_model_stage_setup& setup) const {
+    return models::checkpointed_layers(Plugin::modules(config_), Family::num_layers(config_),
+                                       setup.plan_json, Family::kName);
   }
 
  private:
@@ -91,7 +90,7 @@ class HostStage {
  public:
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
       : hooks_(*setup.hooks),
-        stage_(model.config(), model.layout_of(setup), hooks_, model.recomputed_layers(setup)) {}
+        stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup)) {}
 
   void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
     stage_.set_shape(batch, seq_len);

@@ -71,17 +71,24 @@ struct TransformerStage<Family>::Microbatch {
   // output that a backward reads: with L layers, slots 0..L-1 (the layers'
   // inputs) and, with the head, slot L (the final norm's input). Without
   // the head the last output goes straight to the caller's buffer. A
-  // recomputed layer keeps no activations.
+  // fully recomputed layer keeps no activations, a selective one none of
+  // its element-wise ones.
   struct Saved {
-    Saved(const Pass& pass, const StageLayout& layout, const std::vector<bool>& recomputed)
+    Saved(const Pass& pass, const StageLayout& layout,
+          const std::vector<std::optional<Recomputation>>& checkpointed)
         : tokens(layout.embedding ? pass.rows() : 0),
           targets(layout.head ? pass.rows() : 0),
           residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) * pass.rows() *
                    pass.hidden),
-          layers(recomputed.size()),
+          layers(checkpointed.size()),
           hidden(pass.rows() * pass.hidden) {
       for (size_t i = 0; i < layers.size(); ++i) {
-        if (!recomputed[i]) layers[i].emplace(pass);
+        if (checkpointed[i] == Recomputation::full) continue;
+        layers[i].emplace(pass);
+        if (!checkpointed[i]) continue;
+        for (std::vector<float>* buffer : Family::elementwise(*layers[i])) {
+          std::vector<float>().swap(*buffer);
+        }
       }
       if (layout.head) head.emplace(pass);
     }
@@ -112,40 +119,64 @@ struct TransformerStage<Family>::Microbatch {
   std::vector<stage_detail::PendingLinear> pending;
 };
 
-// What a recomputed layer's forward writes, in its forward and again in
-// its backward: its activations, and its output, which the residual
-// stream already holds and the backward does not read. The last forward's
-// activations are still there when its backward comes next (a step
-// without a pipeline does so for its last layer), and need no recompute.
+// What checkpointed layers compute into, in their forward and again in
+// their backward: a fully recomputed layer's activations and its output
+// (the residual stream holds the real one, which the backward does not
+// read); a selective layer's element-wise activations, swapped in and out
+// of the microbatch's own. The last forward's activations are still there
+// when its backward comes next (a step without a pipeline does so for its
+// last layer), and need no recompute.
 template <class Family>
-struct TransformerStage<Family>::Recompute {
-  explicit Recompute(const typename Family::Pass& pass)
-      : layer(pass), output(pass.rows() * pass.hidden), layer_bytes(layer.bytes()) {}
-  int64_t bytes() const { return layer.bytes() + bytes_of(output); }
+struct TransformerStage<Family>::Scratch {
+  Scratch(const typename Family::Pass& pass, bool full) {
+    typename Family::LayerActivations all(pass);
+    for (std::vector<float>* buffer : Family::elementwise(all)) {
+      elementwise_sizes.push_back(buffer->size());
+      elementwise.push_back(std::move(*buffer));
+    }
+    if (full) {
+      layer.emplace(pass);
+      layer_bytes = layer->bytes();
+      output.resize(pass.rows() * pass.hidden);
+    }
+  }
+  int64_t bytes() const {
+    int64_t total = (layer ? layer->bytes() : 0) + bytes_of(output);
+    for (const std::vector<float>& buffer : elementwise) total += bytes_of(buffer);
+    return total;
+  }
   bool holds(const Microbatch& state, int64_t i) const {
     return holder == &state && holder_layer == i;
   }
+  void swap_elementwise(typename Family::LayerActivations& activations) {
+    const auto buffers = Family::elementwise(activations);
+    for (size_t k = 0; k < buffers.size(); ++k) buffers[k]->swap(elementwise[k]);
+  }
 
-  typename Family::LayerActivations layer;
+  std::optional<typename Family::LayerActivations> layer;  // with a fully recomputed layer
+  int64_t layer_bytes = 0;                                 // while it holds all its buffers
   std::vector<float> output;
-  int64_t layer_bytes;  // while it holds all its buffers
-  // Whose forward activations `layer` holds, as stage layer holder_layer;
-  // null once a backward has used or changed them.
+  std::vector<std::vector<float>> elementwise;
+  std::vector<size_t> elementwise_sizes;
+  // Whose forward activations the scratch holds, as stage layer
+  // holder_layer; null once a backward has used or changed them.
   const Microbatch* holder = nullptr;
   int64_t holder_layer = -1;
 };
 
 template <class Family>
 TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
-                                           const std::set<int64_t>& recomputed_layers)
+                                           const Checkpointing& checkpointing)
     : config_(std::move(config)), layout_(layout), hooks_(hooks) {
   Family::check_config(config_);
   check_layout();
-  check_recomputed(recomputed_layers);
+  check_checkpointing(checkpointing);
   use_one_blas_thread_by_default();
   select_parameters();
   for (int64_t layer = layout_.first_layer; layer < layout_.end_layer; ++layer) {
-    recomputed_.push_back(recomputed_layers.count(layer) > 0);
+    const auto found = checkpointing.find(layer);
+    checkpointed_.push_back(
+        found == checkpointing.end() ? std::nullopt : std::optional<Recomputation>(found->second));
   }
 }
 
@@ -177,11 +208,11 @@ void TransformerStage<Family>::check_layout() const {
 }
 
 template <class Family>
-void TransformerStage<Family>::check_recomputed(const std::set<int64_t>& layers) const {
+void TransformerStage<Family>::check_checkpointing(const Checkpointing& checkpointing) const {
   const int64_t L = Family::num_layers(config_);
-  for (const int64_t layer : layers) {
+  for (const auto& [layer, mode] : checkpointing) {
     require(layer >= 0 && layer < L, Family::kName,
-            "recomputed layer " + std::to_string(layer) + " is not within the model's [0, " +
+            "checkpointed layer " + std::to_string(layer) + " is not within the model's [0, " +
                 std::to_string(L) + ")");
   }
 }
@@ -239,11 +270,13 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
                            " microbatches are in flight; finish their backward first");
   }
   spare_.clear();
-  recompute_.reset();
+  scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
-  if (std::find(recomputed_.begin(), recomputed_.end(), true) != recomputed_.end()) {
-    recompute_ = std::make_unique<Recompute>(*pass_);
+  if (std::any_of(checkpointed_.begin(), checkpointed_.end(), [](const auto& c) { return c; })) {
+    const bool full = std::find(checkpointed_.begin(), checkpointed_.end(), Recomputation::full) !=
+                      checkpointed_.end();
+    scratch_ = std::make_unique<Scratch>(*pass_, full);
   }
   batch_ = batch;
   seq_len_ = seq_len;
@@ -293,8 +326,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   for (int64_t i = 0; i < layer_count(); ++i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, saved.stream(i, output), false);
-    Family::layer_forward(pass, layer_views(layer), saved.stream(i, output),
-                          forward_activations(*state, i), saved.stream(i + 1, output));
+    forward_layer(*state, i, output);
     hooks_.post_forward(layer, saved.stream(i + 1, output), N * H);
   }
   double loss = 0;
@@ -324,35 +356,62 @@ typename TransformerStage<Family>::Microbatch& TransformerStage<Family>::forward
 }
 
 template <class Family>
-typename Family::LayerActivations& TransformerStage<Family>::forward_activations(Microbatch& state,
-                                                                                 int64_t i) {
+typename Family::LayerActivations& TransformerStage<Family>::activations(Microbatch& state,
+                                                                         int64_t i) {
   auto& kept = state.saved->layers[size_t(i)];
-  if (kept) return *kept;
-  recompute_->holder = &state;
-  recompute_->holder_layer = i;
-  return recompute_->layer;
+  return kept ? *kept : *scratch_->layer;
+}
+
+template <class Family>
+void TransformerStage<Family>::forward_layer(Microbatch& state, int64_t i, float* output) {
+  auto& saved = *state.saved;
+  const bool selective = checkpointed_[size_t(i)] == Recomputation::selective;
+  auto& written = activations(state, i);
+  if (checkpointed_[size_t(i)]) {
+    scratch_->holder = &state;
+    scratch_->holder_layer = i;
+  }
+  if (selective) scratch_->swap_elementwise(written);
+  Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, output),
+                        written, saved.stream(i + 1, output));
+  if (selective) scratch_->swap_elementwise(written);
 }
 
 // The forward again, as the forward ran it: the same input (the residual
-// slot, as the hooks left it) and parameters, and the same ops.
+// slot, as the hooks left it), parameters and ops; all of it, or for a
+// selective layer the element-wise part from what it kept.
 template <class Family>
-typename Family::LayerActivations& TransformerStage<Family>::backward_activations(Microbatch& state,
-                                                                                  int64_t i) {
-  auto& saved = *state.saved;
-  if (saved.layers[size_t(i)]) return *saved.layers[size_t(i)];
-  if (!recompute_->holds(state, i)) {
-    Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, nullptr),
-                          recompute_->layer, recompute_->output.data());
+void TransformerStage<Family>::backward_layer(Microbatch& state, int64_t i,
+                                              WeightGradients& gradients) {
+  auto& pass = *pass_;
+  const ParameterView* views = layer_views(layout_.first_layer + i);
+  const float* x = state.saved->stream(i, nullptr);
+  const auto mode = checkpointed_[size_t(i)];
+  auto& read = activations(state, i);
+  if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
+  if (mode && !scratch_->holds(state, i)) {
+    if (mode == Recomputation::full) {
+      Family::layer_forward(pass, views, x, read, scratch_->output.data());
+    } else {
+      Family::recompute_elementwise(pass, views, x, read);
+    }
   }
-  recompute_->holder = nullptr;
-  return recompute_->layer;
+  if (mode) scratch_->holder = nullptr;
+  Family::layer_backward(pass, views, x, read, gradients);
+  if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
+  if (mode) restore_scratch();
 }
 
 template <class Family>
 void TransformerStage<Family>::restore_scratch() {
-  if (recompute_ && recompute_->layer.bytes() != recompute_->layer_bytes) {
-    recompute_->layer = typename Family::LayerActivations(*pass_);
-    recompute_->holder = nullptr;
+  Scratch& scratch = *scratch_;
+  if (scratch.layer && scratch.layer->bytes() != scratch.layer_bytes) {
+    scratch.layer.emplace(*pass_);
+  }
+  for (size_t k = 0; k < scratch.elementwise.size(); ++k) {
+    if (scratch.elementwise[k].size() != scratch.elementwise_sizes[k]) {
+      scratch.elementwise[k].resize(scratch.elementwise_sizes[k]);
+    }
   }
 }
 
@@ -365,7 +424,7 @@ TransformerStage<Family>::take_state() {
     return state;
   }
   auto state = std::make_unique<Microbatch>();
-  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, recomputed_);
+  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, checkpointed_);
   return state;
 }
 
@@ -477,11 +536,8 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   for (int64_t i = layers - 1; i >= 0; --i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, nullptr, true);
-    auto& activations = backward_activations(state, i);
-    Family::layer_backward(pass, layer_views(layer), saved.stream(i, nullptr), activations,
-                           gradients);
+    backward_layer(state, i, gradients);
     hooks_.post_backward(layer);
-    restore_scratch();
   }
   if (layout_.embedding) {
     Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
@@ -492,7 +548,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
 
 template <class Family>
 int64_t TransformerStage<Family>::activation_bytes() const {
-  int64_t total = recompute_ && !microbatches_.empty() ? recompute_->bytes() : 0;
+  int64_t total = scratch_ && !microbatches_.empty() ? scratch_->bytes() : 0;
   for (const auto& [mb, state] : microbatches_) total += state->bytes();
   return total;
 }

@@ -260,8 +260,6 @@ class BadInput(TrainTest, InputErrorAssertions):
             # no training entry points
             ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
             ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=2"),
-            ("distributed.activation_checkpointing",
-             "distributed.activation_checkpointing=selective"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),
         ]
