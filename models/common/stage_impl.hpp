@@ -128,11 +128,13 @@ struct TransformerStage<Family>::Microbatch {
 // last layer), and need no recompute.
 template <class Family>
 struct TransformerStage<Family>::Scratch {
-  Scratch(const typename Family::Pass& pass, bool full) {
-    typename Family::LayerActivations all(pass);
-    for (std::vector<float>* buffer : Family::elementwise(all)) {
-      elementwise_sizes.push_back(buffer->size());
-      elementwise.push_back(std::move(*buffer));
+  Scratch(const typename Family::Pass& pass, bool full, bool selective) {
+    if (selective) {
+      typename Family::LayerActivations all(pass);
+      for (std::vector<float>* buffer : Family::elementwise(all)) {
+        elementwise_sizes.push_back(buffer->size());
+        elementwise.push_back(std::move(*buffer));
+      }
     }
     if (full) {
       layer.emplace(pass);
@@ -273,10 +275,12 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len);
-  if (std::any_of(checkpointed_.begin(), checkpointed_.end(), [](const auto& c) { return c; })) {
-    const bool full = std::find(checkpointed_.begin(), checkpointed_.end(), Recomputation::full) !=
-                      checkpointed_.end();
-    scratch_ = std::make_unique<Scratch>(*pass_, full);
+  const auto any = [&](Recomputation mode) {
+    return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
+  };
+  if (any(Recomputation::full) || any(Recomputation::selective)) {
+    scratch_ =
+        std::make_unique<Scratch>(*pass_, any(Recomputation::full), any(Recomputation::selective));
   }
   batch_ = batch;
   seq_len_ = seq_len;
