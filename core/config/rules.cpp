@@ -121,8 +121,7 @@ constexpr const char* kNoExperts =
 const Refusal kRefusals[] = {
     {"distributed.activation_checkpointing_scope",
      [](const Config& c) { return c.distributed.activation_checkpointing_scope != "all"; },
-     "not implemented yet: activation checkpointing is planned for every layer unit, and "
-     "`meshrun train` does not recompute activations yet",
+     "not implemented yet: activation checkpointing checkpoints every layer unit",
      "remove the key or set it to \"all\""},
     {"distributed.autocast_dtype",
      [](const Config& c) { return !c.distributed.autocast_dtype.empty(); },

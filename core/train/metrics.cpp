@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -36,6 +37,16 @@ std::vector<std::string> lines_through(const std::string& path, int64_t last_ste
 
 }  // namespace
 
+void ActivationMeter::sample(int64_t bytes) {
+  step_ = std::max(step_, bytes);
+  peak_ = std::max(peak_, bytes);
+}
+
+void ActivationMeter::report(MemoryUse& use) const {
+  use.activations = step_;
+  use.activations_peak = peak_;
+}
+
 MetricsLog::MetricsLog(const std::string& path, int64_t first_step)
     : MetricsLog(path,
                  first_step > 0 ? lines_through(path, first_step) : std::vector<std::string>{}) {}
@@ -63,6 +74,8 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"buffers", m.mem.buffers},
                  {"buffers_peak", m.mem.buffers_peak},
                  {"buffers_reserved", m.mem.buffers_reserved},
+                 {"activations", m.mem.activations},
+                 {"activations_peak", m.mem.activations_peak},
                  {"peak_rss", m.mem.peak_rss}};
   out_.write(line.dump() + "\n");
 }

@@ -19,7 +19,25 @@ struct MemoryUse {
   int64_t buffers = 0;           // the strategy's communication and gathered buffers
   int64_t buffers_peak = 0;      // the most `buffers` has been so far
   int64_t buffers_reserved = 0;  // `buffers` plus the strategy's cache for reuse
+  // What the model held for backward after the step's last forward (a
+  // pipeline: the most at once in the step, over the rank's stages), the
+  // recompute scratch of activation checkpointing included.
+  int64_t activations = 0;
+  int64_t activations_peak = 0;  // the most `activations` has been so far
   int64_t peak_rss = 0;
+};
+
+// mem.activations and mem.activations_peak from samples of what the model
+// holds for backward, taken after forwards.
+class ActivationMeter {
+ public:
+  void begin_step() { step_ = 0; }
+  void sample(int64_t bytes);
+  // Sets use.activations and use.activations_peak.
+  void report(MemoryUse& use) const;
+
+ private:
+  int64_t step_ = 0, peak_ = 0;
 };
 
 struct StepMetrics {

@@ -8,12 +8,13 @@ PipelineStage::PipelineStage(const Model& model, const ModelDescription& local,
                              const std::vector<std::string>& modules, Strategy& strategy,
                              const StageUnits& units, const StageCommunicators& computing,
                              const std::string& plan_json, const std::string& options_json,
-                             float loss_scale)
+                             float loss_scale, std::function<void()> after_forward)
     : strategy_(strategy),
       binding_(strategy, units, stage_contents(model, modules).parameters,
                model.description().parameters.size()),
       stage_(model, modules, *this, computing, plan_json, options_json, &local),
-      loss_scale_(loss_scale) {}
+      loss_scale_(loss_scale),
+      after_forward_(std::move(after_forward)) {}
 
 void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int64_t rows) {
   tokens_ = tokens;
@@ -34,6 +35,7 @@ void PipelineStage::gather_for_evaluation() {
 void PipelineStage::forward(int32_t microbatch, const float* input, float* output) {
   const int64_t at = int64_t(microbatch) * rows_;
   loss_sum_ += stage_.forward(microbatch, tokens_ + at, targets_ + at, input, output);
+  after_forward_();
 }
 
 void PipelineStage::backward(int32_t microbatch, const float* grad_output, float* grad_input) {

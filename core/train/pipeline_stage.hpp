@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,13 +25,15 @@ class PipelineStage : public pipeline::StageWork,
                       public StageHooks {
  public:
   // `loss_scale`: what the last stage seeds its backward with per
-  // microbatch (1/m with scale_grads_in_schedule, else 1). Everything
-  // passed in must outlive the stage.
-  // `local`: the tp-local shapes (model/tensor_parallel.hpp).
+  // microbatch (1/m with scale_grads_in_schedule, else 1); `after_forward`
+  // is called after each forward; `local`: the tp-local shapes
+  // (model/tensor_parallel.hpp). Everything passed in must outlive the
+  // stage.
   PipelineStage(const Model& model, const ModelDescription& local,
                 const std::vector<std::string>& modules, Strategy& strategy,
                 const StageUnits& units, const StageCommunicators& computing,
-                const std::string& plan_json, const std::string& options_json, float loss_scale);
+                const std::string& plan_json, const std::string& options_json, float loss_scale,
+                std::function<void()> after_forward);
 
   ModelStage& compute() { return stage_; }
 
@@ -61,6 +64,7 @@ class PipelineStage : public pipeline::StageWork,
   UnitBinding binding_;
   ModelStage stage_;
   float loss_scale_;
+  std::function<void()> after_forward_;
   const int32_t* tokens_ = nullptr;
   const int32_t* targets_ = nullptr;
   int64_t rows_ = 0;

@@ -100,7 +100,8 @@ void PipelineTrainer::build_stages() {
         ctx_.config.train, decay_mask(held->local, model.description(), held->parameters.indices));
     held->work = std::make_unique<PipelineStage>(
         model, local, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
-        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f);
+        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f,
+        [this] { sample_activations(); });
     held_.push_back(std::move(held));
   }
 }
@@ -125,6 +126,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     std::fill_n(held->local.grads, held->local.numel, 0.0f);
     held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
   }
+  activations_.begin_step();
   const pipeline::StepTimes times = executor_->run_step();
   const auto sync_start = std::chrono::steady_clock::now();
   for (auto& held : held_) held->strategy->finish_gradients();
@@ -247,8 +249,15 @@ MemoryUse PipelineTrainer::memory_use() {
     use.buffers_reserved += strategy.buffers_reserved;
   }
   use.buffers_peak += executor_->peak_buffer_bytes();
+  activations_.report(use);
   use.peak_rss = peak_rss_bytes();
   return use;
+}
+
+void PipelineTrainer::sample_activations() {
+  int64_t bytes = 0;
+  for (auto& held : held_) bytes += held->work->compute().activation_bytes();
+  activations_.sample(bytes);
 }
 
 std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {

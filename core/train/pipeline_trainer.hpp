@@ -80,11 +80,14 @@ class PipelineTrainer : public TrainingRank {
   }
   std::vector<std::vector<float>> concatenated_state();
   void scatter_state(const std::vector<std::vector<float>>& state);
+  // Samples what the rank's stages hold for backward together.
+  void sample_activations();
 
   PipelineContext ctx_;
   int64_t microbatches_ = 0;
   std::vector<std::unique_ptr<Held>> held_;
   std::optional<pipeline::Executor> executor_;
+  ActivationMeter activations_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;
 };

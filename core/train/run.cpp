@@ -72,16 +72,6 @@ void check_sequence_parallel(const Config& config) {
                      "it to false");
 }
 
-// The plan names the units to checkpoint, but no model recomputes them yet:
-// accepting the key would be a promise the run does not keep.
-void check_activation_checkpointing(const Config& config) {
-  if (config.distributed.activation_checkpointing.empty()) return;
-  throw config_error(config, "distributed.activation_checkpointing",
-                     fmt::format("'{}': meshrun train does not recompute activations yet (`meshrun "
-                                 "plan` shows the units it would checkpoint); set it to false",
-                                 config.distributed.activation_checkpointing));
-}
-
 // The data are bytes: the model must take every byte as a token, and
 // sequences as long as data.seq_len.
 void check_model_fits_data(const Config& config, const Plan& plan) {
@@ -229,7 +219,6 @@ void check_training_input(const Config& config, const Plan& plan) {
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
   check_sequence_parallel(config);
-  check_activation_checkpointing(config);
   check_strategy_trains(config, *plan.strategy);
   check_model_fits_data(config, plan);
   if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);

@@ -78,11 +78,13 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   stage_.take_tensor_parallel_bytes();  // likewise
   double loss_sum = 0.0;
   stage_.set_shape(train.micro_batch_size, ctx_.data.seq_len());
+  activations_.begin_step();
   for (int64_t k = 0; k < micro_batches; ++k) {
     ctx_.strategy.begin_micro_batch(k == micro_batches - 1);
     ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
                              train.micro_batch_size, tokens_, targets_);
     loss_sum += stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
+    activations_.sample(stage_.activation_bytes());
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
@@ -171,13 +173,15 @@ void Trainer::save_checkpoint(int64_t step) {
 MemoryUse Trainer::memory_use() {
   const int64_t bytes = local_.numel * int64_t(sizeof(float));
   const StrategyMemory strategy = ctx_.strategy.memory();
-  return {bytes,
-          bytes,
-          optimizer_.state_bytes(),
-          strategy.buffers,
-          strategy.buffers_peak,
-          strategy.buffers_reserved,
-          peak_rss_bytes()};
+  MemoryUse use{bytes,
+                bytes,
+                optimizer_.state_bytes(),
+                strategy.buffers,
+                strategy.buffers_peak,
+                strategy.buffers_reserved};
+  activations_.report(use);
+  use.peak_rss = peak_rss_bytes();
+  return use;
 }
 
 // The consolidated weights on rank 0; a sharded strategy gathers them first

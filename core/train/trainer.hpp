@@ -79,6 +79,7 @@ class Trainer : public TrainingRank {
   // it saves.
   std::vector<HeldRange> model_held_, model_saved_;
   AdamW optimizer_;
+  ActivationMeter activations_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;
 };

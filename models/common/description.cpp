@@ -83,4 +83,29 @@ StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
   return layout;
 }
 
+Checkpointing checkpointed_layers(const ModelModules& modules, int64_t num_layers,
+                                  const char* plan_json, const char* family) {
+  Checkpointing layers;
+  if (plan_json == nullptr || *plan_json == '\0') return layers;
+  const auto plan = nlohmann::json::parse(plan_json, nullptr, /*allow_exceptions=*/false);
+  const auto refuse = [&](const std::string& why) {
+    throw std::invalid_argument(std::string(family) +
+                                ": the plan's activation_checkpointing: " + why);
+  };
+  if (!plan.is_object()) refuse("the plan is not a JSON object");
+  for (const auto& entry : plan.value("activation_checkpointing", nlohmann::json::array())) {
+    const std::string name = entry.value("module", ""), mode = entry.value("mode", "");
+    if (mode != "full" && mode != "selective") {
+      refuse("mode '" + mode + "' of " + name + ": \"full\" or \"selective\" recompute");
+    }
+    const std::string digits = name.substr(std::min(name.size(), modules.layer_prefix.size()));
+    const bool layer = name.rfind(modules.layer_prefix, 0) == 0 && !digits.empty() &&
+                       digits.find_first_not_of("0123456789") == std::string::npos &&
+                       digits.size() < 10 && std::stoll(digits) < num_layers;
+    if (!layer) refuse("'" + name + "' is not a layer's module");
+    layers[std::stoll(digits)] = mode == "full" ? Recomputation::full : Recomputation::selective;
+  }
+  return layers;
+}
+
 }  // namespace meshrun::models

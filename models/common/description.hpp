@@ -46,4 +46,12 @@ std::string describe_model(nlohmann::ordered_json fields,
 StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
                          const std::vector<std::string>& names, const char* family);
 
+// The checkpointed layers: the plan's "activation_checkpointing" entries
+// (docs/plan.md), each naming a layer's module and its mode, "full" or
+// "selective". A null or empty plan checkpoints nothing. Throws
+// std::invalid_argument starting with `family` for a plan that is not JSON,
+// a module that is not a layer, and another mode.
+Checkpointing checkpointed_layers(const ModelModules& modules, int64_t num_layers,
+                                  const char* plan_json, const char* family);
+
 }  // namespace meshrun::models

@@ -114,6 +114,10 @@ class HostModel {
     return stage_layout(Plugin::modules(config_), Family::num_layers(config_), names,
                         Family::kName);
   }
+  Checkpointing checkpointed_layers(const meshrun_model_stage_setup& setup) const {
+    return models::checkpointed_layers(Plugin::modules(config_), Family::num_layers(config_),
+                                       setup.plan_json, Family::kName);
+  }
 
  private:
   const meshrun_host_services& host_;
@@ -127,8 +131,8 @@ class HostStage {
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
       : hooks_(*setup.hooks),
         tp_(setup),
-        stage_(model.config(), model.layout_of(setup), hooks_, &tp_,
-               plan_placements(setup.plan_json)) {}
+        stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
+               &tp_, plan_placements(setup.plan_json)) {}
 
   void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
     stage_.set_shape(batch, seq_len);

@@ -11,6 +11,13 @@
 // into the input gradient (backward_input, "I") and the weight gradients
 // (backward_weight, "W").
 //
+// Activation checkpointing: the forward of a fully recomputed layer keeps
+// only its input, which the residual stream holds anyway, and its backward
+// first runs the layer's forward again into one scratch shared by all such
+// layers; a selective layer keeps its matmul outputs and recomputes the
+// element-wise rest. The same inputs, parameters and ops give gradients
+// bit-identical to keeping everything.
+//
 // TransformerStage<Family> is that driver; the family computes the pieces.
 // A Family has (all static but the types):
 //   Config, with vocab_size and tie_word_embeddings (Hugging Face names);
@@ -32,6 +39,10 @@
 //     residual stream's gradient
 //   LayerActivations(pass), HeadActivations(pass): what a layer's and the
 //     head's forward keep for the backward; bytes()
+//   elementwise(layer activations): the buffers recompute_elementwise
+//     computes, the same vectors in the same order for any activations
+//   recompute_elementwise(pass, views, x, saved): those buffers again from
+//     x and the rest of what layer_forward wrote
 //   embedding_forward(pass, views, tokens, out);
 //   embedding_backward(pass, views, tokens): from pass.d_residual
 //   layer_forward(pass, views, x, saved, out);
@@ -45,6 +56,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,6 +75,12 @@ struct StageLayout {
   bool embedding = false;
   bool head = false;
 };
+
+// What the backward of a checkpointed layer computes again (the plan's
+// activation_checkpointing "mode").
+enum class Recomputation { full, selective };
+// The model's checkpointed layers, by layer index.
+using Checkpointing = std::map<int64_t, Recomputation>;
 
 // The host's side of a stage (meshrun/model.h "Hooks"), with units and
 // parameter indices as the family's parameters() numbers them.
@@ -148,12 +166,14 @@ class TransformerStage {
 
   // Throws std::invalid_argument for a configuration check_config refuses,
   // a layout that does not fit the model or holds nothing, tied embeddings
-  // on a stage without both the embedding and the head, and, over a tp
-  // group of more than one rank, a model check_tensor_parallel refuses or
-  // `placements` (the plan's, by name) that differ from the family's.
+  // on a stage without both the embedding and the head, a checkpointed
+  // layer outside the model (those of other stages are ignored), and, over
+  // a tp group of more than one rank, a model check_tensor_parallel refuses
+  // or `placements` (the plan's, by name) that differ from the family's.
   // `hooks` and `tp` (null: one rank) must outlive the stage.
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
-                   TensorParallelGroup* tp = nullptr, const Placements& placements = {});
+                   const Checkpointing& checkpointing = {}, TensorParallelGroup* tp = nullptr,
+                   const Placements& placements = {});
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -197,12 +217,13 @@ class TransformerStage {
   // Drops what mb's forward kept, without a backward: a forward that only
   // evaluates. Throws std::logic_error when mb is not in flight.
   void discard(int32_t mb);
-  // Bytes of the state kept for the microbatches in flight: 0 once each
-  // has finished its backward.
+  // Bytes of the state kept for the microbatches in flight, with the
+  // recompute scratch while any is: 0 once each has finished its backward.
   int64_t activation_bytes() const;
 
  private:
   struct Microbatch;
+  struct Scratch;
   class AnnouncedGradients;
   class DeferredGradients;
 
@@ -211,12 +232,24 @@ class TransformerStage {
   int64_t root_unit() const { return Family::num_layers(config_); }
   bool holds_root() const { return layout_.embedding || layout_.head; }
   void check_layout() const;
+  void check_checkpointing(const Checkpointing& checkpointing) const;
   void localize(const Placements& placements);
   void select_parameters();
   // The hooks' pre_ call of `unit`, then its views pointed at its storage.
   void enter(int64_t unit, float* hidden, bool backward);
   std::string microbatch_name(int32_t mb) const;
   Microbatch& forwarded(int32_t mb, const char* action);
+  // Stage layer i's activations: the microbatch's own, or the scratch of a
+  // fully recomputed layer.
+  typename Family::LayerActivations& activations(Microbatch& state, int64_t i);
+  // Stage layer i's forward and backward, its views bound; the backward
+  // recomputes what the forward did not keep, unless the scratch still
+  // holds it.
+  void forward_layer(Microbatch& state, int64_t i, float* output);
+  void backward_layer(Microbatch& state, int64_t i, WeightGradients& gradients);
+  // A split backward moves inputs of the linears out of what it reads into
+  // its pending weight pass: the scratch gets them back.
+  void restore_scratch();
   void backward_pass(Microbatch& state, float loss_scale, const float* grad_output,
                      float* grad_input, WeightGradients& gradients);
   // gradient_ready of the embedding's views, last first; a tied lm_head's
@@ -237,6 +270,8 @@ class TransformerStage {
   int64_t lm_head_index_ = 0;  // the embedding's first view when tied
   int64_t batch_ = 0, seq_len_ = 0;
   std::unique_ptr<typename Family::Pass> pass_;
+  std::vector<std::optional<Recomputation>> checkpointed_;  // per stage layer
+  std::unique_ptr<Scratch> scratch_;  // of the current shape, with any layer checkpointed
   std::map<int32_t, std::unique_ptr<Microbatch>> microbatches_;
   // The states of finished microbatches, of the current shape: a forward
   // reuses one rather than allocating and zeroing the activations again.

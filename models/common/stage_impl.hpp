@@ -70,20 +70,31 @@ struct TransformerStage<Family>::Microbatch {
   // The forward's state. residual holds the stage's input and each layer's
   // output that a backward reads: with L layers, slots 0..L-1 (the layers'
   // inputs) and, with the head, slot L (the final norm's input). Without
-  // the head the last output goes straight to the caller's buffer.
+  // the head the last output goes straight to the caller's buffer. A
+  // fully recomputed layer keeps no activations, a selective one none of
+  // its element-wise ones.
   struct Saved {
-    Saved(const Pass& pass, const StageLayout& layout)
+    Saved(const Pass& pass, const StageLayout& layout,
+          const std::vector<std::optional<Recomputation>>& checkpointed)
         : tokens(layout.embedding ? pass.rows() : 0),
           targets(layout.head ? pass.rows() : 0),
           residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) * pass.rows() *
                    pass.hidden),
-          layers(layout.end_layer - layout.first_layer, LayerActivations(pass)),
+          layers(checkpointed.size()),
           hidden(pass.rows() * pass.hidden) {
+      for (size_t i = 0; i < layers.size(); ++i) {
+        if (checkpointed[i] == Recomputation::full) continue;
+        layers[i].emplace(pass);
+        if (!checkpointed[i]) continue;
+        for (std::vector<float>* buffer : Family::elementwise(*layers[i])) {
+          std::vector<float>().swap(*buffer);
+        }
+      }
       if (layout.head) head.emplace(pass);
     }
     int64_t bytes() const {
       int64_t total = bytes_of(tokens, targets, residual);
-      for (const LayerActivations& layer : layers) total += layer.bytes();
+      for (const auto& layer : layers) total += layer ? layer->bytes() : 0;
       return total + (head ? head->bytes() : 0);
     }
     // Residual slot `slot`, else (one past the last) the caller's output.
@@ -93,7 +104,7 @@ struct TransformerStage<Family>::Microbatch {
 
     std::vector<int32_t> tokens, targets;
     std::vector<float> residual;
-    std::vector<LayerActivations> layers;
+    std::vector<std::optional<LayerActivations>> layers;
     std::optional<HeadActivations> head;
     int64_t hidden;  // elements of one slot
   };
@@ -108,8 +119,56 @@ struct TransformerStage<Family>::Microbatch {
   std::vector<stage_detail::PendingLinear> pending;
 };
 
+// What checkpointed layers compute into, in their forward and again in
+// their backward: a fully recomputed layer's activations and its output
+// (the residual stream holds the real one, which the backward does not
+// read); a selective layer's element-wise activations, swapped in and out
+// of the microbatch's own. The last forward's activations are still there
+// when its backward comes next (a step without a pipeline does so for its
+// last layer), and need no recompute.
+template <class Family>
+struct TransformerStage<Family>::Scratch {
+  Scratch(const typename Family::Pass& pass, bool full, bool selective) {
+    if (selective) {
+      typename Family::LayerActivations all(pass);
+      for (std::vector<float>* buffer : Family::elementwise(all)) {
+        elementwise_sizes.push_back(buffer->size());
+        elementwise.push_back(std::move(*buffer));
+      }
+    }
+    if (full) {
+      layer.emplace(pass);
+      layer_bytes = layer->bytes();
+      output.resize(pass.rows() * pass.hidden);
+    }
+  }
+  int64_t bytes() const {
+    int64_t total = (layer ? layer->bytes() : 0) + bytes_of(output);
+    for (const std::vector<float>& buffer : elementwise) total += bytes_of(buffer);
+    return total;
+  }
+  bool holds(const Microbatch& state, int64_t i) const {
+    return holder == &state && holder_layer == i;
+  }
+  void swap_elementwise(typename Family::LayerActivations& activations) {
+    const auto buffers = Family::elementwise(activations);
+    for (size_t k = 0; k < buffers.size(); ++k) buffers[k]->swap(elementwise[k]);
+  }
+
+  std::optional<typename Family::LayerActivations> layer;  // with a fully recomputed layer
+  int64_t layer_bytes = 0;                                 // while it holds all its buffers
+  std::vector<float> output;
+  std::vector<std::vector<float>> elementwise;
+  std::vector<size_t> elementwise_sizes;
+  // Whose forward activations the scratch holds, as stage layer
+  // holder_layer; null once a backward has used or changed them.
+  const Microbatch* holder = nullptr;
+  int64_t holder_layer = -1;
+};
+
 template <class Family>
 TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
+                                           const Checkpointing& checkpointing,
                                            TensorParallelGroup* tp, const Placements& placements)
     : config_(std::move(config)),
       layout_(layout),
@@ -117,8 +176,14 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
       tp_(tp != nullptr ? *tp : single_rank_) {
   Family::check_config(config_);
   check_layout();
+  check_checkpointing(checkpointing);
   use_one_blas_thread_by_default();
   select_parameters();
+  for (int64_t layer = layout_.first_layer; layer < layout_.end_layer; ++layer) {
+    const auto found = checkpointing.find(layer);
+    checkpointed_.push_back(
+        found == checkpointing.end() ? std::nullopt : std::optional<Recomputation>(found->second));
+  }
   if (tp_.size() > 1) {
     Family::check_tensor_parallel(config_, tp_.size());
     localize(placements);
@@ -166,6 +231,16 @@ void TransformerStage<Family>::check_layout() const {
   require(!config_.tie_word_embeddings || (layout_.embedding && layout_.head), name,
           "tie_word_embeddings needs the embedding and lm_head on one stage: tied embeddings "
           "cannot be split across pipeline stages");
+}
+
+template <class Family>
+void TransformerStage<Family>::check_checkpointing(const Checkpointing& checkpointing) const {
+  const int64_t L = Family::num_layers(config_);
+  for (const auto& [layer, mode] : checkpointing) {
+    require(layer >= 0 && layer < L, Family::kName,
+            "checkpointed layer " + std::to_string(layer) + " is not within the model's [0, " +
+                std::to_string(L) + ")");
+  }
 }
 
 // The embedding's views come first in model order, the head's last.
@@ -221,8 +296,16 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
                            " microbatches are in flight; finish their backward first");
   }
   spare_.clear();
+  scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_);
+  const auto any = [&](Recomputation mode) {
+    return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
+  };
+  if (any(Recomputation::full) || any(Recomputation::selective)) {
+    scratch_ =
+        std::make_unique<Scratch>(*pass_, any(Recomputation::full), any(Recomputation::selective));
+  }
   batch_ = batch;
   seq_len_ = seq_len;
 }
@@ -271,8 +354,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   for (int64_t i = 0; i < layer_count(); ++i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, saved.stream(i, output), false);
-    Family::layer_forward(pass, layer_views(layer), saved.stream(i, output),
-                          saved.layers[size_t(i)], saved.stream(i + 1, output));
+    forward_layer(*state, i, output);
     hooks_.post_forward(layer, saved.stream(i + 1, output), N * H);
   }
   double loss = 0;
@@ -302,6 +384,66 @@ typename TransformerStage<Family>::Microbatch& TransformerStage<Family>::forward
 }
 
 template <class Family>
+typename Family::LayerActivations& TransformerStage<Family>::activations(Microbatch& state,
+                                                                         int64_t i) {
+  auto& kept = state.saved->layers[size_t(i)];
+  return kept ? *kept : *scratch_->layer;
+}
+
+template <class Family>
+void TransformerStage<Family>::forward_layer(Microbatch& state, int64_t i, float* output) {
+  auto& saved = *state.saved;
+  const bool selective = checkpointed_[size_t(i)] == Recomputation::selective;
+  auto& written = activations(state, i);
+  if (checkpointed_[size_t(i)]) {
+    scratch_->holder = &state;
+    scratch_->holder_layer = i;
+  }
+  if (selective) scratch_->swap_elementwise(written);
+  Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, output),
+                        written, saved.stream(i + 1, output));
+  if (selective) scratch_->swap_elementwise(written);
+}
+
+// The forward again, as the forward ran it: the same input (the residual
+// slot, as the hooks left it), parameters and ops; all of it, or for a
+// selective layer the element-wise part from what it kept.
+template <class Family>
+void TransformerStage<Family>::backward_layer(Microbatch& state, int64_t i,
+                                              WeightGradients& gradients) {
+  auto& pass = *pass_;
+  const ParameterView* views = layer_views(layout_.first_layer + i);
+  const float* x = state.saved->stream(i, nullptr);
+  const auto mode = checkpointed_[size_t(i)];
+  auto& read = activations(state, i);
+  if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
+  if (mode && !scratch_->holds(state, i)) {
+    if (mode == Recomputation::full) {
+      Family::layer_forward(pass, views, x, read, scratch_->output.data());
+    } else {
+      Family::recompute_elementwise(pass, views, x, read);
+    }
+  }
+  if (mode) scratch_->holder = nullptr;
+  Family::layer_backward(pass, views, x, read, gradients);
+  if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
+  if (mode) restore_scratch();
+}
+
+template <class Family>
+void TransformerStage<Family>::restore_scratch() {
+  Scratch& scratch = *scratch_;
+  if (scratch.layer && scratch.layer->bytes() != scratch.layer_bytes) {
+    scratch.layer.emplace(*pass_);
+  }
+  for (size_t k = 0; k < scratch.elementwise.size(); ++k) {
+    if (scratch.elementwise[k].size() != scratch.elementwise_sizes[k]) {
+      scratch.elementwise[k].resize(scratch.elementwise_sizes[k]);
+    }
+  }
+}
+
+template <class Family>
 std::unique_ptr<typename TransformerStage<Family>::Microbatch>
 TransformerStage<Family>::take_state() {
   if (!spare_.empty()) {
@@ -310,7 +452,7 @@ TransformerStage<Family>::take_state() {
     return state;
   }
   auto state = std::make_unique<Microbatch>();
-  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_);
+  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, checkpointed_);
   return state;
 }
 
@@ -422,8 +564,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   for (int64_t i = layers - 1; i >= 0; --i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, nullptr, true);
-    Family::layer_backward(pass, layer_views(layer), saved.stream(i, nullptr),
-                           saved.layers[size_t(i)], gradients);
+    backward_layer(state, i, gradients);
     hooks_.post_backward(layer);
   }
   if (layout_.embedding) {
@@ -435,7 +576,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
 
 template <class Family>
 int64_t TransformerStage<Family>::activation_bytes() const {
-  int64_t total = 0;
+  int64_t total = scratch_ && !microbatches_.empty() ? scratch_->bytes() : 0;
   for (const auto& [mb, state] : microbatches_) total += state->bytes();
   return total;
 }

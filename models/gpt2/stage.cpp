@@ -52,6 +52,18 @@ void layernorm_backward_ready(float* dx, const float* dy, const float* x, const 
   gradients.vector_ready(norm[0]);
 }
 
+// The element-wise steps of a block's forward, out of line: selective
+// checkpointing computes them again in the backward, and one copy of the
+// code gives the same bits where inlined copies may vectorize differently.
+[[gnu::noinline]] void layernorm_out_of_line(float* y, float* mean, float* rstd, const float* x,
+                                             const ParameterView* norm, const BlockPass& pass) {
+  layernorm_forward(y, mean, rstd, x, norm[0].data, norm[1].data, pass.rows(), pass.hidden,
+                    pass.eps);
+}
+[[gnu::noinline]] void gelu_out_of_line(float* y, const float* x, int64_t count) {
+  gelu_forward(y, x, count);
+}
+
 }  // namespace
 
 BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
@@ -128,18 +140,18 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
   const int64_t N = pass.rows(), E = pass.hidden, I = pass.inner, Q = pass.attention.q_dim();
   float* projection = pass.projection.data();
 
-  layernorm_forward(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
-                    block[kLn1Weight].data, block[kLn1Bias].data, N, E, pass.eps);
+  layernorm_out_of_line(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
+                        &block[kLn1Weight], pass);
   conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * Q);
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), pass.attention);
   row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
                        pass.tp);
   residual_forward(saved.h.data(), x, projection, N * E);
 
-  layernorm_forward(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
-                    block[kLn2Weight].data, block[kLn2Bias].data, N, E, pass.eps);
+  layernorm_out_of_line(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
+                        &block[kLn2Weight], pass);
   conv1d_bias_forward(saved.fc.data(), saved.ln2.data(), &block[kFcWeight], N, E, I);
-  gelu_forward(saved.act.data(), saved.fc.data(), N * I);
+  gelu_out_of_line(saved.act.data(), saved.fc.data(), N * I);
   row_parallel_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E, pass.tp);
   residual_forward(out, saved.h.data(), projection, N * E);
 }
@@ -170,6 +182,16 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
   models::reduce_partial_sums(pass.tp, d_norm, N * E);
   layernorm_backward_ready(d_residual, d_norm, x, &block[kLn1Weight], saved.mean1.data(),
                            saved.rstd1.data(), N, E, gradients);
+}
+
+// As layer_forward computes them.
+void Gpt2::recompute_elementwise(Pass& pass, const ParameterView* block, const float* x,
+                                 LayerActivations& saved) {
+  layernorm_out_of_line(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
+                        &block[kLn1Weight], pass);
+  layernorm_out_of_line(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
+                        &block[kLn2Weight], pass);
+  gelu_out_of_line(saved.act.data(), saved.fc.data(), pass.rows() * pass.inner);
 }
 
 double Gpt2::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,

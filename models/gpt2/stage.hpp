@@ -124,6 +124,13 @@ struct Gpt2 {
   // block's input, as in its forward.
   static void layer_backward(Pass& pass, const ParameterView* block, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
+  // The LayerNorms and gelu_new: what selective checkpointing recomputes.
+  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+    return {&saved.ln1,   &saved.mean1, &saved.rstd1, &saved.ln2,
+            &saved.mean2, &saved.rstd2, &saved.act};
+  }
+  static void recompute_elementwise(Pass& pass, const ParameterView* block, const float* x,
+                                    LayerActivations& saved);
   // The mean cross-entropy of ln_f(x) lm_head^T against targets; `head`
   // points at ln_f's weight and bias.
   static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,

@@ -13,6 +13,21 @@ using models::WeightLayout;
 
 constexpr WeightLayout kOutIn = WeightLayout::out_in;
 
+namespace {
+
+// The element-wise steps of a layer's forward, out of line: selective
+// checkpointing computes them again in the backward, and one copy of the
+// code gives the same bits where inlined copies may vectorize differently.
+[[gnu::noinline]] void rmsnorm_out_of_line(float* y, float* rstd, const float* x,
+                                           const ParameterView& norm, const DecoderPass& pass) {
+  rmsnorm_forward(y, rstd, x, norm.data, pass.rows(), pass.hidden, pass.eps);
+}
+[[gnu::noinline]] void swiglu_out_of_line(float* y, const float* gate_up, const DecoderPass& pass) {
+  swiglu_forward(y, gate_up, pass.rows(), pass.intermediate);
+}
+
+}  // namespace
+
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
                          TensorParallelGroup& tp)
     : tp(tp),
@@ -91,8 +106,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
 
-  rmsnorm_forward(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm].data, N, H,
-                  pass.eps);
+  rmsnorm_out_of_line(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm], pass);
   linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                  shape.heads + shape.kv_heads, shape.qkv_dim());
@@ -102,10 +116,10 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
   residual_forward(saved.h.data(), x, pass.projection.data(), N * H);
 
-  rmsnorm_forward(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm].data, N,
-                  H, pass.eps);
+  rmsnorm_out_of_line(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm],
+                      pass);
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
-  swiglu_forward(saved.mlp.data(), saved.gate_up.data(), N, I);
+  swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
   linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
   models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
   residual_forward(out, saved.h.data(), pass.projection.data(), N * H);
@@ -145,6 +159,15 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   rmsnorm_backward(d_residual, layer[kInputNorm].grad, pass.d_norm.data(), x,
                    layer[kInputNorm].data, saved.rstd1.data(), N, H);
   gradients.vector_ready(layer[kInputNorm]);
+}
+
+// As layer_forward computes them.
+void Llama::recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
+                                  LayerActivations& saved) {
+  rmsnorm_out_of_line(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm], pass);
+  rmsnorm_out_of_line(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm],
+                      pass);
+  swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
 }
 
 double Llama::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,

@@ -110,6 +110,12 @@ struct Llama {
   // layer's input, as in its forward.
   static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
+  // The norms and swiglu: what selective checkpointing recomputes.
+  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+    return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2, &saved.mlp};
+  }
+  static void recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
+                                    LayerActivations& saved);
   // The mean cross-entropy of lm_head(rmsnorm(x)) against targets; `head`
   // is model.norm's view.
   static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,

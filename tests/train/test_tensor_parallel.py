@@ -1,4 +1,6 @@
 """`meshrun train` with tensor parallelism (distributed.tp_size > 1), against 1 rank.
+Activation checkpointing at tp = 2 recomputes the same operations, so it is
+checked bit for bit against tp = 2 without it.
 
 Run by ctest: test_tensor_parallel.py MESHRUN_EXE [TestClass ...]
 
@@ -89,6 +91,15 @@ class Equivalence(TensorParallelTest):
         output = self.runs.train("zb-tp2", 4, *TP2, *PP2, layers,
                                  "distributed.pipeline.pp_schedule=interleaved_zero_bubble")
         self.assert_matches(reference, output)
+
+    def test_activation_checkpointing_with_tp2_is_exact(self):
+        plain = self.runs.train("tp2-plain", 2, *TP2)
+        for mode in ("full", "selective"):
+            with self.subTest(mode=mode):
+                output = self.runs.train(f"tp2-{mode}", 2, *TP2,
+                                         f"distributed.activation_checkpointing={mode}")
+                self.assertEqual(losses(plain), losses(output))
+                self.assertEqual(exported(plain), exported(output))
 
     def test_gpt2_tp2_matches_one_rank(self):
         runs = Runs()

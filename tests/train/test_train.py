@@ -274,7 +274,6 @@ class BadInput(TrainTest, InputErrorAssertions):
             ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=3"),
             ("distributed.sequence_parallel", "distributed.strategy=fsdp2",
              "distributed.tp_size=2", "distributed.sequence_parallel=true"),
-            ("distributed.activation_checkpointing", "distributed.activation_checkpointing=true"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),
         ]

@@ -33,8 +33,9 @@ class OwnedStage : public StageHooks {
   using Config = typename Family::Config;
   using Stage = meshrun::models::TransformerStage<Family>;
 
-  OwnedStage(const Config& config, const StageLayout& layout)
-      : stage_(std::make_unique<Stage>(config, layout, *this)) {
+  OwnedStage(const Config& config, const StageLayout& layout,
+             const meshrun::models::Checkpointing& checkpointing = {})
+      : stage_(std::make_unique<Stage>(config, layout, *this, checkpointing)) {
     views_ = stage_->parameters();
     int64_t total = 0;
     for (const ParameterView& view : views_) total += view.numel;
@@ -160,10 +161,10 @@ class Chain {
   using Stage = meshrun::models::TransformerStage<Family>;
 
   Chain(const OwnedModel<Family>& model, const std::vector<StageLayout>& layouts, int64_t batch,
-        int64_t seq_len) {
+        int64_t seq_len, const meshrun::models::Checkpointing& checkpointing = {}) {
     for (const StageLayout& layout : layouts) {
-      OwnedStage<Family>& owned =
-          *owned_.emplace_back(std::make_unique<OwnedStage<Family>>(model.config(), layout));
+      OwnedStage<Family>& owned = *owned_.emplace_back(
+          std::make_unique<OwnedStage<Family>>(model.config(), layout, checkpointing));
       for (ParameterView& view : owned.parameters()) {
         const ParameterView& source = named(model.parameters(), view.name);
         REQUIRE(source.shape == view.shape);
@@ -243,6 +244,47 @@ class Chain {
  private:
   std::vector<std::unique_ptr<OwnedStage<Family>>> owned_;
 };
+
+// Activation checkpointing of a 4-layer model: a chain of `layouts` gives
+// exactly the losses, gradients and input gradients of one that keeps
+// everything, with layers 1-3 fully recomputed, and with full and
+// selective layers mixed, for each schedule (Chain::run, loss_scale 1/4),
+// as the backward recomputes with the same input, parameters and kernels.
+// The whole model holds less for a microbatch in flight, and less again
+// for the next one, which shares the scratch.
+template <class Family>
+void check_checkpointing_is_exact(const OwnedModel<Family>& model,
+                                  const std::vector<StageLayout>& layouts,
+                                  const std::vector<Batch>& batches, int64_t batch,
+                                  int64_t seq_len) {
+  using meshrun::models::Recomputation;
+  const meshrun::models::Checkpointing checkpointing = GENERATE(
+      meshrun::models::Checkpointing{
+          {1, Recomputation::full}, {2, Recomputation::full}, {3, Recomputation::full}},
+      meshrun::models::Checkpointing{{0, Recomputation::selective},
+                                     {1, Recomputation::full},
+                                     {2, Recomputation::selective},
+                                     {3, Recomputation::selective}});
+  for (const std::string schedule :
+       {"F0 B0 F1 B1 F2 B2 F3 B3", "F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3"}) {
+    INFO(schedule);
+    Chain<Family> kept(model, layouts, batch, seq_len);
+    Chain<Family> recomputing(model, layouts, batch, seq_len, checkpointing);
+    CHECK(recomputing.run(schedule, batches, 0.25f) == kept.run(schedule, batches, 0.25f));
+    CHECK(recomputing.gradients() == kept.gradients());
+    CHECK(recomputing.grad_inputs == kept.grad_inputs);
+    CHECK(recomputing.activation_bytes() == 0);
+  }
+  const std::vector<StageLayout> whole = {{0, Family::num_layers(model.config()), true, true}};
+  Chain<Family> kept(model, whole, batch, seq_len);
+  Chain<Family> recomputing(model, whole, batch, seq_len, checkpointing);
+  kept.run("F0", batches, 1.0f);
+  recomputing.run("F0", batches, 1.0f);
+  const int64_t kept_one = kept.activation_bytes(), first = recomputing.activation_bytes();
+  CHECK(first < kept_one);
+  recomputing.run("F1", batches, 1.0f);
+  CHECK(recomputing.activation_bytes() - first < first);
+}
 
 // The unit-boundary calls as text ("pre_forward 0", "gradient_ready root"),
 // with each gradient as it was when announced and each unit's gradients at

@@ -242,6 +242,14 @@ TEST_CASE("gpt2 stages with microbatches in flight and split backwards accumulat
   CHECK(interleaved.activation_bytes() == 0);
 }
 
+TEST_CASE("gpt2 stages checkpointing blocks give exactly the results of keeping them",
+          "[gpt2][stage]") {
+  Gpt2Model model(four_block_config(false));
+  randomize(model, 14);
+  stage_fixture::check_checkpointing_is_exact(model, splits()[0], random_batches(4), kBatch,
+                                              kSeqLen);
+}
+
 // A tied lm_head adds to wte's gradient in the weight pass, after the
 // embedding's share from the input pass: the same sum in another order, so
 // wte's gradient agrees to float32 rounding (1e-6 of its largest entry;

@@ -282,6 +282,14 @@ TEST_CASE("llama stage refuses misuse with a message", "[llama][stage]") {
       Contains("before set_shape"));
 }
 
+TEST_CASE("llama stages checkpointing layers give exactly the results of keeping them",
+          "[llama][stage]") {
+  const LlamaConfig config = four_layer_config();
+  const auto model = make_model(config, 12);
+  stage_fixture::check_checkpointing_is_exact(*model, splits()[0], random_batches(config, 4),
+                                              kBatch, kSeqLen);
+}
+
 TEST_CASE("llama stage rejects layouts that do not fit the model", "[llama][stage]") {
   const LlamaConfig config = four_layer_config();
   const auto stage = [](const LlamaConfig& c, StageLayout layout) { OwnedStage owned(c, layout); };
@@ -293,6 +301,9 @@ TEST_CASE("llama stage rejects layouts that do not fit the model", "[llama][stag
   CHECK_THROWS_WITH(stage(config, {2, 2, false, false}), Contains("holds at least"));
   CHECK_THROWS_AS(stage(config, {3, 5, false, false}), std::invalid_argument);
   CHECK_THROWS_AS(stage(config, {3, 2, false, false}), std::invalid_argument);
+  CHECK_THROWS_WITH(
+      OwnedStage(config, {0, 4, true, true}, {{4, meshrun::models::Recomputation::full}}),
+      Contains("checkpointed layer 4 is not within the model's [0, 4)"));
 }
 
 }  // namespace
