@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 #include "errors.hpp"
@@ -314,6 +315,24 @@ std::string model_lines(const ModelDescription& description, const nlohmann::ord
   for (const auto& rule : model.at("tensor_parallel")) {
     text += fmt::format("{:<10}{:<40}{:<18}{}\n", "tp", shown(rule, "module"), shown(rule, "style"),
                         shown(rule, "activations"));
+  }
+  std::map<std::string, int64_t> tensors;
+  int64_t local_numel = 0;
+  for (const auto& parameter : model.at("parameters")) {
+    ++tensors[shown(parameter, "tp")];
+    int64_t numel = 1;
+    for (const auto& extent : parameter.value("local_shape", nlohmann::ordered_json::array())) {
+      numel *= extent.is_number_integer() ? extent.get<int64_t>() : 0;
+    }
+    local_numel += numel;
+  }
+  if (local_numel != description.numel) {
+    std::string counts;
+    for (const auto& [placement, count] : tensors) {
+      counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", placement, count);
+    }
+    text += fmt::format("{:<10}tensors placed {}; {} parameters per tp rank\n", "tp", counts,
+                        local_numel);
   }
   const auto pipeline = model.value("pipeline", nlohmann::ordered_json());
   for (const auto& stage : pipeline.is_array() ? pipeline : nlohmann::ordered_json::array()) {

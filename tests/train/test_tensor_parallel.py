@@ -124,6 +124,10 @@ class Equivalence(TensorParallelTest):
                          ("shard(0)", [8, 32]))
         self.assertEqual(placement["model.layers.0.mlp.down_proj.weight"], ("shard(1)", [32, 32]))
         self.assertEqual(placement["model.norm.weight"], ("replicate", [32]))
+        text = subprocess.run([MESHRUN, "plan", self.runs.config, "--world-size", "2", *TP2],
+                              capture_output=True, text=True).stdout
+        self.assertIn("tensors placed replicate 5, shard(0) 12, shard(1) 4; 17568 parameters per "
+                      "tp rank", text)
 
 
 class Checkpoints(TensorParallelTest):
