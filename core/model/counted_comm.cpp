@@ -1,15 +1,20 @@
 #include "model/counted_comm.hpp"
 
+#include <utility>
+
+#include "comm/comm.hpp"
 #include "meshrun/host.h"
 #include "plugin/loader.hpp"
 
 namespace meshrun {
 namespace {
 
-// The handle the model holds: the backend's communicator and its count.
+// The handle the model holds: the backend's communicator, its size and the
+// count.
 struct Counted {
   const meshrun_comm_api* backend;
   meshrun_communicator* real;
+  int64_t size = 1;
   int64_t bytes = 0;
 };
 
@@ -42,19 +47,23 @@ meshrun_error* size(const meshrun_communicator* c, int64_t* out) {
 meshrun_error* set_stream(meshrun_communicator* c, void* stream) {
   return of(c)->backend->set_stream(of(c)->real, stream);
 }
+// What a rank sends under the ring algorithms, nccl-tests' "bus bytes":
+// an all-reduce of B bytes 2 (p-1)/p B, an all-gather of B bytes per rank
+// (p-1) B, a reduce-scatter of B bytes in all (p-1)/p B; so sequence
+// parallelism's all-gather + reduce-scatter weigh what one all-reduce does.
 meshrun_error* all_reduce(meshrun_communicator* c, const DLTensor* send, DLTensor* recv, int32_t op,
                           meshrun_request** out) {
-  of(c)->bytes += bytes_of(send);
+  of(c)->bytes += 2 * (of(c)->size - 1) * bytes_of(send) / of(c)->size;
   return of(c)->backend->all_reduce(of(c)->real, send, recv, op, out);
 }
 meshrun_error* all_gather(meshrun_communicator* c, const DLTensor* send, DLTensor* recv,
                           meshrun_request** out) {
-  of(c)->bytes += bytes_of(send);
+  of(c)->bytes += (of(c)->size - 1) * bytes_of(send);
   return of(c)->backend->all_gather(of(c)->real, send, recv, out);
 }
 meshrun_error* reduce_scatter(meshrun_communicator* c, const DLTensor* send, DLTensor* recv,
                               int32_t op, meshrun_request** out) {
-  of(c)->bytes += bytes_of(send);
+  of(c)->bytes += (of(c)->size - 1) * bytes_of(send) / of(c)->size;
   return of(c)->backend->reduce_scatter(of(c)->real, send, recv, op, out);
 }
 meshrun_error* broadcast(meshrun_communicator* c, DLTensor* tensor, int64_t root,
@@ -90,9 +99,11 @@ CountedCommunicators::CountedCommunicators(const meshrun_comm_api* backend,
                                            meshrun_communicator* ep)
     : tables_(std::make_unique<Tables>()) {
   if (backend == nullptr) return;
-  tables_->tp = {backend, tp};
-  tables_->cp = {backend, cp};
-  tables_->ep = {backend, ep};
+  for (auto [counted, real] :
+       {std::pair{&tables_->tp, tp}, {&tables_->cp, cp}, {&tables_->ep, ep}}) {
+    *counted = {backend, real};
+    if (real != nullptr) throw_if_error(backend->size(real, &counted->size), "comm size");
+  }
   meshrun_comm_api& api = tables_->api;
   api = *backend;
   api.split = &split;

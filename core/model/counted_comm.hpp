@@ -27,8 +27,9 @@ class CountedCommunicators {
   meshrun_communicator* cp() const;
   meshrun_communicator* ep() const;
 
-  // Bytes of the tensors the model sent (a collective's or a send's input)
-  // over the tp communicator since the last call.
+  // Bytes the model's collectives and sends over the tp communicator sent
+  // from this rank since the last call, as ring algorithms send them
+  // (nccl-tests' bus bytes: an all-reduce of B bytes 2 (p-1)/p B).
   int64_t take_tp_bytes();
 
  private:

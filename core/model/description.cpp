@@ -189,6 +189,12 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.max_seq_len = limit.get<int64_t>();
   }
+  if (json.contains("sequence_parallel")) {
+    if (!json.at("sequence_parallel").is_boolean()) {
+      bad_description(origin, "\"sequence_parallel\" must be true or false");
+    }
+    d.sequence_parallel = json.at("sequence_parallel").get<bool>();
+  }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }

@@ -45,9 +45,10 @@ struct ModelDescription {
   std::vector<ModelModule> modules;
   int64_t vocab_size = 0;
   std::optional<int64_t> max_seq_len;
-  std::string num_layers_key;   // e.g. "model.num_hidden_layers"
-  int64_t numel = 0;            // elements over all parameters
-  nlohmann::ordered_json json;  // as the plugin wrote it (for sidecars)
+  std::string num_layers_key;      // e.g. "model.num_hidden_layers"
+  bool sequence_parallel = false;  // the model computes sequence parallelism
+  int64_t numel = 0;               // elements over all parameters
+  nlohmann::ordered_json json;     // as the plugin wrote it (for sidecars)
   // Name -> index, so that reading a description of many layers stays linear.
   std::unordered_map<std::string, int64_t> parameter_indices, module_indices;
 

@@ -199,7 +199,8 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
           {"parameters", std::move(parameters)},
           {"tensor_parallel", ordered_json::array()},
           {"pipeline", pp > 1 ? pipeline_split(config, d, pp, schedule) : ordered_json(nullptr)},
-          {"activation_checkpointing", std::move(checkpointed)}};
+          {"activation_checkpointing", std::move(checkpointed)},
+          {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel}};
 }
 
 ordered_json sidecar_request(const Config& config, const MeshContext& mesh, const Model& model,

@@ -61,15 +61,24 @@ void check_parallel_sizes(const Config& config) {
   }
 }
 
-// The Llama sidecar plans sequence parallelism (`meshrun plan` shows it), but
-// the models compute tensor parallelism with replicated norms and residual
-// stream: accepting the key would be a promise the run does not keep.
-void check_sequence_parallel(const Config& config) {
-  if (!config.distributed.sequence_parallel) return;
-  throw config_error(config, "distributed.sequence_parallel",
-                     "meshrun train computes tensor parallelism without sequence parallelism so "
-                     "far (the norms and the residual stream are replicated over tp ranks); set "
-                     "it to false");
+// Sequence parallelism shards each sequence's rows over tp ranks: every
+// batch the trainer forms (a micro-batch, one validation window) has whole
+// sequences, so tp dividing seq_len is what makes them all divide.
+void check_sequence_parallel(const Config& config, const Plan& plan) {
+  const DistributedConfig& d = config.distributed;
+  if (!d.sequence_parallel) return;
+  if (!plan.model->description().sequence_parallel) {
+    throw config_error(config, "distributed.sequence_parallel",
+                       fmt::format("model plugin {} computes tensor parallelism with its residual "
+                                   "stream replicated over tp ranks only (its description has no "
+                                   "\"sequence_parallel\": true); set it to false",
+                                   plan.model->library().path()));
+  }
+  if (config.data.seq_len % d.tp_size == 0) return;
+  throw config_error(config, "data.seq_len",
+                     fmt::format("{} is not divisible by distributed.tp_size ({}): sequence "
+                                 "parallelism shards every sequence over the tp ranks",
+                                 config.data.seq_len, d.tp_size));
 }
 
 // The data are bytes: the model must take every byte as a token, and
@@ -218,7 +227,7 @@ void check_training_input(const Config& config, const Plan& plan) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
-  check_sequence_parallel(config);
+  check_sequence_parallel(config, plan);
   check_strategy_trains(config, *plan.strategy);
   check_model_fits_data(config, plan);
   if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);

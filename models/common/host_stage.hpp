@@ -60,19 +60,41 @@ class HostTensorParallelGroup : public TensorParallelGroup {
   void all_reduce_max(float* data, int64_t count) override {
     all_reduce(data, count, MESHRUN_REDUCE_MAX);
   }
+  void all_gather(const float* send, float* recv, int64_t count) override {
+    Tensor in(send, count), out(recv, count * size_);
+    meshrun_request* request = nullptr;
+    check(api_->all_gather(comm_, &in.tensor, &out.tensor, &request));
+    finish(request);
+  }
+  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    Tensor in(send, count * size_), out(recv, count);
+    meshrun_request* request = nullptr;
+    check(api_->reduce_scatter(comm_, &in.tensor, &out.tensor, MESHRUN_REDUCE_SUM, &request));
+    finish(request);
+  }
 
  private:
+  // A float32 vector as DLPack describes it.
+  struct Tensor {
+    Tensor(const float* data, int64_t count)
+        : shape{count},
+          tensor{const_cast<float*>(data), {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0} {}
+    int64_t shape[1];
+    DLTensor tensor;
+  };
+  void finish(meshrun_request* request) {
+    meshrun_error* error = api_->wait(request, -1.0);
+    api_->request_destroy(request);
+    check(error);
+  }
   static void check(meshrun_error* error) {
     if (error != nullptr) throw plugin::HostError(error);
   }
   void all_reduce(float* data, int64_t count, int32_t op) {
-    int64_t shape[1] = {count};
-    DLTensor tensor{data, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
+    Tensor tensor(data, count);
     meshrun_request* request = nullptr;
-    check(api_->all_reduce(comm_, &tensor, &tensor, op, &request));
-    meshrun_error* error = api_->wait(request, -1.0);
-    api_->request_destroy(request);
-    check(error);
+    check(api_->all_reduce(comm_, &tensor.tensor, &tensor.tensor, op, &request));
+    finish(request);
   }
 
   const meshrun_comm_api* api_;

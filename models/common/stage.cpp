@@ -30,10 +30,9 @@ double lm_head_loss_forward(float* logits, const float* x, const ParameterView& 
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
                            int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           TensorParallelGroup& tp, WeightGradients& gradients) {
+                           WeightGradients& gradients) {
   vocab_parallel_cross_entropy_backward(logits, targets, rows, vocab, loss_scale);
   kernels::linear_backward_input(dx, logits, lm_head.data, rows, hidden, vocab.size);
-  reduce_partial_sums(tp, dx, rows * hidden);
   gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab.size}, logits, x);
 }
 

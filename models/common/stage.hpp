@@ -30,11 +30,16 @@
 //   kEmbeddingTensors, kLayerTensors: the views of the embedding (the first
 //     root parameters; a tied lm_head is the first of them) and of a layer
 //   check_layer_storage(layer views, backward): the host's storage is fit
+//   kSequenceParallel: whether it computes sequence parallelism
 //   check_tensor_parallel(config, tp_size): the model splits over tp ranks
 //     (throws std::invalid_argument if not); parameters() say each one's
 //     placement (ParameterView::tp)
-//   Pass(config, batch, seq_len, tp): what a forward at one shape shares,
-//     with local sizes over the tp group (common/tensor_parallel.hpp), and
+//   Pass(config, batch, seq_len, tp, sequence_parallel): what a forward at
+//     one shape shares, with local sizes over the tp group
+//     (common/tensor_parallel.hpp), stream_numel() (the elements of the
+//     residual stream a rank holds: rows() * hidden, or its rows of them with
+//     sequence parallelism; throws std::invalid_argument for sequence
+//     parallelism the family cannot compute), and
 //     rows() = batch * seq_len, hidden, and d_residual [rows, hidden], the
 //     residual stream's gradient
 //   LayerActivations(pass), HeadActivations(pass): what a layer's and the
@@ -149,12 +154,14 @@ double lm_head_loss_forward(float* logits, const float* x, const ParameterView& 
                             const int32_t* targets, int64_t rows, int64_t hidden,
                             const VocabShard& vocab, TensorParallelGroup& tp);
 // dx = d(loss_scale * loss)/dx, through logits (overwritten with their
-// gradient), summed over tp; lm_head's weight gradient goes to `gradients`,
-// which may take x.
+// gradient): the rank's partial sum over its vocabulary shard, which the
+// caller sums over tp (all-reduce, or reduce-scatter with sequence
+// parallelism); lm_head's weight gradient goes to `gradients`, which may
+// take x.
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
                            int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           TensorParallelGroup& tp, WeightGradients& gradients);
+                           WeightGradients& gradients);
 
 // Throws std::invalid_argument(family + ": " + message) unless condition.
 void require(bool condition, const char* family, const std::string& message);
@@ -265,6 +272,7 @@ class TransformerStage {
   StageHooks& hooks_;
   SingleRank single_rank_;
   TensorParallelGroup& tp_;
+  bool sequence_parallel_;
   std::vector<ParameterView> parameters_;
   int64_t head_index_ = 0;     // into parameters_: the head's first view
   int64_t lm_head_index_ = 0;  // the embedding's first view when tied

@@ -78,10 +78,10 @@ struct TransformerStage<Family>::Microbatch {
           const std::vector<std::optional<Recomputation>>& checkpointed)
         : tokens(layout.embedding ? pass.rows() : 0),
           targets(layout.head ? pass.rows() : 0),
-          residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) * pass.rows() *
-                   pass.hidden),
+          residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) *
+                   pass.stream_numel()),
           layers(checkpointed.size()),
-          hidden(pass.rows() * pass.hidden) {
+          hidden(pass.stream_numel()) {
       for (size_t i = 0; i < layers.size(); ++i) {
         if (checkpointed[i] == Recomputation::full) continue;
         layers[i].emplace(pass);
@@ -139,7 +139,7 @@ struct TransformerStage<Family>::Scratch {
     if (full) {
       layer.emplace(pass);
       layer_bytes = layer->bytes();
-      output.resize(pass.rows() * pass.hidden);
+      output.resize(pass.stream_numel());
     }
   }
   int64_t bytes() const {
@@ -173,7 +173,8 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
     : config_(std::move(config)),
       layout_(layout),
       hooks_(hooks),
-      tp_(tp != nullptr ? *tp : single_rank_) {
+      tp_(tp != nullptr ? *tp : single_rank_),
+      sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel) {
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -186,6 +187,9 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
   }
   if (tp_.size() > 1) {
     Family::check_tensor_parallel(config_, tp_.size());
+    require(!sequence_parallel_ || Family::kSequenceParallel, Family::kName,
+            "sequence parallelism: the model computes tensor parallelism with its residual "
+            "stream replicated over tp ranks only (distributed.sequence_parallel = false)");
     localize(placements);
   }
 }
@@ -195,8 +199,8 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
 template <class Family>
 void TransformerStage<Family>::localize(const Placements& placements) {
   for (ParameterView& view : parameters_) {
-    const auto found = placements.find(view.name);
-    const std::string planned = found != placements.end() ? found->second : "replicate";
+    const auto found = placements.of.find(view.name);
+    const std::string planned = found != placements.of.end() ? found->second : "replicate";
     require(planned == view.tp, Family::kName,
             "tensor parallelism: the plan places " + view.name + " as '" + planned +
                 "', but the model computes it as '" + view.tp + "'");
@@ -272,7 +276,7 @@ void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward)
   if (backward) {
     hooks_.pre_backward(unit);
   } else {
-    hooks_.pre_forward(unit, hidden, hidden != nullptr ? pass_->rows() * pass_->hidden : 0);
+    hooks_.pre_forward(unit, hidden, hidden != nullptr ? pass_->stream_numel() : 0);
   }
   for (ParameterView& view : parameters_) {
     if (view.unit == unit) hooks_.bind(view, backward);
@@ -298,7 +302,7 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   spare_.clear();
   scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
-  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_);
+  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_, sequence_parallel_);
   const auto any = [&](Recomputation mode) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };
@@ -312,12 +316,12 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
 
 template <class Family>
 int64_t TransformerStage<Family>::input_numel() const {
-  return pass_ && !layout_.embedding ? pass_->rows() * pass_->hidden : 0;
+  return pass_ && !layout_.embedding ? pass_->stream_numel() : 0;
 }
 
 template <class Family>
 int64_t TransformerStage<Family>::output_numel() const {
-  return pass_ && !layout_.head ? pass_->rows() * pass_->hidden : 0;
+  return pass_ && !layout_.head ? pass_->stream_numel() : 0;
 }
 
 template <class Family>
@@ -337,7 +341,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
           layout_.head ? "the last stage's forward needs targets"
                        : "a stage without the head needs an output buffer");
   auto& pass = *pass_;
-  const int64_t N = pass.rows(), H = pass.hidden, root = root_unit();
+  const int64_t N = pass.rows(), stream = pass.stream_numel(), root = root_unit();
   if (layout_.embedding) check_tokens(tokens, N, config_.vocab_size, "tokens");
   if (layout_.head) check_tokens(targets, N, config_.vocab_size, "targets");
 
@@ -349,13 +353,13 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
     Family::embedding_forward(pass, parameters_.data(), saved.tokens.data(),
                               saved.stream(0, output));
   } else {
-    std::copy_n(input, N * H, saved.stream(0, output));
+    std::copy_n(input, stream, saved.stream(0, output));
   }
   for (int64_t i = 0; i < layer_count(); ++i) {
     const int64_t layer = layout_.first_layer + i;
     enter(layer, saved.stream(i, output), false);
     forward_layer(*state, i, output);
-    hooks_.post_forward(layer, saved.stream(i + 1, output), N * H);
+    hooks_.post_forward(layer, saved.stream(i + 1, output), stream);
   }
   double loss = 0;
   if (layout_.head) {
@@ -552,14 +556,14 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
           "a stage without the embedding needs a grad_input buffer for its backward");
   auto& pass = *pass_;
   auto& saved = *state.saved;
-  const int64_t N = pass.rows(), H = pass.hidden, layers = layer_count();
+  const int64_t stream = pass.stream_numel(), layers = layer_count();
   if (holds_root()) enter(root_unit(), nullptr, true);
   if (layout_.head) {
     Family::head_backward(pass, &parameters_[size_t(head_index_)],
                           parameters_[size_t(lm_head_index_)], saved.stream(layers, nullptr),
                           saved.targets.data(), loss_scale, *saved.head, gradients);
   } else {
-    std::copy_n(grad_output, N * H, pass.d_residual.begin());
+    std::copy_n(grad_output, stream, pass.d_residual.begin());
   }
   for (int64_t i = layers - 1; i >= 0; --i) {
     const int64_t layer = layout_.first_layer + i;
@@ -570,7 +574,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   if (layout_.embedding) {
     Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
   } else {
-    std::copy_n(pass.d_residual.begin(), N * H, grad_input);
+    std::copy_n(pass.d_residual.begin(), stream, grad_input);
   }
 }
 

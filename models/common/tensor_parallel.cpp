@@ -14,6 +14,24 @@ VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp) {
   return {tp.rank() * size, size};
 }
 
+void SingleRank::all_gather(const float* send, float* recv, int64_t count) {
+  std::copy_n(send, count, recv);
+}
+
+void SingleRank::reduce_scatter_sum(const float* send, float* recv, int64_t count) {
+  std::copy_n(send, count, recv);
+}
+
+void gather_rows(TensorParallelGroup& tp, const float* local, float* full, int64_t rows,
+                 int64_t dim) {
+  tp.all_gather(local, full, rows * dim);
+}
+
+void reduce_scatter_rows(TensorParallelGroup& tp, const float* partial, float* local, int64_t rows,
+                         int64_t dim) {
+  tp.reduce_scatter_sum(partial, local, rows * dim);
+}
+
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
                                       TensorParallelGroup& tp) {
@@ -21,6 +39,12 @@ void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const f
     kernels::embedding_forward(out, tokens, table, rows, dim);
     return;
   }
+  vocab_parallel_embedding_lookup(out, tokens, table, rows, dim, shard);
+  tp.all_reduce_sum(out, rows * dim);
+}
+
+void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const float* table,
+                                     int64_t rows, int64_t dim, const VocabShard& shard) {
   for (int64_t r = 0; r < rows; ++r) {
     float* row = out + r * dim;
     if (shard.holds(tokens[r])) {
@@ -29,7 +53,6 @@ void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const f
       std::fill_n(row, dim, 0.0f);
     }
   }
-  tp.all_reduce_sum(out, rows * dim);
 }
 
 void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
@@ -85,9 +108,10 @@ void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
 Placements plan_placements(const char* plan_json) {
   Placements placements;
   const auto plan = nlohmann::json::parse(plan_json != nullptr ? plan_json : "{}");
+  placements.sequence_parallel = plan.value("sequence_parallel", false);
   if (!plan.contains("parameters")) return placements;
   for (const auto& parameter : plan.at("parameters")) {
-    placements[parameter.at("name").get<std::string>()] =
+    placements.of[parameter.at("name").get<std::string>()] =
         parameter.value("tp", std::string("replicate"));
   }
   return placements;

@@ -10,6 +10,11 @@
 //   vocabulary-parallel embedding and cross-entropy: rank r holds rows
 //     [r V/tp, (r+1) V/tp) of the table and of lm_head, and the loss is
 //     computed without ever gathering the full logits
+//   sequence parallelism: between the blocks each rank holds only its rows
+//     [r n, (r+1) n) of the residual stream (n = N / tp, the N rows of a
+//     micro-batch), and the norms compute on them; a block's input is
+//     gathered (gather_rows) and its row-parallel output reduce-scattered
+//     (reduce_scatter_rows) instead of all-reduced
 //
 // A family computes its layers with local sizes (heads / tp, intermediate /
 // tp, vocab / tp) and calls these at the points above; with a group of one
@@ -31,6 +36,11 @@ class TensorParallelGroup {
   // In place over the group: data[i] = sum (or max) over ranks of data[i].
   virtual void all_reduce_sum(float* data, int64_t count) = 0;
   virtual void all_reduce_max(float* data, int64_t count) = 0;
+  // recv [size * count] = every rank's send [count], in rank order.
+  virtual void all_gather(const float* send, float* recv, int64_t count) = 0;
+  // recv [count] = this rank's count elements of the sum over ranks of
+  // send [size * count].
+  virtual void reduce_scatter_sum(const float* send, float* recv, int64_t count) = 0;
 };
 
 // The group of one rank: no tensor parallelism.
@@ -40,6 +50,8 @@ class SingleRank : public TensorParallelGroup {
   int64_t rank() const override { return 0; }
   void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
   void all_reduce_max(float* /*data*/, int64_t /*count*/) override {}
+  void all_gather(const float* send, float* recv, int64_t count) override;
+  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override;
 };
 
 // The sum over tp ranks of partial results: a row-parallel linear's output
@@ -47,6 +59,14 @@ class SingleRank : public TensorParallelGroup {
 inline void reduce_partial_sums(TensorParallelGroup& tp, float* data, int64_t count) {
   if (tp.size() > 1) tp.all_reduce_sum(data, count);
 }
+
+// Sequence parallelism: full [rows * tp, dim] from every rank's local
+// [rows, dim]; and local = this rank's rows of the sum of partial
+// [rows * tp, dim] over ranks.
+void gather_rows(TensorParallelGroup& tp, const float* local, float* full, int64_t rows,
+                 int64_t dim);
+void reduce_scatter_rows(TensorParallelGroup& tp, const float* partial, float* local, int64_t rows,
+                         int64_t dim);
 
 // The vocabulary rows [begin, begin + size) this tp rank holds.
 struct VocabShard {
@@ -56,8 +76,11 @@ struct VocabShard {
 };
 VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp);
 
-// out[r, :] = table[tokens[r], :] over the ranks' shards: each rank writes
-// the rows it holds, zero elsewhere, and the sum completes them.
+// This rank's part of out[r, :] = table[tokens[r], :]: the rows of the
+// tokens it holds, zero elsewhere; the sum over ranks completes them.
+void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const float* table,
+                                     int64_t rows, int64_t dim, const VocabShard& shard);
+// The lookup, summed over the ranks.
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
                                       TensorParallelGroup& tp);
@@ -77,10 +100,14 @@ double vocab_parallel_cross_entropy_forward(float* logits, const int32_t* target
 void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
                                            const VocabShard& shard, float scale);
 
-// The plan's tensor-parallel placement of every parameter ("tp" of the
-// plan's "parameters": "replicate", "shard(0)", ...), by Hugging Face name.
-using Placements = std::map<std::string, std::string>;
-// Reads them from the plan JSON a stage is given; empty for "{}".
+// What the plan says about tensor parallelism: every parameter's placement
+// ("tp" of the plan's "parameters": "replicate", "shard(0)", ...) by Hugging
+// Face name, and whether the stream is sequence parallel.
+struct Placements {
+  std::map<std::string, std::string> of;
+  bool sequence_parallel = false;
+};
+// Reads them from the plan JSON a stage is given; none for "{}".
 Placements plan_placements(const char* plan_json);
 
 }  // namespace meshrun::models

@@ -101,7 +101,8 @@ struct Gpt2Plugin {
     return meshrun::models::describe_model({{"config", hf_config(config)},
                                             {"vocab_size", config.vocab_size},
                                             {"max_seq_len", config.n_positions},
-                                            {"num_layers_key", "n_layer"}},
+                                            {"num_layers_key", "n_layer"},
+                                            {"sequence_parallel", Family::kSequenceParallel}},
                                            parameters, config.n_layer, modules(config));
   }
 };

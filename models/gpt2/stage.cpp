@@ -67,7 +67,7 @@ void layernorm_backward_ready(float* dx, const float* dy, const float* x, const 
 }  // namespace
 
 BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
-                     models::TensorParallelGroup& tp)
+                     models::TensorParallelGroup& tp, bool /*sequence_parallel*/)
     : tp(tp),
       attention{batch, seq_len, c.n_head / tp.size(), c.n_head / tp.size(), c.n_embd / c.n_head},
       hidden(c.n_embd),
@@ -208,7 +208,8 @@ void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterV
                          HeadActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), E = pass.hidden;
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, N, E, pass.vocab, pass.tp, gradients);
+                                targets, loss_scale, N, E, pass.vocab, gradients);
+  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * E);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
   layernorm_backward_ready(pass.d_residual.data(), pass.d_norm.data(), x, head,
                            saved.final_mean.data(), saved.final_rstd.data(), N, E, gradients);

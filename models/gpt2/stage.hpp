@@ -47,9 +47,11 @@ enum BlockTensor {
 struct BlockPass {
   // Throws std::invalid_argument for seq_len beyond n_positions: wpe has a
   // row per position.
+  // Sequence parallelism is refused before (Gpt2::kSequenceParallel).
   BlockPass(const Gpt2Config& config, int64_t batch, int64_t seq_len,
-            models::TensorParallelGroup& tp);
+            models::TensorParallelGroup& tp, bool sequence_parallel);
   int64_t rows() const { return attention.batch * attention.seq_len; }
+  int64_t stream_numel() const { return rows() * hidden; }
 
   models::TensorParallelGroup& tp;
   AttentionShape attention;  // multi-head: kv_heads = heads
@@ -109,6 +111,8 @@ struct Gpt2 {
   static void check_tensor_parallel(const Config& config, int64_t tp) {
     gpt2::check_tensor_parallel(config, tp);
   }
+  // The residual stream stays replicated over tp ranks.
+  static constexpr bool kSequenceParallel = false;
 
   // out = wte[tokens] + wpe[positions]; `embedding` points at wte, wpe.
   static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,

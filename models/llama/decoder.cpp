@@ -20,17 +20,72 @@ namespace {
 // code gives the same bits where inlined copies may vectorize differently.
 [[gnu::noinline]] void rmsnorm_out_of_line(float* y, float* rstd, const float* x,
                                            const ParameterView& norm, const DecoderPass& pass) {
-  rmsnorm_forward(y, rstd, x, norm.data, pass.rows(), pass.hidden, pass.eps);
+  rmsnorm_forward(y, rstd, x, norm.data, pass.stream_rows(), pass.hidden, pass.eps);
 }
 [[gnu::noinline]] void swiglu_out_of_line(float* y, const float* gate_up, const DecoderPass& pass) {
   swiglu_forward(y, gate_up, pass.rows(), pass.intermediate);
 }
 
+// The norm before a column-parallel block: on the rank's stream rows, into
+// `out` [N, H], gathered from the ranks' rows with sequence parallelism.
+void block_input_norm(DecoderPass& pass, float* out, float* rstd, const float* x,
+                      const ParameterView& norm) {
+  float* rows = pass.sequence_parallel ? pass.stream.data() : out;
+  rmsnorm_out_of_line(rows, rstd, x, norm, pass);
+  if (pass.sequence_parallel)
+    models::gather_rows(pass.tp, rows, out, pass.stream_rows(), pass.hidden);
+}
+
+// pass.projection, a row-parallel block's partial output [N, H], summed over
+// tp: all of it in place, or the rank's rows into pass.stream (sequence
+// parallel). Returns where the sum is.
+const float* finish_row_parallel(DecoderPass& pass) {
+  if (!pass.sequence_parallel) {
+    models::reduce_partial_sums(pass.tp, pass.projection.data(), pass.rows() * pass.hidden);
+    return pass.projection.data();
+  }
+  models::reduce_scatter_rows(pass.tp, pass.projection.data(), pass.stream.data(),
+                              pass.stream_rows(), pass.hidden);
+  return pass.stream.data();
+}
+
+// The gradient of a block's output [N, H]: the residual stream's, gathered
+// from the ranks' rows with sequence parallelism.
+float* block_output_gradient(DecoderPass& pass) {
+  if (!pass.sequence_parallel) return pass.d_residual.data();
+  models::gather_rows(pass.tp, pass.d_residual.data(), pass.d_gathered.data(), pass.stream_rows(),
+                      pass.hidden);
+  return pass.d_gathered.data();
+}
+
+// block_input_norm's backward from pass.d_norm, the block's partial input
+// gradient [N, H]: summed over tp (all of it, or the rank's rows), then
+// through the norm into the residual stream's gradient. With sequence
+// parallelism each rank has the norm weight's gradient of its rows only, so
+// that is summed over tp too.
+void block_input_norm_backward(DecoderPass& pass, const ParameterView& norm, const float* x,
+                               const float* rstd) {
+  const int64_t n = pass.stream_rows(), H = pass.hidden;
+  if (!pass.sequence_parallel) {
+    models::reduce_partial_sums(pass.tp, pass.d_norm.data(), n * H);
+    rmsnorm_backward(pass.d_residual.data(), norm.grad, pass.d_norm.data(), x, norm.data, rstd, n,
+                     H);
+    return;
+  }
+  models::reduce_scatter_rows(pass.tp, pass.d_norm.data(), pass.stream.data(), n, H);
+  std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
+  rmsnorm_backward(pass.d_residual.data(), pass.d_norm_weight.data(), pass.stream.data(), x,
+                   norm.data, rstd, n, H);
+  pass.tp.all_reduce_sum(pass.d_norm_weight.data(), H);
+  for (int64_t i = 0; i < H; ++i) norm.grad[i] += pass.d_norm_weight[size_t(i)];
+}
+
 }  // namespace
 
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
-                         TensorParallelGroup& tp)
+                         TensorParallelGroup& tp, bool sequence_parallel)
     : tp(tp),
+      sequence_parallel(sequence_parallel),
       attention{batch, seq_len, c.num_attention_heads / tp.size(),
                 c.num_key_value_heads / tp.size(), c.hidden_size / c.num_attention_heads},
       hidden(c.hidden_size),
@@ -45,18 +100,26 @@ DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
       d_attention(rows() * attention.q_dim()),
       d_scores(attention.d_scores_size()),
       d_gate_up(rows() * 2 * intermediate),
-      d_mlp(rows() * intermediate) {}
+      d_mlp(rows() * intermediate),
+      stream(sequence_parallel ? stream_numel() : 0),
+      d_gathered(sequence_parallel ? rows() * hidden : 0),
+      d_norm_weight(sequence_parallel ? hidden : 0) {
+  models::require(!sequence_parallel || rows() % tp.size() == 0, Llama::kName,
+                  "sequence parallelism shards the " + std::to_string(rows()) +
+                      " rows of a micro-batch over " + std::to_string(tp.size()) +
+                      " tp ranks, which do not divide them");
+}
 
 LayerActivations::LayerActivations(const DecoderPass& pass)
     : norm1(pass.rows() * pass.hidden),
-      rstd1(pass.rows()),
+      rstd1(pass.stream_rows()),
       qkv(pass.rows() * pass.attention.qkv_dim()),
       probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
             pass.attention.seq_len),
       attention(pass.rows() * pass.attention.q_dim()),
-      h(pass.rows() * pass.hidden),
+      h(pass.stream_numel()),
       norm2(pass.rows() * pass.hidden),
-      rstd2(pass.rows()),
+      rstd2(pass.stream_rows()),
       gate_up(pass.rows() * 2 * pass.intermediate),
       mlp(pass.rows() * pass.intermediate) {}
 
@@ -66,7 +129,7 @@ int64_t LayerActivations::bytes() const {
 
 HeadActivations::HeadActivations(const DecoderPass& pass)
     : final_norm(pass.rows() * pass.hidden),
-      final_rstd(pass.rows()),
+      final_rstd(pass.stream_rows()),
       logits(pass.rows() * pass.vocab.size) {}
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
@@ -92,37 +155,41 @@ void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
 
 void Llama::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                               float* out) {
-  models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
-                                           pass.vocab, pass.tp);
+  if (!pass.sequence_parallel) {
+    models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
+                                             pass.vocab, pass.tp);
+    return;
+  }
+  models::vocab_parallel_embedding_lookup(pass.projection.data(), tokens, embedding->data,
+                                          pass.rows(), pass.hidden, pass.vocab);
+  models::reduce_scatter_rows(pass.tp, pass.projection.data(), out, pass.stream_rows(),
+                              pass.hidden);
 }
 
 void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
-  models::vocab_parallel_embedding_backward(embedding->grad, tokens, pass.d_residual.data(),
+  models::vocab_parallel_embedding_backward(embedding->grad, tokens, block_output_gradient(pass),
                                             pass.rows(), pass.hidden, pass.vocab);
 }
 
 void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
                           LayerActivations& saved, float* out) {
   const AttentionShape& shape = pass.attention;
-  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, n = pass.stream_rows();
 
-  rmsnorm_out_of_line(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm], pass);
+  block_input_norm(pass, saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm]);
   linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                  shape.heads + shape.kv_heads, shape.qkv_dim());
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), shape);
   linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
                  H);
-  models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
-  residual_forward(saved.h.data(), x, pass.projection.data(), N * H);
+  residual_forward(saved.h.data(), x, finish_row_parallel(pass), n * H);
 
-  rmsnorm_out_of_line(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm],
-                      pass);
+  block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
   linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
-  models::reduce_partial_sums(pass.tp, pass.projection.data(), N * H);
-  residual_forward(out, saved.h.data(), pass.projection.data(), N * H);
+  residual_forward(out, saved.h.data(), finish_row_parallel(pass), n * H);
 }
 
 // Each residual add passes its gradient through, so the norms' backward
@@ -132,61 +199,55 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
                            LayerActivations& saved, WeightGradients& gradients) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, Q = shape.q_dim();
-  float* d_residual = pass.d_residual.data();
 
-  linear_backward_input(pass.d_mlp.data(), d_residual, layer[kDown].data, N, I, H);
-  gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_residual, saved.mlp);
+  float* d_out = block_output_gradient(pass);
+  linear_backward_input(pass.d_mlp.data(), d_out, layer[kDown].data, N, I, H);
+  gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_out, saved.mlp);
   swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
   linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
-  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * H);
   gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
                    saved.norm2);
-  rmsnorm_backward(d_residual, layer[kPostNorm].grad, pass.d_norm.data(), saved.h.data(),
-                   layer[kPostNorm].data, saved.rstd2.data(), N, H);
+  block_input_norm_backward(pass, layer[kPostNorm], saved.h.data(), saved.rstd2.data());
   gradients.vector_ready(layer[kPostNorm]);
 
-  linear_backward_input(pass.d_attention.data(), d_residual, layer[kO].data, N, Q, H);
-  gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_residual, saved.attention);
+  float* d_h = block_output_gradient(pass);
+  linear_backward_input(pass.d_attention.data(), d_h, layer[kO].data, N, Q, H);
+  gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_h, saved.attention);
   attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
                      saved.qkv.data(), saved.probs.data(), shape);
   rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
                         shape.qkv_dim());
-  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * H);
   gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),
                    saved.norm1);
-  rmsnorm_backward(d_residual, layer[kInputNorm].grad, pass.d_norm.data(), x,
-                   layer[kInputNorm].data, saved.rstd1.data(), N, H);
+  block_input_norm_backward(pass, layer[kInputNorm], x, saved.rstd1.data());
   gradients.vector_ready(layer[kInputNorm]);
 }
 
 // As layer_forward computes them.
 void Llama::recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
                                   LayerActivations& saved) {
-  rmsnorm_out_of_line(saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm], pass);
-  rmsnorm_out_of_line(saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm],
-                      pass);
+  block_input_norm(pass, saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm]);
+  block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
 }
 
 double Llama::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
                            const float* x, const int32_t* targets, HeadActivations& saved) {
-  const int64_t N = pass.rows(), H = pass.hidden;
-  rmsnorm_forward(saved.final_norm.data(), saved.final_rstd.data(), x, head->data, N, H, pass.eps);
+  block_input_norm(pass, saved.final_norm.data(), saved.final_rstd.data(), x, *head);
   return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
-                                      targets, N, H, pass.vocab, pass.tp);
+                                      targets, pass.rows(), pass.hidden, pass.vocab, pass.tp);
 }
 
 void Llama::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
                           const float* x, const int32_t* targets, float loss_scale,
                           HeadActivations& saved, WeightGradients& gradients) {
-  const int64_t N = pass.rows(), H = pass.hidden;
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, N, H, pass.vocab, pass.tp, gradients);
+                                targets, loss_scale, pass.rows(), pass.hidden, pass.vocab,
+                                gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
-  rmsnorm_backward(pass.d_residual.data(), head->grad, pass.d_norm.data(), x, head->data,
-                   saved.final_rstd.data(), N, H);
+  block_input_norm_backward(pass, *head, x, saved.final_rstd.data());
   gradients.vector_ready(*head);
 }
 

@@ -29,11 +29,18 @@ enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTe
 // rotary table, and scratch that holds nothing from one layer to the next.
 // N = batch * seq_len rows throughout. Over a tp group the sizes are one
 // rank's: heads, key/value heads and intermediate / tp, its vocabulary shard.
+// With sequence parallelism the residual stream between the blocks (a
+// layer's input and output, h, and the norms' 1/rms) holds the rank's
+// stream_rows() = N / tp rows only (common/tensor_parallel.hpp).
 struct DecoderPass {
-  DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len, TensorParallelGroup& tp);
+  DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
+              bool sequence_parallel);
   int64_t rows() const { return attention.batch * attention.seq_len; }
+  int64_t stream_rows() const { return sequence_parallel ? rows() / tp.size() : rows(); }
+  int64_t stream_numel() const { return stream_rows() * hidden; }
 
   TensorParallelGroup& tp;
+  bool sequence_parallel;
   AttentionShape attention;
   int64_t hidden, intermediate;
   VocabShard vocab;
@@ -43,6 +50,10 @@ struct DecoderPass {
   // The residual stream's gradient [N, H], from a layer's output to its input.
   std::vector<float> d_residual;
   std::vector<float> d_norm, d_qkv, d_attention, d_scores, d_gate_up, d_mlp;
+  // Sequence parallelism's scratch: the rank's rows of a norm's output or
+  // of a reduce-scattered sum [n, H], a gathered gradient [N, H], and a
+  // norm weight's gradient before its sum over tp [H].
+  std::vector<float> stream, d_gathered, d_norm_weight;
 };
 
 // What one decoder layer's forward keeps for its backward.
@@ -93,6 +104,7 @@ struct Llama {
   static void check_tensor_parallel(const Config& config, int64_t tp) {
     llama::check_tensor_parallel(config, tp);
   }
+  static constexpr bool kSequenceParallel = true;
 
   // out = embed_tokens[tokens]
   static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,

@@ -88,7 +88,8 @@ struct LlamaPlugin {
     return meshrun::models::describe_model({{"config", hf_config(config)},
                                             {"vocab_size", config.vocab_size},
                                             {"max_seq_len", nullptr},
-                                            {"num_layers_key", "num_hidden_layers"}},
+                                            {"num_layers_key", "num_hidden_layers"},
+                                            {"sequence_parallel", Family::kSequenceParallel}},
                                            parameters, config.num_hidden_layers, modules(config));
   }
 };

@@ -1,4 +1,5 @@
-"""`meshrun train` with tensor parallelism (distributed.tp_size > 1), against 1 rank.
+"""`meshrun train` with tensor parallelism (distributed.tp_size > 1), with and
+without sequence parallelism, against 1 rank.
 Activation checkpointing at tp = 2 recomputes the same operations, so it is
 checked bit for bit against tp = 2 without it.
 
@@ -25,12 +26,15 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+from meshrun_testing import InputErrorAssertions  # noqa: E402
 from test_gpt2 import TINY_GPT2  # noqa: E402
 from test_train import (MESHRUN, Runs, TrainTest, losses, metrics,  # noqa: E402
-                        read_safetensors)
+                        read_safetensors, run)
 
 FP32 = ("distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=float32")
 TP2 = FP32 + ("distributed.tp_size=2",)
+SP = ("distributed.sequence_parallel=true",)
 PP2 = ("distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2",
        "distributed.pipeline.pp_batch_size=8")
 WEIGHT_TOLERANCE = 1e-4
@@ -75,6 +79,25 @@ class Equivalence(TensorParallelTest):
         self.assert_matches(self.reference, output)
         self.assert_same_weights(self.reference, output)
 
+    def test_sequence_parallel_tp2_matches_one_rank(self):
+        output = self.runs.train("sp", 2, *TP2, *SP)
+        self.assert_matches(self.reference, output)
+        self.assert_same_weights(self.reference, output)
+        # The same bytes as without sequence parallelism (an all-gather and a
+        # reduce-scatter weigh one all-reduce), plus the norm weights'
+        # gradients summed over tp: 2 per layer and the final norm, H floats
+        # each, per micro-batch.
+        plain = self.runs.train("no-sp", 2, *TP2)
+        hidden, layers, micro_batches = 32, 2, 4
+        self.assertEqual(metrics(output)[0]["tp_bytes"] - metrics(plain)[0]["tp_bytes"],
+                         micro_batches * 4 * hidden * (2 * layers + 1))
+        self.assertLess(metrics(output)[0]["mem"]["activations"],
+                        metrics(plain)[0]["mem"]["activations"])
+
+    def test_sequence_parallel_pp2_by_tp2_matches_one_rank(self):
+        output = self.runs.train("sp-pp2tp2", 4, *TP2, *SP, *PP2)
+        self.assert_matches(self.reference, output)
+
     def test_tp2_by_dp_shard2_matches_one_rank(self):
         output = self.runs.train("tp2dp2", 4, *TP2)
         self.assert_matches(self.reference, output)
@@ -93,13 +116,14 @@ class Equivalence(TensorParallelTest):
         self.assert_matches(reference, output)
 
     def test_activation_checkpointing_with_tp2_is_exact(self):
-        plain = self.runs.train("tp2-plain", 2, *TP2)
-        for mode in ("full", "selective"):
-            with self.subTest(mode=mode):
-                output = self.runs.train(f"tp2-{mode}", 2, *TP2,
-                                         f"distributed.activation_checkpointing={mode}")
-                self.assertEqual(losses(plain), losses(output))
-                self.assertEqual(exported(plain), exported(output))
+        for name, layout in (("tp2", TP2), ("sp", TP2 + SP)):
+            plain = self.runs.train(f"{name}-plain", 2, *layout)
+            for mode in ("full", "selective"):
+                with self.subTest(layout=name, mode=mode):
+                    output = self.runs.train(f"{name}-{mode}", 2, *layout,
+                                             f"distributed.activation_checkpointing={mode}")
+                    self.assertEqual(losses(plain), losses(output))
+                    self.assertEqual(exported(plain), exported(output))
 
     def test_gpt2_tp2_matches_one_rank(self):
         runs = Runs()
@@ -128,6 +152,20 @@ class Equivalence(TensorParallelTest):
                               capture_output=True, text=True).stdout
         self.assertIn("tensors placed replicate 5, shard(0) 12, shard(1) 4; 17568 parameters per "
                       "tp rank", text)
+
+
+class BadInput(TrainTest, InputErrorAssertions):
+    def test_sequence_parallel_needs_a_model_that_computes_it_and_whole_rows(self):
+        runs = Runs()
+        with open(runs.config, "w") as f:
+            f.write(TINY_GPT2)
+        try:
+            self.assert_input_error(run(runs.config, "--nproc-per-node", "2", *TP2, *SP),
+                                    "distributed.sequence_parallel", "meshrun_model_gpt2")
+        finally:
+            runs.cleanup()
+        self.assert_input_error(run(self.runs.config, "--nproc-per-node", "2", *TP2, *SP,
+                                    "data.seq_len=33"), "data.seq_len", "tp_size (2)")
 
 
 class Checkpoints(TensorParallelTest):

@@ -272,8 +272,6 @@ class BadInput(TrainTest, InputErrorAssertions):
             # no training entry points
             ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
             ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=3"),
-            ("distributed.sequence_parallel", "distributed.strategy=fsdp2",
-             "distributed.tp_size=2", "distributed.sequence_parallel=true"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),
         ]

@@ -42,6 +42,11 @@
  *   "vocab_size": token ids must lie in [0, vocab_size)
  *   "max_seq_len": the longest sequence it takes, or null for no limit
  *   "num_layers_key": the [model] key of the layer count, for messages
+ *   "sequence_parallel": true when the model computes sequence parallelism
+ *                 (the plan's "sequence_parallel": its residual stream
+ *                 between the tensor-parallel blocks holds the rank's 1/tp
+ *                 of the rows); absent means false, and the host refuses
+ *                 distributed.sequence_parallel for it
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".
