@@ -50,7 +50,7 @@ class ShapeScanner {
   void step() {
     const char c = peek();
     if (c == '#') return skip_comment();
-    if (c == '"' || c == '\'') return skip_string(c);
+    if ((c == '"' || c == '\'') && opens_string()) return skip_string(c);
     if (c == '\n') {
       advance();
       if (open_.empty()) start_statement();
@@ -59,6 +59,18 @@ class ShapeScanner {
     refuse_non_ascii(c);
     if (key_mode_) return key_char(c);
     value_char(c);
+  }
+
+  // A quote opens a string only where TOML can have one: after a separator
+  // or blank. Glued to a bare word or number (181"abc) toml++ reads it as
+  // more of that token, non-ASCII characters after it included.
+  bool opens_string() const {
+    if (at_ == 0) return true;
+    const char before = text_[at_ - 1];
+    for (const char separator : {' ', '\t', '\r', '\n', '=', '[', '{', ',', '.'}) {
+      if (before == separator) return true;
+    }
+    return false;
   }
 
   void refuse_non_ascii(char c) const {
@@ -122,7 +134,7 @@ class ShapeScanner {
     key_bytes_ = 0;
     while (at_ < text_.size() && peek() != '\n' && peek() != '#') {
       const char c = peek();
-      if (c == '"' || c == '\'') {
+      if ((c == '"' || c == '\'') && opens_string()) {
         skip_string(c);
         continue;
       }
