@@ -64,6 +64,14 @@ class TensorParallelTest(TrainTest):
         self.assert_close(grad_norms(reference), grad_norms(output))
         self.assert_close(val_losses(reference), val_losses(output))
 
+    def assert_trains_as_one_rank(self, name, nproc, *overrides):
+        """Trains `name` and checks its metrics and exported weights against
+        the 1-rank reference; returns its output folder."""
+        output = self.runs.train(name, nproc, *overrides)
+        self.assert_matches(self.reference, output)
+        self.assert_same_weights(self.reference, output)
+        return output
+
     def assert_same_weights(self, reference, output):
         expected, actual = exported(reference), exported(output)
         self.assertEqual({k: v[:2] for k, v in expected.items()},
@@ -75,14 +83,10 @@ class TensorParallelTest(TrainTest):
 
 class Equivalence(TensorParallelTest):
     def test_tp2_matches_one_rank(self):
-        output = self.runs.train("tp2", 2, *TP2)
-        self.assert_matches(self.reference, output)
-        self.assert_same_weights(self.reference, output)
+        self.assert_trains_as_one_rank("tp2", 2, *TP2)
 
     def test_sequence_parallel_tp2_matches_one_rank(self):
-        output = self.runs.train("sp", 2, *TP2, *SP)
-        self.assert_matches(self.reference, output)
-        self.assert_same_weights(self.reference, output)
+        output = self.assert_trains_as_one_rank("sp", 2, *TP2, *SP)
         # The same bytes as without sequence parallelism (an all-gather and a
         # reduce-scatter weigh one all-reduce), plus the norm weights'
         # gradients summed over tp: 2 per layer and the final norm, H floats
@@ -99,14 +103,10 @@ class Equivalence(TensorParallelTest):
         self.assert_matches(self.reference, output)
 
     def test_tp2_by_dp_shard2_matches_one_rank(self):
-        output = self.runs.train("tp2dp2", 4, *TP2)
-        self.assert_matches(self.reference, output)
-        self.assert_same_weights(self.reference, output)
+        self.assert_trains_as_one_rank("tp2dp2", 4, *TP2)
 
     def test_pp2_by_tp2_matches_one_rank(self):
-        output = self.runs.train("pp2tp2", 4, *TP2, *PP2)
-        self.assert_matches(self.reference, output)
-        self.assert_same_weights(self.reference, output)
+        self.assert_trains_as_one_rank("pp2tp2", 4, *TP2, *PP2)
 
     def test_split_backward_schedule_with_tp2_matches_one_rank(self):
         layers = "model.num_hidden_layers=4"
