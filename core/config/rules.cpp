@@ -133,10 +133,10 @@ const Refusal kRefusals[] = {
      "needs distributed.tp_size > 1: it shards the activations of tensor-parallel layers on the "
      "sequence, and with tp_size 1 there are none",
      "set it to false"},
-    {"distributed.tp_plan", [](const Config& c) { return !c.distributed.tp_plan.empty(); },
-     "not implemented yet: each parameter's tensor-parallel placement is the one its model "
-     "computes (the model's description says it; `meshrun plan --json` shows it under "
-     "model.parameters)",
+    {"distributed.tp_plan",
+     [](const Config& c) { return !c.distributed.tp_plan.empty() && c.distributed.tp_size == 1; },
+     "needs distributed.tp_size > 1: it says which modules compute over tensor-parallel ranks, "
+     "and with tp_size 1 there are none",
      "remove the key"},
     {"distributed.offload_policy",
      [](const Config& c) { return !c.distributed.offload_policy.empty(); },

@@ -202,6 +202,63 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
   if (!d.config.is_object()) bad_description(origin, "\"config\" must be a JSON object");
 }
 
+std::pair<std::string, std::string> block_module(const std::string& pattern,
+                                                 const ordered_json& style,
+                                                 const std::string& where,
+                                                 const std::string& origin) {
+  if (!style.is_string() || (style != "colwise" && style != "rowwise")) {
+    bad_description(origin, fmt::format("{}.modules[\"{}\"] must be \"colwise\" or \"rowwise\"",
+                                        where, pattern));
+  }
+  return {pattern, style.get<std::string>()};
+}
+
+// "tp_blocks": every sharded parameter in a module of exactly one block, and
+// every block's module pattern naming some parameter's module.
+void read_tp_blocks(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  if (!json.contains("tp_blocks")) return;
+  const ordered_json& blocks = json.at("tp_blocks");
+  if (!blocks.is_array()) bad_description(origin, "\"tp_blocks\" must be an array");
+  for (const auto& entry : blocks) {
+    const std::string where = fmt::format("tp_blocks[{}]", d.tp_blocks.size());
+    TensorParallelBlock block{text_field(entry, "name", where, origin), {}};
+    const ordered_json& modules = field(entry, "modules", where, origin);
+    if (!modules.is_object() || modules.empty()) {
+      bad_description(origin, where + ".modules must be a non-empty object");
+    }
+    for (const auto& [pattern, style] : modules.items()) {
+      block.modules.push_back(block_module(pattern, style, where, origin));
+    }
+    d.tp_blocks.push_back(std::move(block));
+  }
+  for (const ModelParameter& p : d.parameters) {
+    const std::string module = module_of(p.name);
+    int blocks_of_p = 0;
+    for (const TensorParallelBlock& block : d.tp_blocks) {
+      bool in = false;
+      for (const auto& [pattern, style] : block.modules) in = in || module_matches(pattern, module);
+      blocks_of_p += in ? 1 : 0;
+    }
+    if (blocks_of_p > 1 || (blocks_of_p == 0 && p.tp != "replicate")) {
+      bad_description(origin, fmt::format("tp_blocks: parameter '{}' ('{}') is in {} blocks; a "
+                                          "parameter the model shards is in exactly one",
+                                          p.name, p.tp, blocks_of_p));
+    }
+  }
+  for (const TensorParallelBlock& block : d.tp_blocks) {
+    for (const auto& [pattern, style] : block.modules) {
+      const bool names_some = std::any_of(
+          d.parameters.begin(), d.parameters.end(),
+          [&](const ModelParameter& p) { return module_matches(pattern, module_of(p.name)); });
+      if (!names_some) {
+        bad_description(origin, fmt::format("tp_blocks: block '{}' names module '{}', which no "
+                                            "parameter belongs to",
+                                            block.name, pattern));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int64_t ModelDescription::parameter_index(const std::string& name) const {
@@ -226,6 +283,7 @@ ModelDescription parse_description(const std::string& text, const std::string& o
   read_parameters(d.json, origin, units, d);
   read_modules(d.json, origin, d);
   read_limits(d.json, origin, d);
+  read_tp_blocks(d.json, origin, d);
   return d;
 }
 

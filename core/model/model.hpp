@@ -37,6 +37,15 @@ struct ModelModule {
   std::string group;                // modules of one non-empty group share a stage
 };
 
+// Modules the model computes over tp together or replicates together
+// (distributed.tp_plan): each module pattern (a parameter's name without
+// its last component, '*' for one name component) with its torch style
+// when parallel, "colwise" or "rowwise".
+struct TensorParallelBlock {
+  std::string name;
+  std::vector<std::pair<std::string, std::string>> modules;
+};
+
 // What `describe` said, checked (meshrun/model.h).
 struct ModelDescription {
   nlohmann::ordered_json config;  // the Hugging Face config.json
@@ -47,8 +56,10 @@ struct ModelDescription {
   std::optional<int64_t> max_seq_len;
   std::string num_layers_key;      // e.g. "model.num_hidden_layers"
   bool sequence_parallel = false;  // the model computes sequence parallelism
-  int64_t numel = 0;               // elements over all parameters
-  nlohmann::ordered_json json;     // as the plugin wrote it (for sidecars)
+  // Empty when the model computes one tensor-parallel layout only.
+  std::vector<TensorParallelBlock> tp_blocks;
+  int64_t numel = 0;            // elements over all parameters
+  nlohmann::ordered_json json;  // as the plugin wrote it (for sidecars)
   // Name -> index, so that reading a description of many layers stays linear.
   std::unordered_map<std::string, int64_t> parameter_indices, module_indices;
 

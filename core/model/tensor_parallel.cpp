@@ -44,6 +44,30 @@ std::optional<TensorPlacement> parse_tensor_placement(const std::string& text, s
   return placement;
 }
 
+std::string module_of(const std::string& parameter) {
+  const size_t dot = parameter.rfind('.');
+  return dot == std::string::npos ? parameter : parameter.substr(0, dot);
+}
+
+bool module_matches(const std::string& pattern, const std::string& module) {
+  size_t p = 0, m = 0;
+  while (p < pattern.size() && m <= module.size()) {
+    if (pattern[p] == '*') {
+      const size_t end = module.find('.', m);
+      const size_t stop = end == std::string::npos ? module.size() : end;
+      if (stop == m) return false;
+      m = stop;
+      ++p;
+    } else if (m < module.size() && pattern[p] == module[m]) {
+      ++p;
+      ++m;
+    } else {
+      return false;
+    }
+  }
+  return p == pattern.size() && m == module.size();
+}
+
 TensorParallelLayout::TensorParallelLayout(const ModelDescription& full, const ordered_json& plan,
                                            int64_t tp)
     : tp_(tp), placements_(full.parameters.size()), full_(full.parameters), local_(full) {
@@ -61,7 +85,8 @@ TensorParallelLayout::TensorParallelLayout(const ModelDescription& full, const o
       if (extent % (tp * placement.blocks) != 0) {
         refuse(fmt::format(
             "{} does not divide dimension {} of parameter '{}' ({} elements{}), "
-            "which the plan shards over tp; choose a tp_size that divides it",
+            "which the plan shards over tp; choose a tp_size that divides it, or a "
+            "distributed.tp_plan that replicates it",
             tp, placement.dim, parameter.name, extent,
             placement.blocks > 1
                 ? fmt::format(" in {} blocks of {}", placement.blocks, extent / placement.blocks)

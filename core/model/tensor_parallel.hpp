@@ -32,6 +32,12 @@ struct TensorPlacement {
 // 1; nullopt for anything else.
 std::optional<TensorPlacement> parse_tensor_placement(const std::string& text, size_t ndim);
 
+// The module a parameter belongs to: its name without the last component.
+std::string module_of(const std::string& parameter);
+// Whether `module` is named by `pattern`, where '*' stands for one whole
+// name component ("model.layers.*.mlp.up_proj").
+bool module_matches(const std::string& pattern, const std::string& module);
+
 class TensorParallelLayout {
  public:
   // The layout of `plan`'s "parameters" over tp ranks. Throws

@@ -12,6 +12,7 @@
 #include "errors.hpp"
 #include "meshrun/sidecar.h"
 #include "plan/plan.hpp"
+#include "plan/tp_plan.hpp"
 #include "plugin/call_scope.hpp"
 
 namespace meshrun {
@@ -172,12 +173,16 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
   for (int32_t u = 0; u < d.root_unit(); ++u) {
     units.push_back({{"name", d.units[size_t(u)]}, {"parameters", ordered_json::array()}});
   }
-  // Over tp ranks each parameter is placed as the model computes it.
+  // Over tp ranks each parameter is placed as the model computes it, or
+  // replicated with its block (distributed.tp_plan).
   const int64_t tp = mesh.axis_size(Axis::tp);
+  const TensorParallelChoice choice =
+      tp > 1 ? choose_tensor_parallel(config, d) : TensorParallelChoice{};
   ordered_json parameters = ordered_json::array();
   for (const ModelParameter& p : d.parameters) {
     units[p.unit == d.root_unit() ? 0 : size_t(p.unit) + 1]["parameters"].push_back(p.name);
-    const std::string placement = tp > 1 ? p.tp : "replicate";
+    const std::string placement =
+        tp > 1 ? choice.placements[size_t(&p - d.parameters.data())] : "replicate";
     std::vector<int64_t> local_shape = p.shape;
     if (const auto parsed = parse_tensor_placement(placement, p.shape.size());
         parsed && parsed->sharded()) {
@@ -197,7 +202,7 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
   const int64_t pp = mesh.axis_size(Axis::pp);
   return {{"units", std::move(units)},
           {"parameters", std::move(parameters)},
-          {"tensor_parallel", ordered_json::array()},
+          {"tensor_parallel", tp > 1 ? choice.rules : ordered_json::array()},
           {"pipeline", pp > 1 ? pipeline_split(config, d, pp, schedule) : ordered_json(nullptr)},
           {"activation_checkpointing", std::move(checkpointed)},
           {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel}};

@@ -64,6 +64,16 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
   return fields.dump();
 }
 
+nlohmann::ordered_json tp_blocks_json(const std::vector<BlockSpec>& specs) {
+  ordered_json blocks = ordered_json::array();
+  for (const BlockSpec& spec : specs) {
+    ordered_json modules = ordered_json::object();
+    for (const auto& [module, style] : spec.modules) modules[module] = style;
+    blocks.push_back({{"name", block_name(spec.block)}, {"modules", std::move(modules)}});
+  }
+  return blocks;
+}
+
 StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
                          const std::vector<std::string>& names, const char* family) {
   StageLayout layout{-1, -1, count_whole(modules.embedding, names, family) > 0,

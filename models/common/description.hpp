@@ -39,6 +39,10 @@ std::string describe_model(nlohmann::ordered_json fields,
                            const std::vector<ParameterView>& parameters, int64_t num_layers,
                            const ModelModules& modules);
 
+// The description's "tp_blocks" (meshrun/model.h): each block's name and
+// its modules' styles.
+nlohmann::ordered_json tp_blocks_json(const std::vector<BlockSpec>& specs);
+
 // The layout of a stage computing the modules `names` (a contiguous run of
 // the model's, which the host checked). Throws std::invalid_argument
 // starting with `family` for an unknown module, and for some but not all

@@ -31,12 +31,14 @@
 //     root parameters; a tied lm_head is the first of them) and of a layer
 //   check_layer_storage(layer views, backward): the host's storage is fit
 //   kSequenceParallel: whether it computes sequence parallelism
-//   check_tensor_parallel(config, tp_size): the model splits over tp ranks
-//     (throws std::invalid_argument if not); parameters() say each one's
-//     placement (ParameterView::tp)
-//   Pass(config, batch, seq_len, tp, sequence_parallel): what a forward at
-//     one shape shares, with local sizes over the tp group
-//     (common/tensor_parallel.hpp), stream_numel() (the elements of the
+//   check_tensor_parallel(config, tp_size, blocks): the model splits its
+//     parallel blocks over tp ranks (throws std::invalid_argument if not);
+//     parameters() say each one's placement (ParameterView::tp)
+//   tensor_parallel_blocks(): its BlockSpecs; tensor_parallel_block(name):
+//     the Block of a parameter it computes over tp
+//   Pass(config, batch, seq_len, tp, sequence_parallel, blocks): what a
+//     forward at one shape shares, with local sizes over the tp group for
+//     the parallel blocks (common/tensor_parallel.hpp), stream_numel() (the elements of the
 //     residual stream a rank holds: rows() * hidden, or its rows of them with
 //     sequence parallelism; throws std::invalid_argument for sequence
 //     parallelism the family cannot compute), and
@@ -273,6 +275,7 @@ class TransformerStage {
   SingleRank single_rank_;
   TensorParallelGroup& tp_;
   bool sequence_parallel_;
+  ParallelBlocks blocks_;  // which blocks the plan computes over tp
   std::vector<ParameterView> parameters_;
   int64_t head_index_ = 0;     // into parameters_: the head's first view
   int64_t lm_head_index_ = 0;  // the embedding's first view when tied

@@ -186,26 +186,25 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
         found == checkpointing.end() ? std::nullopt : std::optional<Recomputation>(found->second));
   }
   if (tp_.size() > 1) {
-    Family::check_tensor_parallel(config_, tp_.size());
     require(!sequence_parallel_ || Family::kSequenceParallel, Family::kName,
             "sequence parallelism: the model computes tensor parallelism with its residual "
             "stream replicated over tp ranks only (distributed.sequence_parallel = false)");
     localize(placements);
+    Family::check_tensor_parallel(config_, tp_.size(), blocks_);
   }
 }
 
-// The plan may place a parameter only as the family computes it; a sharded
-// view has the rank's extent.
+// The plan may place a parameter as the family computes it, or replicate
+// its whole block; a sharded view has the rank's extent.
 template <class Family>
 void TransformerStage<Family>::localize(const Placements& placements) {
+  blocks_ = planned_blocks(parameters_, placements, &Family::tensor_parallel_block, Family::kName);
+  if (config_.tie_word_embeddings) blocks_.set(Block::head, blocks_[Block::embedding]);
   for (ParameterView& view : parameters_) {
     const auto found = placements.of.find(view.name);
-    const std::string planned = found != placements.of.end() ? found->second : "replicate";
-    require(planned == view.tp, Family::kName,
-            "tensor parallelism: the plan places " + view.name + " as '" + planned +
-                "', but the model computes it as '" + view.tp + "'");
-    if (planned == "replicate") continue;
-    view.shape[size_t(planned[6] - '0')] /= tp_.size();
+    view.tp = found != placements.of.end() ? found->second : "replicate";
+    if (view.tp == "replicate") continue;
+    view.shape[size_t(view.tp[6] - '0')] /= tp_.size();
     view.numel /= tp_.size();
   }
 }
@@ -302,7 +301,8 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   spare_.clear();
   scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
-  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_, sequence_parallel_);
+  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_, sequence_parallel_,
+                                                  blocks_);
   const auto any = [&](Recomputation mode) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };

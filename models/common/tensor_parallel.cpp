@@ -6,12 +6,78 @@
 #include <vector>
 
 #include "common/layers.hpp"
+#include "common/stage.hpp"
 
 namespace meshrun::models {
 
 VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp) {
   const int64_t size = vocab / tp.size();
   return {tp.rank() * size, size};
+}
+
+VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp, const ParallelBlocks& blocks,
+                       Block block) {
+  return blocks[block] ? vocab_shard(vocab, tp) : VocabShard{0, vocab};
+}
+
+void ReplicatedOver::reduce_scatter_sum(const float* send, float* recv, int64_t count) {
+  std::copy_n(send + rank() * count, count, recv);
+}
+
+const char* block_name(Block block) {
+  switch (block) {
+    case Block::attention:
+      return "attention";
+    case Block::mlp:
+      return "mlp";
+    case Block::embedding:
+      return "embedding";
+    case Block::head:
+      return "lm_head";
+  }
+  return "?";
+}
+
+const ParallelModule* ParallelModules::find(const std::string& parameter) const {
+  const std::string module = parameter.substr(0, parameter.rfind('.'));
+  const std::string prefix = layer_prefix;
+  if (module.rfind(prefix, 0) == 0) {
+    const std::string in_layer = module.substr(module.find('.', prefix.size()) + 1);
+    for (const ParallelModule& m : layer) {
+      if (in_layer == m.name) return &m;
+    }
+    return nullptr;
+  }
+  for (const ParallelModule& m : root) {
+    if (module == m.name) return &m;
+  }
+  return nullptr;
+}
+
+std::string ParallelModules::placement(const std::string& parameter) const {
+  const ParallelModule* module = find(parameter);
+  if (module == nullptr) return "replicate";
+  const bool bias =
+      parameter.size() >= 5 && parameter.compare(parameter.size() - 5, 5, ".bias") == 0;
+  return bias ? module->bias : module->weight;
+}
+
+std::optional<Block> ParallelModules::block(const std::string& parameter) const {
+  const ParallelModule* module = find(parameter);
+  return module ? std::optional<Block>(module->block) : std::nullopt;
+}
+
+std::vector<BlockSpec> ParallelModules::specs(bool tied_lm_head) const {
+  std::vector<BlockSpec> specs;
+  const auto add = [&](const ParallelModule& m, const std::string& prefix) {
+    if (tied_lm_head && m.block == Block::head) return;
+    if (specs.empty() || specs.back().block != m.block) specs.push_back({m.block, {}});
+    specs.back().modules.emplace_back(prefix + m.name, m.style);
+  };
+  add(root.front(), "");
+  for (const ParallelModule& m : layer) add(m, std::string(layer_prefix) + "*.");
+  for (size_t m = 1; m < root.size(); ++m) add(root[m], "");
+  return specs;
 }
 
 void SingleRank::all_gather(const float* send, float* recv, int64_t count) {
@@ -115,6 +181,42 @@ Placements plan_placements(const char* plan_json) {
         parameter.value("tp", std::string("replicate"));
   }
   return placements;
+}
+
+namespace {
+
+// Records that `view`'s block is planned parallel or not, as the block's
+// views planned before it were.
+void settle(ParallelBlocks& blocks, std::array<const ParameterView*, 4>& decided, Block block,
+            const ParameterView& view, const std::string& planned, const char* family) {
+  const bool parallel = planned != "replicate";
+  const ParameterView*& first = decided[size_t(block)];
+  require(first == nullptr || blocks[block] == parallel, family,
+          "tensor parallelism: the plan places " + view.name + " as '" + planned + "' but " +
+              (first ? first->name : "") + " of the same block (" + block_name(block) +
+              ") otherwise; the model computes a block over tp or replicated as a whole");
+  first = first ? first : &view;
+  blocks.set(block, parallel);
+}
+
+}  // namespace
+
+ParallelBlocks planned_blocks(const std::vector<ParameterView>& views, const Placements& placements,
+                              BlockOf block_of, const char* family) {
+  ParallelBlocks blocks;
+  std::array<const ParameterView*, 4> decided{};
+  for (const ParameterView& view : views) {
+    const auto found = placements.of.find(view.name);
+    const std::string planned = found != placements.of.end() ? found->second : "replicate";
+    if (view.tp == "replicate" && planned == "replicate") continue;
+    const std::optional<Block> block = block_of(view.name);
+    require(planned == view.tp || (block && planned == "replicate"), family,
+            "tensor parallelism: the plan places " + view.name + " as '" + planned +
+                "', but the model computes it as '" + view.tp + "'" +
+                (block ? " or 'replicate'" : ""));
+    if (block) settle(blocks, decided, *block, view, planned, family);
+  }
+  return blocks;
 }
 
 }  // namespace meshrun::models

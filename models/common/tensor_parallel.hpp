@@ -19,11 +19,21 @@
 // A family computes its layers with local sizes (heads / tp, intermediate /
 // tp, vocab / tp) and calls these at the points above; with a group of one
 // rank every call is the plain single-process computation.
+//
+// distributed.tp_plan may replicate whole blocks instead (docs/plan.md): a
+// replicated block computes with the full sizes on every rank, over
+// ReplicatedOver(tp), so the same calls at the same points stay right.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "common/parameters.hpp"
 
 namespace meshrun::models {
 
@@ -54,6 +64,89 @@ class SingleRank : public TensorParallelGroup {
   void reduce_scatter_sum(const float* send, float* recv, int64_t count) override;
 };
 
+// The group a replicated block computes over: every rank holds the whole
+// result, so a sum over ranks is complete already (no-op), a
+// reduce-scatter keeps the rank's part, and a gather is tp's own. Sizes and
+// ranks are tp's, so sequence-parallel rows stay split as elsewhere.
+class ReplicatedOver : public TensorParallelGroup {
+ public:
+  explicit ReplicatedOver(TensorParallelGroup& tp) : tp_(tp) {}
+  int64_t size() const override { return tp_.size(); }
+  int64_t rank() const override { return tp_.rank(); }
+  void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
+  void all_reduce_max(float* /*data*/, int64_t /*count*/) override {}
+  void all_gather(const float* send, float* recv, int64_t count) override {
+    tp_.all_gather(send, recv, count);
+  }
+  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override;
+
+ private:
+  TensorParallelGroup& tp_;
+};
+
+// The blocks a family computes over tp or replicates as a whole
+// (distributed.tp_plan): the attention of every layer, the MLP of every
+// layer, the token embedding (with a tied lm_head), and the lm_head.
+enum class Block { attention, mlp, embedding, head };
+
+// A block as a description's "tp_blocks" entry names it: its modules (a
+// parameter's name without the last component, '*' for a layer's index)
+// and each one's torch style when the block is parallel.
+struct BlockSpec {
+  Block block;
+  std::vector<std::pair<std::string, std::string>> modules;  // module, "colwise" | "rowwise"
+};
+const char* block_name(Block block);
+
+// A module a family computes over tp: its name (for a layer's, after
+// "<layer prefix><index>."), its weight's and bias's placements, its block
+// and its torch style.
+struct ParallelModule {
+  const char* name;
+  const char* weight;
+  const char* bias;
+  Block block;
+  const char* style;
+};
+
+// A family's parallel modules: the layers' (each layer's name begins with
+// layer_prefix and its index) and the root's, its embedding first and its
+// lm_head, if any, last.
+struct ParallelModules {
+  const char* layer_prefix;
+  std::vector<ParallelModule> layer, root;
+
+  // The module of `parameter` (its name without the last component), or null
+  // for one the family computes replicated only.
+  const ParallelModule* find(const std::string& parameter) const;
+  // The placement of `parameter`: its module's weight's or bias's, else
+  // "replicate".
+  std::string placement(const std::string& parameter) const;
+  std::optional<Block> block(const std::string& parameter) const;
+  // The blocks in model order (embedding, layers', lm_head unless tied),
+  // with each module named by a pattern ('*' for the layer index).
+  std::vector<BlockSpec> specs(bool tied_lm_head) const;
+};
+
+// Which blocks compute over tp; a stage's Pass sizes each block by it.
+class ParallelBlocks {
+ public:
+  bool operator[](Block block) const { return parallel_[size_t(block)]; }
+  void set(Block block, bool parallel) { parallel_[size_t(block)] = parallel; }
+  // tp, or the replicated view of it, for `block`.
+  TensorParallelGroup& group(Block block, TensorParallelGroup& tp,
+                             ReplicatedOver& replicated) const {
+    return (*this)[block] ? tp : static_cast<TensorParallelGroup&>(replicated);
+  }
+  // `extent` / tp for a parallel block, whole for a replicated one.
+  int64_t local(Block block, int64_t extent, const TensorParallelGroup& tp) const {
+    return (*this)[block] ? extent / tp.size() : extent;
+  }
+
+ private:
+  std::array<bool, 4> parallel_{true, true, true, true};
+};
+
 // The sum over tp ranks of partial results: a row-parallel linear's output
 // in forward, a column-parallel linear's input gradient in backward.
 inline void reduce_partial_sums(TensorParallelGroup& tp, float* data, int64_t count) {
@@ -75,6 +168,9 @@ struct VocabShard {
   bool holds(int32_t token) const { return token >= begin && token < begin + size; }
 };
 VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp);
+// The shard of a block: the whole vocabulary when it is replicated.
+VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp, const ParallelBlocks& blocks,
+                       Block block);
 
 // This rank's part of out[r, :] = table[tokens[r], :]: the rows of the
 // tokens it holds, zero elsewhere; the sum over ranks completes them.
@@ -109,5 +205,14 @@ struct Placements {
 };
 // Reads them from the plan JSON a stage is given; none for "{}".
 Placements plan_placements(const char* plan_json);
+
+// The blocks `placements` make parallel, where `block_of` gives the block
+// of each parameter the family computes over tp (by name). Throws
+// std::invalid_argument naming the parameter when the plan places one
+// other than as the family computes it (`view.tp`) or "replicate", or
+// replicates part of a block only.
+using BlockOf = std::optional<Block> (*)(const std::string& parameter);
+ParallelBlocks planned_blocks(const std::vector<ParameterView>& views, const Placements& placements,
+                              BlockOf block_of, const char* family);
 
 }  // namespace meshrun::models

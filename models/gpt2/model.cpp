@@ -4,11 +4,13 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace meshrun::gpt2 {
 
 using models::add_parameter;
+using models::Block;
 
 namespace {
 
@@ -17,19 +19,20 @@ bool ends_with(const std::string& text, const std::string& suffix) {
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The placement of a layer's tensor over tp (model_parameters's comment).
-std::string layer_placement(const std::string& name) {
-  if (ends_with(name, "c_attn.weight")) return "shard(1,3)";
-  if (ends_with(name, "c_attn.bias")) return "shard(0,3)";
-  if (ends_with(name, "c_fc.weight")) return "shard(1)";
-  if (ends_with(name, "c_fc.bias") || ends_with(name, "c_proj.weight")) return "shard(0)";
-  return "replicate";
-}
+// Megatron-LM's GPT-2 (model_parameters's comment). A Conv1D's weight is
+// [in, out], so a column-wise one shards dimension 1.
+const models::ParallelModules kParallelModules = {
+    "transformer.h.",
+    {{"attn.c_attn", "shard(1,3)", "shard(0,3)", Block::attention, "colwise"},
+     {"attn.c_proj", "shard(0)", "replicate", Block::attention, "rowwise"},
+     {"mlp.c_fc", "shard(1)", "shard(0)", Block::mlp, "colwise"},
+     {"mlp.c_proj", "shard(0)", "replicate", Block::mlp, "rowwise"}},
+    {{"transformer.wte", "shard(0)", "replicate", Block::embedding, "rowwise"},
+     {"lm_head", "shard(0)", "replicate", Block::head, "colwise"}}};
 
 void add_layer(std::vector<ParameterView>& views, const Gpt2Config& c, int64_t layer) {
   const int64_t E = c.n_embd, I = c.n_inner;
   const std::string p = "transformer.h." + std::to_string(layer) + ".";
-  const size_t first = views.size();
   add_parameter(views, p + "ln_1.weight", {E}, layer);
   add_parameter(views, p + "ln_1.bias", {E}, layer);
   add_parameter(views, p + "attn.c_attn.weight", {E, 3 * E}, layer);
@@ -42,7 +45,6 @@ void add_layer(std::vector<ParameterView>& views, const Gpt2Config& c, int64_t l
   add_parameter(views, p + "mlp.c_fc.bias", {I}, layer);
   add_parameter(views, p + "mlp.c_proj.weight", {I, E}, layer);
   add_parameter(views, p + "mlp.c_proj.bias", {E}, layer);
-  for (size_t v = first; v < views.size(); ++v) views[v].tp = layer_placement(views[v].name);
 }
 
 }  // namespace
@@ -55,10 +57,20 @@ void check_config(const Gpt2Config& c) {
   }
 }
 
-void check_tensor_parallel(const Gpt2Config& c, int64_t tp) {
-  for (const auto& [key, value] :
-       {std::pair{"n_head", c.n_head}, {"n_inner", c.n_inner}, {"vocab_size", c.vocab_size}}) {
-    if (value % tp != 0) {
+std::optional<Block> tensor_parallel_block(const std::string& name) {
+  return kParallelModules.block(name);
+}
+
+std::vector<models::BlockSpec> tensor_parallel_blocks(const Gpt2Config& config) {
+  return kParallelModules.specs(config.tie_word_embeddings);
+}
+
+void check_tensor_parallel(const Gpt2Config& c, int64_t tp, const models::ParallelBlocks& blocks) {
+  const bool vocab = blocks[Block::embedding] || blocks[Block::head];
+  for (const auto& [key, value, split] : {std::tuple{"n_head", c.n_head, blocks[Block::attention]},
+                                          {"n_inner", c.n_inner, blocks[Block::mlp]},
+                                          {"vocab_size", c.vocab_size, vocab}}) {
+    if (split && value % tp != 0) {
       throw std::invalid_argument(std::string("model.") + key + ": " + std::to_string(value) +
                                   " is not divisible by distributed.tp_size = " +
                                   std::to_string(tp) + ", over which tensor parallelism splits it");
@@ -75,8 +87,7 @@ std::vector<ParameterView> model_parameters(const Gpt2Config& c) {
   add_parameter(views, "transformer.ln_f.weight", {E}, root);
   add_parameter(views, "transformer.ln_f.bias", {E}, root);
   if (!c.tie_word_embeddings) add_parameter(views, "lm_head.weight", {c.vocab_size, E}, root);
-  views.front().tp = "shard(0)";
-  if (!c.tie_word_embeddings) views.back().tp = "shard(0)";
+  for (ParameterView& view : views) view.tp = kParallelModules.placement(view.name);
   models::require_addressable(views, {{"vocab_size", c.vocab_size},
                                       {"n_positions", c.n_positions},
                                       {"n_embd", E},

@@ -9,9 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "common/parameters.hpp"
+#include "common/tensor_parallel.hpp"
 
 namespace meshrun::gpt2 {
 
@@ -54,9 +56,17 @@ void check_config(const Gpt2Config& config);
 // replicated.
 std::vector<ParameterView> model_parameters(const Gpt2Config& config);
 
-// Throws std::invalid_argument("model.<key>: ...") unless the heads, the
-// inner size and the vocabulary divide over tp ranks.
-void check_tensor_parallel(const Gpt2Config& config, int64_t tp);
+// The block of a parameter sharded so, none for a replicated one; and the
+// blocks (attention, mlp, wte, lm_head unless tied) with their modules'
+// torch styles, which distributed.tp_plan may replicate whole.
+std::optional<models::Block> tensor_parallel_block(const std::string& name);
+std::vector<models::BlockSpec> tensor_parallel_blocks(const Gpt2Config& config);
+
+// Throws std::invalid_argument("model.<key>: ...") unless what the parallel
+// `blocks` split divides over tp ranks: the heads, the inner size, the
+// vocabulary.
+void check_tensor_parallel(const Gpt2Config& config, int64_t tp,
+                           const models::ParallelBlocks& blocks);
 
 // Initial values of parameters[index] for `seed`, Hugging Face's
 // _init_weights: matrices (embeddings, Conv1D and lm_head weights) ~

@@ -98,12 +98,14 @@ struct Gpt2Plugin {
 
   static std::string describe(const Gpt2Config& config,
                               const std::vector<ParameterView>& parameters) {
-    return meshrun::models::describe_model({{"config", hf_config(config)},
-                                            {"vocab_size", config.vocab_size},
-                                            {"max_seq_len", config.n_positions},
-                                            {"num_layers_key", "n_layer"},
-                                            {"sequence_parallel", Family::kSequenceParallel}},
-                                           parameters, config.n_layer, modules(config));
+    return meshrun::models::describe_model(
+        {{"config", hf_config(config)},
+         {"vocab_size", config.vocab_size},
+         {"max_seq_len", config.n_positions},
+         {"num_layers_key", "n_layer"},
+         {"sequence_parallel", Family::kSequenceParallel},
+         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
+        parameters, config.n_layer, modules(config));
   }
 };
 

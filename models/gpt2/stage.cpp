@@ -11,6 +11,7 @@ template class meshrun::models::TransformerStage<meshrun::gpt2::Gpt2>;
 namespace meshrun::gpt2 {
 
 using namespace kernels;
+using models::Block;
 using models::bytes_of;
 using models::WeightLayout;
 
@@ -67,12 +68,17 @@ void layernorm_backward_ready(float* dx, const float* dy, const float* x, const 
 }  // namespace
 
 BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
-                     models::TensorParallelGroup& tp, bool /*sequence_parallel*/)
+                     models::TensorParallelGroup& tp, bool /*sequence_parallel*/,
+                     const models::ParallelBlocks& blocks)
     : tp(tp),
-      attention{batch, seq_len, c.n_head / tp.size(), c.n_head / tp.size(), c.n_embd / c.n_head},
+      replicated(tp),
+      blocks(blocks),
+      attention{batch, seq_len, blocks.local(Block::attention, c.n_head, tp),
+                blocks.local(Block::attention, c.n_head, tp), c.n_embd / c.n_head},
       hidden(c.n_embd),
-      inner(c.n_inner / tp.size()),
-      vocab(models::vocab_shard(c.vocab_size, tp)),
+      inner(blocks.local(Block::mlp, c.n_inner, tp)),
+      embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
+      head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
       eps(c.layer_norm_epsilon),
       positions(rows()),
       projection(rows() * hidden),
@@ -111,7 +117,7 @@ HeadActivations::HeadActivations(const BlockPass& pass)
     : final_norm(pass.rows() * pass.hidden),
       final_mean(pass.rows()),
       final_rstd(pass.rows()),
-      logits(pass.rows() * pass.vocab.size) {}
+      logits(pass.rows() * pass.head_vocab.size) {}
 
 int64_t HeadActivations::bytes() const {
   return bytes_of(final_norm, final_mean, final_rstd, logits);
@@ -120,8 +126,8 @@ int64_t HeadActivations::bytes() const {
 void Gpt2::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                              float* out) {
   const int64_t N = pass.rows(), E = pass.hidden;
-  models::vocab_parallel_embedding_forward(out, tokens, embedding[0].data, N, E, pass.vocab,
-                                           pass.tp);
+  models::vocab_parallel_embedding_forward(out, tokens, embedding[0].data, N, E,
+                                           pass.embedding_vocab, pass.group(Block::embedding));
   kernels::embedding_forward(pass.projection.data(), pass.positions.data(), embedding[1].data, N,
                              E);
   residual_forward(out, out, pass.projection.data(), N * E);
@@ -130,7 +136,7 @@ void Gpt2::embedding_forward(Pass& pass, const ParameterView* embedding, const i
 void Gpt2::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
   const int64_t N = pass.rows(), E = pass.hidden;
   models::vocab_parallel_embedding_backward(embedding[0].grad, tokens, pass.d_residual.data(), N, E,
-                                            pass.vocab);
+                                            pass.embedding_vocab);
   kernels::embedding_backward(embedding[1].grad, pass.positions.data(), pass.d_residual.data(), N,
                               E);
 }
@@ -145,14 +151,15 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
   conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * Q);
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), pass.attention);
   row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
-                       pass.tp);
+                       pass.group(Block::attention));
   residual_forward(saved.h.data(), x, projection, N * E);
 
   layernorm_out_of_line(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
                         &block[kLn2Weight], pass);
   conv1d_bias_forward(saved.fc.data(), saved.ln2.data(), &block[kFcWeight], N, E, I);
   gelu_out_of_line(saved.act.data(), saved.fc.data(), N * I);
-  row_parallel_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E, pass.tp);
+  row_parallel_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E,
+                       pass.group(Block::mlp));
   residual_forward(out, saved.h.data(), projection, N * E);
 }
 
@@ -169,7 +176,7 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
                        gradients);
   gelu_backward(pass.d_mlp.data(), pass.d_mlp.data(), saved.fc.data(), N * I);
   conv1d_bias_backward(d_norm, pass.d_mlp.data(), &block[kFcWeight], saved.ln2, N, E, I, gradients);
-  models::reduce_partial_sums(pass.tp, d_norm, N * E);
+  models::reduce_partial_sums(pass.group(Block::mlp), d_norm, N * E);
   layernorm_backward_ready(d_residual, d_norm, saved.h.data(), &block[kLn2Weight],
                            saved.mean2.data(), saved.rstd2.data(), N, E, gradients);
 
@@ -179,7 +186,7 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
                      saved.qkv.data(), saved.probs.data(), pass.attention);
   conv1d_bias_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
                        gradients);
-  models::reduce_partial_sums(pass.tp, d_norm, N * E);
+  models::reduce_partial_sums(pass.group(Block::attention), d_norm, N * E);
   layernorm_backward_ready(d_residual, d_norm, x, &block[kLn1Weight], saved.mean1.data(),
                            saved.rstd1.data(), N, E, gradients);
 }
@@ -200,7 +207,7 @@ double Gpt2::head_forward(Pass& pass, const ParameterView* head, const Parameter
   layernorm_forward(saved.final_norm.data(), saved.final_mean.data(), saved.final_rstd.data(), x,
                     head[0].data, head[1].data, N, E, pass.eps);
   return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
-                                      targets, N, E, pass.vocab, pass.tp);
+                                      targets, N, E, pass.head_vocab, pass.group(Block::head));
 }
 
 void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
@@ -208,8 +215,8 @@ void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterV
                          HeadActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), E = pass.hidden;
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, N, E, pass.vocab, gradients);
-  models::reduce_partial_sums(pass.tp, pass.d_norm.data(), N * E);
+                                targets, loss_scale, N, E, pass.head_vocab, gradients);
+  models::reduce_partial_sums(pass.group(Block::head), pass.d_norm.data(), N * E);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
   layernorm_backward_ready(pass.d_residual.data(), pass.d_norm.data(), x, head,
                            saved.final_mean.data(), saved.final_rstd.data(), N, E, gradients);

@@ -42,21 +42,30 @@ enum BlockTensor {
 
 // What every block of a pass at one (batch, seq_len) shares: the sizes and
 // scratch that holds nothing from one block to the next. N = batch *
-// seq_len rows throughout. Over a tp group the sizes are one rank's: heads
-// and inner / tp, its vocabulary shard.
+// seq_len rows throughout. Over a tp group the sizes of a parallel block
+// are one rank's: heads and inner / tp, its vocabulary shard; a replicated
+// block's are whole.
 struct BlockPass {
   // Throws std::invalid_argument for seq_len beyond n_positions: wpe has a
   // row per position.
   // Sequence parallelism is refused before (Gpt2::kSequenceParallel).
   BlockPass(const Gpt2Config& config, int64_t batch, int64_t seq_len,
-            models::TensorParallelGroup& tp, bool sequence_parallel);
+            models::TensorParallelGroup& tp, bool sequence_parallel,
+            const models::ParallelBlocks& blocks);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   int64_t stream_numel() const { return rows() * hidden; }
+  // What a block's partial sums are summed over: tp, or nothing when the
+  // block is replicated.
+  models::TensorParallelGroup& group(models::Block block) {
+    return blocks.group(block, tp, replicated);
+  }
 
   models::TensorParallelGroup& tp;
+  models::ReplicatedOver replicated;
+  models::ParallelBlocks blocks;
   AttentionShape attention;  // multi-head: kv_heads = heads
   int64_t hidden, inner;
-  models::VocabShard vocab;
+  models::VocabShard embedding_vocab, head_vocab;
   double eps;
   std::vector<int32_t> positions;  // [N]: row b * T + t is at position t
   // A c_proj's output before its residual add; the position embeddings.
@@ -108,8 +117,12 @@ struct Gpt2 {
   static constexpr auto init_parameter = &gpt2::init_parameter;
   // Each of a block's tensors is used alone: any storage will do.
   static void check_layer_storage(const ParameterView* /*layer*/, bool /*backward*/) {}
-  static void check_tensor_parallel(const Config& config, int64_t tp) {
-    gpt2::check_tensor_parallel(config, tp);
+  static void check_tensor_parallel(const Config& config, int64_t tp,
+                                    const models::ParallelBlocks& blocks) {
+    gpt2::check_tensor_parallel(config, tp, blocks);
+  }
+  static std::optional<models::Block> tensor_parallel_block(const std::string& parameter) {
+    return gpt2::tensor_parallel_block(parameter);
   }
   // The residual stream stays replicated over tp ranks.
   static constexpr bool kSequenceParallel = false;

@@ -8,6 +8,7 @@
 namespace meshrun::llama {
 
 using namespace kernels;
+using models::Block;
 using models::bytes_of;
 using models::WeightLayout;
 
@@ -37,15 +38,15 @@ void block_input_norm(DecoderPass& pass, float* out, float* rstd, const float* x
 }
 
 // pass.projection, a row-parallel block's partial output [N, H], summed over
-// tp: all of it in place, or the rank's rows into pass.stream (sequence
-// parallel). Returns where the sum is.
-const float* finish_row_parallel(DecoderPass& pass) {
+// the block's group: all of it in place, or the rank's rows into
+// pass.stream (sequence parallel). Returns where the sum is.
+const float* finish_row_parallel(DecoderPass& pass, TensorParallelGroup& group) {
   if (!pass.sequence_parallel) {
-    models::reduce_partial_sums(pass.tp, pass.projection.data(), pass.rows() * pass.hidden);
+    models::reduce_partial_sums(group, pass.projection.data(), pass.rows() * pass.hidden);
     return pass.projection.data();
   }
-  models::reduce_scatter_rows(pass.tp, pass.projection.data(), pass.stream.data(),
-                              pass.stream_rows(), pass.hidden);
+  models::reduce_scatter_rows(group, pass.projection.data(), pass.stream.data(), pass.stream_rows(),
+                              pass.hidden);
   return pass.stream.data();
 }
 
@@ -59,20 +60,20 @@ float* block_output_gradient(DecoderPass& pass) {
 }
 
 // block_input_norm's backward from pass.d_norm, the block's partial input
-// gradient [N, H]: summed over tp (all of it, or the rank's rows), then
-// through the norm into the residual stream's gradient. With sequence
-// parallelism each rank has the norm weight's gradient of its rows only, so
-// that is summed over tp too.
-void block_input_norm_backward(DecoderPass& pass, const ParameterView& norm, const float* x,
-                               const float* rstd) {
+// gradient [N, H]: summed over the block's group (all of it, or the rank's
+// rows), then through the norm into the residual stream's gradient. With
+// sequence parallelism each rank has the norm weight's gradient of its rows
+// only, so that is summed over tp too.
+void block_input_norm_backward(DecoderPass& pass, TensorParallelGroup& group,
+                               const ParameterView& norm, const float* x, const float* rstd) {
   const int64_t n = pass.stream_rows(), H = pass.hidden;
   if (!pass.sequence_parallel) {
-    models::reduce_partial_sums(pass.tp, pass.d_norm.data(), n * H);
+    models::reduce_partial_sums(group, pass.d_norm.data(), n * H);
     rmsnorm_backward(pass.d_residual.data(), norm.grad, pass.d_norm.data(), x, norm.data, rstd, n,
                      H);
     return;
   }
-  models::reduce_scatter_rows(pass.tp, pass.d_norm.data(), pass.stream.data(), n, H);
+  models::reduce_scatter_rows(group, pass.d_norm.data(), pass.stream.data(), n, H);
   std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
   rmsnorm_backward(pass.d_residual.data(), pass.d_norm_weight.data(), pass.stream.data(), x,
                    norm.data, rstd, n, H);
@@ -83,14 +84,19 @@ void block_input_norm_backward(DecoderPass& pass, const ParameterView& norm, con
 }  // namespace
 
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
-                         TensorParallelGroup& tp, bool sequence_parallel)
+                         TensorParallelGroup& tp, bool sequence_parallel,
+                         const models::ParallelBlocks& blocks)
     : tp(tp),
+      replicated(tp),
+      blocks(blocks),
       sequence_parallel(sequence_parallel),
-      attention{batch, seq_len, c.num_attention_heads / tp.size(),
-                c.num_key_value_heads / tp.size(), c.hidden_size / c.num_attention_heads},
+      attention{batch, seq_len, blocks.local(Block::attention, c.num_attention_heads, tp),
+                blocks.local(Block::attention, c.num_key_value_heads, tp),
+                c.hidden_size / c.num_attention_heads},
       hidden(c.hidden_size),
-      intermediate(c.intermediate_size / tp.size()),
-      vocab(models::vocab_shard(c.vocab_size, tp)),
+      intermediate(blocks.local(Block::mlp, c.intermediate_size, tp)),
+      embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
+      head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
       eps(c.rms_norm_eps),
       rotary(attention.head_dim, seq_len, c.rope_theta),
       projection(rows() * hidden),
@@ -130,7 +136,7 @@ int64_t LayerActivations::bytes() const {
 HeadActivations::HeadActivations(const DecoderPass& pass)
     : final_norm(pass.rows() * pass.hidden),
       final_rstd(pass.stream_rows()),
-      logits(pass.rows() * pass.vocab.size) {}
+      logits(pass.rows() * pass.head_vocab.size) {}
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
 
@@ -155,20 +161,20 @@ void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
 
 void Llama::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                               float* out) {
+  TensorParallelGroup& group = pass.group(Block::embedding);
   if (!pass.sequence_parallel) {
     models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
-                                             pass.vocab, pass.tp);
+                                             pass.embedding_vocab, group);
     return;
   }
   models::vocab_parallel_embedding_lookup(pass.projection.data(), tokens, embedding->data,
-                                          pass.rows(), pass.hidden, pass.vocab);
-  models::reduce_scatter_rows(pass.tp, pass.projection.data(), out, pass.stream_rows(),
-                              pass.hidden);
+                                          pass.rows(), pass.hidden, pass.embedding_vocab);
+  models::reduce_scatter_rows(group, pass.projection.data(), out, pass.stream_rows(), pass.hidden);
 }
 
 void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {
   models::vocab_parallel_embedding_backward(embedding->grad, tokens, block_output_gradient(pass),
-                                            pass.rows(), pass.hidden, pass.vocab);
+                                            pass.rows(), pass.hidden, pass.embedding_vocab);
 }
 
 void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
@@ -183,13 +189,14 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), shape);
   linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
                  H);
-  residual_forward(saved.h.data(), x, finish_row_parallel(pass), n * H);
+  residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
+                   n * H);
 
   block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
   linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
-  residual_forward(out, saved.h.data(), finish_row_parallel(pass), n * H);
+  residual_forward(out, saved.h.data(), finish_row_parallel(pass, pass.group(Block::mlp)), n * H);
 }
 
 // Each residual add passes its gradient through, so the norms' backward
@@ -207,7 +214,8 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
   gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
                    saved.norm2);
-  block_input_norm_backward(pass, layer[kPostNorm], saved.h.data(), saved.rstd2.data());
+  block_input_norm_backward(pass, pass.group(Block::mlp), layer[kPostNorm], saved.h.data(),
+                            saved.rstd2.data());
   gradients.vector_ready(layer[kPostNorm]);
 
   float* d_h = block_output_gradient(pass);
@@ -221,7 +229,8 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
                         shape.qkv_dim());
   gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),
                    saved.norm1);
-  block_input_norm_backward(pass, layer[kInputNorm], x, saved.rstd1.data());
+  block_input_norm_backward(pass, pass.group(Block::attention), layer[kInputNorm], x,
+                            saved.rstd1.data());
   gradients.vector_ready(layer[kInputNorm]);
 }
 
@@ -237,17 +246,18 @@ double Llama::head_forward(Pass& pass, const ParameterView* head, const Paramete
                            const float* x, const int32_t* targets, HeadActivations& saved) {
   block_input_norm(pass, saved.final_norm.data(), saved.final_rstd.data(), x, *head);
   return models::lm_head_loss_forward(saved.logits.data(), saved.final_norm.data(), lm_head,
-                                      targets, pass.rows(), pass.hidden, pass.vocab, pass.tp);
+                                      targets, pass.rows(), pass.hidden, pass.head_vocab,
+                                      pass.group(Block::head));
 }
 
 void Llama::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
                           const float* x, const int32_t* targets, float loss_scale,
                           HeadActivations& saved, WeightGradients& gradients) {
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
-                                targets, loss_scale, pass.rows(), pass.hidden, pass.vocab,
+                                targets, loss_scale, pass.rows(), pass.hidden, pass.head_vocab,
                                 gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
-  block_input_norm_backward(pass, *head, x, saved.final_rstd.data());
+  block_input_norm_backward(pass, pass.group(Block::head), *head, x, saved.final_rstd.data());
   gradients.vector_ready(*head);
 }
 

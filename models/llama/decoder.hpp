@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,23 +28,29 @@ enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTe
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes, the
 // rotary table, and scratch that holds nothing from one layer to the next.
-// N = batch * seq_len rows throughout. Over a tp group the sizes are one
-// rank's: heads, key/value heads and intermediate / tp, its vocabulary shard.
+// N = batch * seq_len rows throughout. Over a tp group the sizes of a
+// parallel block are one rank's: heads, key/value heads and intermediate /
+// tp, its vocabulary shard; a replicated block's are whole.
 // With sequence parallelism the residual stream between the blocks (a
 // layer's input and output, h, and the norms' 1/rms) holds the rank's
 // stream_rows() = N / tp rows only (common/tensor_parallel.hpp).
 struct DecoderPass {
   DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
-              bool sequence_parallel);
+              bool sequence_parallel, const models::ParallelBlocks& blocks);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   int64_t stream_rows() const { return sequence_parallel ? rows() / tp.size() : rows(); }
   int64_t stream_numel() const { return stream_rows() * hidden; }
+  // What a block's partial sums are summed over: tp, or nothing when the
+  // block is replicated.
+  TensorParallelGroup& group(models::Block block) { return blocks.group(block, tp, replicated); }
 
   TensorParallelGroup& tp;
+  models::ReplicatedOver replicated;
+  models::ParallelBlocks blocks;
   bool sequence_parallel;
   AttentionShape attention;
   int64_t hidden, intermediate;
-  VocabShard vocab;
+  VocabShard embedding_vocab, head_vocab;
   double eps;
   RotaryTable<float> rotary;
   std::vector<float> projection;  // o_proj / down_proj output before its residual add
@@ -101,8 +108,12 @@ struct Llama {
   }
   // Throws std::invalid_argument unless q, k, v and gate, up are adjacent.
   static void check_layer_storage(const ParameterView* layer, bool backward);
-  static void check_tensor_parallel(const Config& config, int64_t tp) {
-    llama::check_tensor_parallel(config, tp);
+  static void check_tensor_parallel(const Config& config, int64_t tp,
+                                    const models::ParallelBlocks& blocks) {
+    llama::check_tensor_parallel(config, tp, blocks);
+  }
+  static std::optional<models::Block> tensor_parallel_block(const std::string& parameter) {
+    return llama::tensor_parallel_block(parameter);
   }
   static constexpr bool kSequenceParallel = true;
 

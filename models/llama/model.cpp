@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 namespace meshrun::llama {
 
 using models::add_parameter;
+using models::Block;
 
 namespace {
 
@@ -37,26 +39,45 @@ void check_config(const LlamaConfig& c) {
               " must be even (rotary embeddings rotate channel pairs)");
 }
 
+namespace {
+
+const models::ParallelModules kParallelModules = {
+    "model.layers.",
+    {{"self_attn.q_proj", "shard(0)", "replicate", Block::attention, "colwise"},
+     {"self_attn.k_proj", "shard(0)", "replicate", Block::attention, "colwise"},
+     {"self_attn.v_proj", "shard(0)", "replicate", Block::attention, "colwise"},
+     {"self_attn.o_proj", "shard(1)", "replicate", Block::attention, "rowwise"},
+     {"mlp.gate_proj", "shard(0)", "replicate", Block::mlp, "colwise"},
+     {"mlp.up_proj", "shard(0)", "replicate", Block::mlp, "colwise"},
+     {"mlp.down_proj", "shard(1)", "replicate", Block::mlp, "rowwise"}},
+    {{"model.embed_tokens", "shard(0)", "replicate", Block::embedding, "rowwise"},
+     {"lm_head", "shard(0)", "replicate", Block::head, "colwise"}}};
+
+}  // namespace
+
 std::string tensor_parallel_placement(const std::string& name) {
-  const auto in = [&](const char* module) {
-    return name.find(std::string(".") + module + ".") != std::string::npos;
-  };
-  for (const char* column : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
-    if (in(column)) return "shard(0)";
-  }
-  if (in("o_proj") || in("down_proj")) return "shard(1)";
-  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return "shard(0)";
-  return "replicate";
+  return kParallelModules.placement(name);
 }
 
-void check_tensor_parallel(const LlamaConfig& c, int64_t tp) {
-  for (const auto& [key, value] : {std::pair{"num_attention_heads", c.num_attention_heads},
-                                   {"num_key_value_heads", c.num_key_value_heads},
-                                   {"intermediate_size", c.intermediate_size},
-                                   {"vocab_size", c.vocab_size}}) {
-    require(value % tp == 0, std::string("model.") + key + ": " + std::to_string(value) +
-                                 " is not divisible by distributed.tp_size = " +
-                                 std::to_string(tp) + ", over which tensor parallelism splits it");
+std::optional<Block> tensor_parallel_block(const std::string& name) {
+  return kParallelModules.block(name);
+}
+
+std::vector<models::BlockSpec> tensor_parallel_blocks(const LlamaConfig& config) {
+  return kParallelModules.specs(config.tie_word_embeddings);
+}
+
+void check_tensor_parallel(const LlamaConfig& c, int64_t tp, const models::ParallelBlocks& blocks) {
+  const bool vocab = blocks[Block::embedding] || blocks[Block::head];
+  for (const auto& [key, value, split] :
+       {std::tuple{"num_attention_heads", c.num_attention_heads, blocks[Block::attention]},
+        {"num_key_value_heads", c.num_key_value_heads, blocks[Block::attention]},
+        {"intermediate_size", c.intermediate_size, blocks[Block::mlp]},
+        {"vocab_size", c.vocab_size, vocab}}) {
+    require(!split || value % tp == 0,
+            std::string("model.") + key + ": " + std::to_string(value) +
+                " is not divisible by distributed.tp_size = " + std::to_string(tp) +
+                ", over which tensor parallelism splits it");
   }
 }
 

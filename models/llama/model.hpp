@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/parameters.hpp"
+#include "common/tensor_parallel.hpp"
 
 namespace meshrun::llama {
 
@@ -48,11 +50,17 @@ std::vector<ParameterView> model_parameters(const LlamaConfig& config);
 // and down row-wise ("shard(1)": its input columns), the embedding and
 // lm_head vocabulary-parallel ("shard(0)"), the norms "replicate".
 std::string tensor_parallel_placement(const std::string& name);
+// The block of a parameter placed so, none for a replicated one; and the
+// blocks (attention, mlp, embedding, lm_head unless tied) with their
+// modules' torch styles, which distributed.tp_plan may replicate whole.
+std::optional<models::Block> tensor_parallel_block(const std::string& name);
+std::vector<models::BlockSpec> tensor_parallel_blocks(const LlamaConfig& config);
 
-// Throws std::invalid_argument("model.<key>: ...") unless the heads, the
-// key/value heads, the intermediate size and the vocabulary divide over tp
-// ranks (AutoModel's _validate_tp_mesh, and the vocabulary-parallel layers).
-void check_tensor_parallel(const LlamaConfig& config, int64_t tp);
+// Throws std::invalid_argument("model.<key>: ...") unless what the parallel
+// `blocks` split divides over tp ranks: the heads and key/value heads
+// (AutoModel's _validate_tp_mesh), the intermediate size, the vocabulary.
+void check_tensor_parallel(const LlamaConfig& config, int64_t tp,
+                           const models::ParallelBlocks& blocks);
 
 // Initial values of parameters[index] for `seed`: matrices ~ normal(0,
 // 0.02), norms 1, drawn from one splitmix64 + Box-Muller stream over the

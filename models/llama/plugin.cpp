@@ -85,12 +85,14 @@ struct LlamaPlugin {
 
   static std::string describe(const LlamaConfig& config,
                               const std::vector<ParameterView>& parameters) {
-    return meshrun::models::describe_model({{"config", hf_config(config)},
-                                            {"vocab_size", config.vocab_size},
-                                            {"max_seq_len", nullptr},
-                                            {"num_layers_key", "num_hidden_layers"},
-                                            {"sequence_parallel", Family::kSequenceParallel}},
-                                           parameters, config.num_hidden_layers, modules(config));
+    return meshrun::models::describe_model(
+        {{"config", hf_config(config)},
+         {"vocab_size", config.vocab_size},
+         {"max_seq_len", nullptr},
+         {"num_layers_key", "num_hidden_layers"},
+         {"sequence_parallel", Family::kSequenceParallel},
+         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
+        parameters, config.num_hidden_layers, modules(config));
   }
 };
 

@@ -1,9 +1,10 @@
 // The Llama sidecar ("ModelParallelizer"): refines the default plan of
-// model_type "llama" (docs/plan.md) with AutoModel's module-level
-// tensor-parallel plan for Llama, after checking that the heads, the
-// intermediate size and the vocabulary divide over tp. The placement of
-// every parameter is the model's description's; units, the pipeline split
-// and the checkpoint set stay the default plan's.
+// model_type "llama" (docs/plan.md) with how AutoModel's Llama plan treats
+// the activations of each module's tensor-parallel style, after checking
+// that what the parallel blocks split (heads, intermediate size,
+// vocabulary) divides over tp. Every parameter's placement is the default
+// plan's (the description's, under distributed.tp_plan); units, the
+// pipeline split and the checkpoint set stay the default plan's too.
 #include <nlohmann/json.hpp>
 
 #include <cstring>
@@ -18,55 +19,86 @@ namespace {
 using meshrun::plugin::Error;
 using nlohmann::json;
 
+// The blocks the default plan computes over tp (its "parameters"' "tp",
+// which distributed.tp_plan may have replicated).
+meshrun::models::ParallelBlocks planned_blocks(const json& plan, bool tied) {
+  using meshrun::models::Block;
+  meshrun::models::ParallelBlocks blocks;
+  for (Block block : {Block::attention, Block::mlp, Block::embedding, Block::head}) {
+    blocks.set(block, false);
+  }
+  for (const auto& parameter : plan.at("parameters")) {
+    if (parameter.value("tp", std::string("replicate")) == "replicate") continue;
+    const auto block =
+        meshrun::llama::tensor_parallel_block(parameter.at("name").get<std::string>());
+    if (block) blocks.set(*block, true);
+  }
+  if (tied) blocks.set(Block::head, blocks[Block::embedding]);
+  return blocks;
+}
+
 // AutoModel's _validate_tp_mesh (heads and key/value heads divide by tp),
-// and the intermediate size and vocabulary the parallel layers split.
-void validate(const json& config, int64_t tp) {
+// and the intermediate size and vocabulary the parallel blocks split.
+void validate(const json& config, int64_t tp, const meshrun::models::ParallelBlocks& blocks) {
   meshrun::llama::LlamaConfig c;
   c.num_attention_heads = config.at("num_attention_heads").get<int64_t>();
   c.num_key_value_heads = config.at("num_key_value_heads").get<int64_t>();
   c.intermediate_size = config.at("intermediate_size").get<int64_t>();
   c.vocab_size = config.at("vocab_size").get<int64_t>();
   try {
-    meshrun::llama::check_tensor_parallel(c, tp);
+    meshrun::llama::check_tensor_parallel(c, tp, blocks);
   } catch (const std::invalid_argument& e) {
     throw Error(MESHRUN_INVALID_ARGUMENT, e.what());
   }
 }
 
-// AutoModel's tensor-parallel plan for Llama, with sequence parallelism
-// changing how norms and row-wise outputs treat activations.
-json tensor_parallel_plan(bool sequence_parallel) {
-  json plan = json::array();
-  const auto style = [&](const char* module, const char* kind, const char* detail) {
-    plan.push_back({{"module", module}, {"style", kind}, {"activations", detail}});
-  };
-  style("model.embed_tokens", "rowwise",
-        sequence_parallel ? "input replicated, output sharded on sequence"
-                          : "input replicated, output replicated");
-  for (const char* m : {"model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.k_proj",
-                        "model.layers.*.self_attn.v_proj", "model.layers.*.mlp.gate_proj",
-                        "model.layers.*.mlp.up_proj"}) {
-    style(m, "colwise", "output sharded on the last dim");
+// How AutoModel's Llama plan treats activations under each module style of
+// the default plan's rules; sequence parallelism shards the norms' and the
+// row-wise outputs' on the sequence.
+std::string activations(const std::string& module, const std::string& style,
+                        bool sequence_parallel) {
+  if (style == "colwise") {
+    return module == "lm_head" ? "output sharded on vocab" : "output sharded on the last dim";
   }
-  for (const char* m : {"model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"}) {
-    style(m, "rowwise", sequence_parallel ? "output sharded on sequence" : "output replicated");
+  if (style == "rowwise" && module == "model.embed_tokens") {
+    return sequence_parallel ? "input replicated, output sharded on sequence"
+                             : "input replicated, output replicated";
+  }
+  if (style == "rowwise") {
+    return sequence_parallel ? "output sharded on sequence" : "output replicated";
+  }
+  return sequence_parallel ? "input gathered from the sequence, computed whole on every rank"
+                           : "computed whole on every rank";
+}
+
+json tensor_parallel_plan(const json& rules, bool sequence_parallel) {
+  json plan = json::array();
+  for (const auto& rule : rules) {
+    const std::string module = rule.at("module").get<std::string>();
+    const std::string style = rule.at("style").get<std::string>();
+    plan.push_back({{"module", module},
+                    {"style", style},
+                    {"activations", activations(module, style, sequence_parallel)}});
   }
   if (sequence_parallel) {
     for (const char* m : {"model.layers.*.input_layernorm",
                           "model.layers.*.post_attention_layernorm", "model.norm"}) {
-      style(m, "sequence_parallel", "input and output sharded on sequence");
+      plan.push_back({{"module", m},
+                      {"style", "sequence_parallel"},
+                      {"activations", "input and output sharded on sequence"}});
     }
   }
-  style("lm_head", "colwise", "output sharded on vocab");
   return plan;
 }
 
 json plan_of(const json& request) {
   const int64_t tp = request.at("mesh").at("tp").get<int64_t>();
-  validate(request.at("description").at("config"), tp);
   json plan = request.at("default_plan");
+  const json& config = request.at("description").at("config");
+  validate(config, tp, planned_blocks(plan, config.value("tie_word_embeddings", false)));
   if (tp == 1) return plan;
-  plan["tensor_parallel"] = tensor_parallel_plan(request.value("sequence_parallel", false));
+  plan["tensor_parallel"] =
+      tensor_parallel_plan(plan.at("tensor_parallel"), request.value("sequence_parallel", false));
   return plan;
 }
 

@@ -170,8 +170,8 @@ class BadInputTest(InputErrorAssertions):
                   "no graph compiler"),
                  ("[distributed]\nstrategy = \"megatron_fsdp\"\noverlap_grad_reduce = false\n",
                   "distributed.overlap_grad_reduce", "plans meshes only"),
-                 ("[distributed]\ntp_plan = \"llama\"\n", "distributed.tp_plan",
-                  "not implemented yet"),
+                 ("[distributed]\ntp_plan = \"layers\"\n", "distributed.tp_plan",
+                  "needs distributed.tp_size > 1"),
                  ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",
                   "distributed.pipeline.pp_batch_size", "set it to 16")]
         for text, key, reason in cases:

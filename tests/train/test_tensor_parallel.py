@@ -1,5 +1,6 @@
 """`meshrun train` with tensor parallelism (distributed.tp_size > 1), with and
-without sequence parallelism, against 1 rank.
+without sequence parallelism, and with distributed.tp_plan replicating some
+of the model's blocks, against 1 rank.
 Activation checkpointing at tp = 2 recomputes the same operations, so it is
 checked bit for bit against tp = 2 without it.
 
@@ -154,7 +155,115 @@ class Equivalence(TensorParallelTest):
                       "tp rank", text)
 
 
+# A tp_plan file: attention, embedding and lm_head over tp, the MLPs
+# replicated (a module the file does not name is replicated).
+ATTENTION_ONLY = """
+"model.embed_tokens" = "rowwise"
+"model.layers.*.self_attn.q_proj" = "colwise"
+"model.layers.*.self_attn.k_proj" = "colwise"
+"model.layers.*.self_attn.v_proj" = "colwise"
+"model.layers.*.self_attn.o_proj" = "rowwise"
+"lm_head" = "colwise"
+"""
+
+
+def write_plan(runs, name, text):
+    path = os.path.join(runs.root, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+class Plans(TensorParallelTest, InputErrorAssertions):
+    """distributed.tp_plan: replicated blocks compute whole on every rank, so
+    the run still matches 1 rank, with fewer tp bytes and more parameters per
+    rank."""
+
+    def test_layers_plan_matches_one_rank(self):
+        for name, layout in (("layers", TP2), ("layers-sp", TP2 + SP)):
+            with self.subTest(layout=name):
+                self.assert_trains_as_one_rank(name, 2, *layout, "distributed.tp_plan=layers")
+
+    def test_file_plan_replicating_the_mlps_matches_one_rank(self):
+        plan = write_plan(self.runs, "attention.toml", ATTENTION_ONLY)
+        default = self.runs.train("default-plan", 2, *TP2)
+        for name, layout in (("file", TP2), ("file-sp", TP2 + SP)):
+            with self.subTest(layout=name):
+                output = self.assert_trains_as_one_rank(name, 2, *layout,
+                                                        f"distributed.tp_plan={plan}")
+        # Two all-reduces of [N, H] floats per layer and micro-batch are gone
+        # (the MLP's output forward and its input gradient backward), each
+        # 2 (p - 1) / p N H 4 bus bytes, N H 4 at p = 2.
+        hidden, layers, micro_batches, rows = 32, 2, 4, 2 * 32
+        default_bytes = metrics(default)[0]["tp_bytes"]
+        self.assertEqual(default_bytes - metrics(self.runs.train("file-bytes", 2, *TP2,
+                                                                 f"distributed.tp_plan={plan}"))
+                         [0]["tp_bytes"], micro_batches * layers * 2 * rows * hidden * 4)
+
+    def test_file_plan_checkpoint_resumes_with_the_default_plan(self):
+        plan = write_plan(self.runs, "attention-resume.toml", ATTENTION_ONLY)
+        saving = self.runs.train("file-saving", 2, *TP2, f"distributed.tp_plan={plan}",
+                                 "checkpoint.save_every=2")
+        step2 = os.path.join(saving, "checkpoints", "step_2")
+        resumed = self.runs.train("default-resumed", 2, *TP2, f"checkpoint.resume_from={step2}")
+        self.assert_close(losses(saving)[2:], losses(resumed))
+
+    def test_gpt2_layers_plan_trains_a_vocabulary_tp_does_not_divide(self):
+        runs = Runs()
+        with open(runs.config, "w") as f:
+            f.write(TINY_GPT2.replace("vocab_size = 256", "vocab_size = 257"))
+        try:
+            self.assert_input_error(run(runs.config, "--nproc-per-node", "2", *TP2),
+                                    "transformer.wte.weight", "257", "distributed.tp_plan")
+            reference = runs.train("gpt2-257-one", 1)
+            output = runs.train("gpt2-257-layers", 2, *TP2, "distributed.tp_plan=layers")
+            self.assert_matches(reference, output)
+            self.assert_same_weights(reference, output)
+        finally:
+            runs.cleanup()
+
+    def test_the_plan_prints_the_effective_placement(self):
+        import subprocess
+        plan = write_plan(self.runs, "attention-plan.toml", ATTENTION_ONLY)
+        text = subprocess.run([MESHRUN, "plan", self.runs.config, "--world-size", "2", *TP2,
+                               f"distributed.tp_plan={plan}"], capture_output=True,
+                              text=True).stdout
+        self.assertRegex(text, r"tp +model\.layers\.\*\.mlp\.down_proj +replicate +computed "
+                               r"whole on every rank")
+        self.assertRegex(text, r"tp +model\.layers\.\*\.self_attn\.o_proj +rowwise +output "
+                               r"replicated")
+
+
 class BadInput(TrainTest, InputErrorAssertions):
+    def test_tp_plans_the_model_cannot_compute_are_refused_naming_the_line(self):
+        cases = (
+            ('"model.layers.*.mlp.up_proj" = "rowwise"\n', "plan.toml:1",
+             "model.layers.0.mlp.up_proj is 'rowwise', but the model computes it 'colwise'; "
+             "valid: 'colwise' or 'replicate'"),
+            ('"model.layers.*.mlp.up_proj" = "colwise"\n', "plan.toml:1",
+             "same block ('mlp')"),
+            ('\n"model.layers.*.attn.q_proj" = "colwise"\n', "plan.toml:2",
+             "names none of the model's modules"),
+            ('"model.norm" = "colwise"\n', "plan.toml:1", "valid: 'replicate'"),
+            ('"lm_head" = "sequence_parallel"\n', "plan.toml:1",
+             'must be "colwise", "rowwise" or "replicate"'),
+        )
+        for text, position, needle in cases:
+            with self.subTest(plan=text):
+                plan = write_plan(self.runs, "plan.toml", text)
+                self.assert_input_error(run(self.runs.config, "--nproc-per-node", "2", *TP2,
+                                            f"distributed.tp_plan={plan}"),
+                                        "distributed.tp_plan", position, needle)
+        for value, needle in (("megatron", "valid are \"default\", \"layers\""),
+                              ("missing.toml", "missing.toml")):
+            with self.subTest(plan=value):
+                self.assert_input_error(run(self.runs.config, "--nproc-per-node", "2", *TP2,
+                                            f"distributed.tp_plan={value}"),
+                                        "distributed.tp_plan", needle)
+        self.assert_input_error(run(self.runs.config, *FP32, "distributed.tp_plan=layers"),
+                                "distributed.tp_plan", "needs distributed.tp_size > 1")
+
+
     def test_sequence_parallel_needs_a_model_that_computes_it_and_whole_rows(self):
         runs = Runs()
         with open(runs.config, "w") as f:

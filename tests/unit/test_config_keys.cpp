@@ -140,7 +140,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.static_graph", options_change("true", kDdp)},
       {"distributed.bucket_cap_mb", options_change("10", kDdp)},
       {"distributed.gradient_as_bucket_view", options_change("true", kDdp)},
-      {"distributed.tp_plan", refused("\"llama\"", "\"\"")},
+      {"distributed.tp_plan", plan_change("\"layers\"", {"distributed.tp_size=2"})},
       {"distributed.offload_policy", refused("\"cpu\"", "\"\"")},
       {"distributed.defer_fsdp_grad_sync", options_change("false")},
       {"distributed.reshard_after_forward", options_change("true")},
@@ -259,7 +259,8 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
   };
   CHECK_THAT(message("distributed.enable_compile", "true"),
              Contains("meshrun has no graph compiler; remove the key or set it to false"));
-  CHECK_THAT(message("distributed.tp_plan", "\"llama\""), Contains("not implemented yet"));
+  CHECK_THAT(message("distributed.tp_plan", "\"layers\""),
+             Contains("needs distributed.tp_size > 1"));
   CHECK_THAT(message("distributed.overlap_grad_reduce", "false", kMegatron),
              Contains("plans meshes only so far"));
   CHECK_THAT(message("distributed.pipeline.pp_seq_len", "32"),

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "model/model.hpp"
+#include "model/tensor_parallel.hpp"
+#include "plan/tp_plan.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
 #include "train/local_parameters.hpp"
@@ -143,6 +145,68 @@ TEST_CASE("train: descriptions that do not hold together are refused naming the 
                     Contains("parameters[0] ('embed') take 2.815e+14 bytes"));
   CHECK_THROWS_WITH(parse_description(broken(R"([2, 2])", R"([17592186044416, 2])"), "toy"),
                     Contains("the parameters take 1.407e+14 bytes"));
+}
+
+// The toy with its layers' weights split over tp in one block, and the
+// embedding in another.
+std::string tensor_parallel_toy(const std::string& blocks) {
+  std::string text = kDescription;
+  const auto shard = [&](const std::string& name) {
+    const std::string from = "{\"name\": \"" + name + "\", ";
+    text.replace(text.find(from), from.size(), from + "\"tp\": \"shard(0)\", ");
+  };
+  shard("embed");
+  shard("layers.0.w");
+  shard("layers.1.w");
+  text.replace(text.rfind('}'), 1, ", \"tp_blocks\": " + blocks + "}");
+  return text;
+}
+
+TEST_CASE("train: tp_blocks group the sharded parameters, and tp_plan chooses among them",
+          "[train]") {
+  using Catch::Matchers::Contains;
+  CHECK(module_matches("layers.*.w", "layers.12.w"));
+  CHECK(module_matches("layers.*", "layers.0"));
+  CHECK_FALSE(module_matches("layers.*.w", "layers..w"));
+  CHECK_FALSE(module_matches("layers.*.w", "layers.0.1.w"));
+  CHECK_FALSE(module_matches("layers.*", "layers.0.w"));
+  CHECK(module_of("layers.0.w") == "layers.0");
+
+  const std::string blocks =
+      R"([{"name": "embedding", "modules": {"embed": "rowwise"}},
+          {"name": "layers", "modules": {"layers.*": "colwise"}}])";
+  const ModelDescription d = parse_description(tensor_parallel_toy(blocks), "toy");
+  REQUIRE(d.tp_blocks.size() == 2);
+  CHECK(d.tp_blocks[1].modules[0] == std::pair<std::string, std::string>{"layers.*", "colwise"});
+
+  Config config;
+  config.distributed.tp_plan = "layers";
+  const TensorParallelChoice layers = choose_tensor_parallel(config, d);
+  CHECK(layers.placements ==
+        std::vector<std::string>{"replicate", "shard(0)", "replicate", "shard(0)", "replicate"});
+  CHECK(layers.rules[0]["style"] == "replicate");
+  CHECK(layers.rules[1]["style"] == "colwise");
+  config.distributed.tp_plan = "";
+  CHECK(choose_tensor_parallel(config, d).placements[0] == "shard(0)");
+  config.distributed.tp_plan = "megatron";
+  CHECK_THROWS_WITH(choose_tensor_parallel(config, d), Contains("valid are \"default\""));
+
+  CHECK_THROWS_WITH(
+      parse_description(tensor_parallel_toy(R"([{"name": "e", "modules": {"embed": "rowwise"}}])"),
+                        "toy"),
+      Contains("parameter 'layers.0.w' ('shard(0)') is in 0 blocks"));
+  CHECK_THROWS_WITH(
+      parse_description(
+          tensor_parallel_toy(
+              R"([{"name": "b", "modules": {"embed": "rowwise", "layers.*": "colwise", "norm": "colwise"}}])"),
+          "toy"),
+      Contains("block 'b' names module 'norm', which no parameter belongs to"));
+  CHECK_THROWS_WITH(
+      parse_description(
+          tensor_parallel_toy(
+              R"j([{"name": "b", "modules": {"embed": "shard(0)", "layers.*": "colwise"}}])j"),
+          "toy"),
+      Contains("tp_blocks[0].modules[\"embed\"] must be \"colwise\" or \"rowwise\""));
 }
 
 TEST_CASE("train: bfloat16 storage rounds to nearest even", "[train]") {

@@ -47,6 +47,16 @@
  *                 between the tensor-parallel blocks holds the rank's 1/tp
  *                 of the rows); absent means false, and the host refuses
  *                 distributed.sequence_parallel for it
+ *   "tp_blocks":  [{"name", "modules": {pattern: style}}], optional: the
+ *                 groups of modules the model computes over tp together or
+ *                 replicates together, as distributed.tp_plan chooses. A
+ *                 module is a parameter's name without its last component;
+ *                 a pattern's '*' stands for one name component
+ *                 ("model.layers.*.mlp.up_proj"); style is the module's
+ *                 torch style when parallel, "colwise" or "rowwise". Every
+ *                 parameter with a "tp" other than "replicate" is in exactly
+ *                 one block. Absent: the model computes one layout only, and
+ *                 the host refuses a tp_plan for it
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".
@@ -55,7 +65,9 @@
  * (the host's table over the backend: it counts the bytes the model sends
  * and refuses `split`); init_parameter still fills the full tensor, and the
  * host keeps the rank's piece. The plan (setup->plan_json, "parameters")
- * repeats each placement; a stage refuses one it does not compute.
+ * gives each placement: the described one, or "replicate" for every
+ * parameter of a block the tp_plan replicates, which the stage then
+ * computes whole on every rank; a stage refuses any other.
  *
  * Hooks. During forward, backward, backward_input and backward_weight a
  * stage calls, for every unit u one of whose parameters it holds:
