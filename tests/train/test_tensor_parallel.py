@@ -291,6 +291,18 @@ class Checkpoints(TensorParallelTest):
             with self.subTest(layout=name):
                 self.assert_close(losses(full)[2:],
                                   losses(self.resume(name, nproc, step2, *overrides)))
+        # Exported from the step-2 checkpoint under any layout or tp_plan, the
+        # consolidated weights are the same bytes.
+        export = self.runs.train("tp2-export", 2, *TP2, f"checkpoint.resume_from={step2}",
+                                 "train.steps=2")
+        with open(os.path.join(export, "model.safetensors"), "rb") as f:
+            expected = f.read()
+        for name, nproc, overrides in (("tp1-export", 1, FP32), ("dp4-export", 4, FP32),
+                                       ("layers-export", 2, TP2 + ("distributed.tp_plan=layers",))):
+            with self.subTest(export=name):
+                output = self.resume(name, nproc, step2, *overrides, "train.steps=2")
+                with open(os.path.join(output, "model.safetensors"), "rb") as f:
+                    self.assertEqual(expected, f.read())
         dp4 = self.runs.train("dp4-saving", 4, *FP32, "checkpoint.save_every=2")
         back = self.resume("back-to-tp2", 2, os.path.join(dp4, "checkpoints", "step_2"), *TP2)
         self.assert_close(losses(dp4)[2:], losses(back))
