@@ -144,9 +144,11 @@ const Refusal kRefusals[] = {
      "optimizer state live in host memory already",
      "remove the key"},
     {"distributed.enable_async_tensor_parallel",
-     [](const Config& c) { return c.distributed.enable_async_tensor_parallel; },
-     "not implemented yet: the tensor-parallel all-reduces run between the layers' matrix "
-     "products, not overlapped with them",
+     [](const Config& c) {
+       return c.distributed.enable_async_tensor_parallel && c.distributed.tp_size == 1;
+     },
+     "needs distributed.tp_size > 1: it overlaps the tensor-parallel collectives with compute, "
+     "and with tp_size 1 there are none",
      "remove the key or set it to false"},
     {"distributed.enable_compile", [](const Config& c) { return c.distributed.enable_compile; },
      "meshrun has no graph compiler", "remove the key or set it to false"},
@@ -184,11 +186,6 @@ const Refusal kRefusals[] = {
      [](const Config& c) { return c.distributed.check_for_nan_in_grad; }, kMegatronPlansOnly,
      "`meshrun train` stops at the first non-finite loss or gradient norm whatever the strategy "
      "(train.skip_nonfinite_steps); remove the key or set it to false"},
-    {"distributed.pipeline.pp_recv_buffer_pool",
-     [](const Config& c) { return c.distributed.pipeline.pp_recv_buffer_pool; },
-     "not implemented yet: the pipeline executor allocates each received activation when the "
-     "schedule first needs it and frees it once consumed",
-     "remove the key or set it to false"},
     {"distributed.moe.ignore_router_for_ac",
      [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
      "remove the key or set it to false"},

@@ -246,7 +246,8 @@ void read_tp_blocks(const ordered_json& json, const std::string& origin, ModelDe
     }
   }
   for (const TensorParallelBlock& block : d.tp_blocks) {
-    for (const auto& [pattern, style] : block.modules) {
+    for (const auto& module : block.modules) {
+      const std::string& pattern = module.first;
       const bool names_some = std::any_of(
           d.parameters.begin(), d.parameters.end(),
           [&](const ModelParameter& p) { return module_matches(pattern, module_of(p.name)); });

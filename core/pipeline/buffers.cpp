@@ -35,18 +35,41 @@ std::string describe(const BufferKey& key) {
 
 // A key held twice means the schedule produces the same activation twice
 // (two F, two RECV_F, ...): bad input, which the executor names.
-float* ActivationBuffers::allocate(const BufferKey& key, int64_t numel) {
-  const auto [it, inserted] = buffers_.try_emplace(key, static_cast<size_t>(numel));
-  if (!inserted) throw invalid_argument("the " + describe(key) + " is already held");
-  bytes_ += bytes_of(it->second);
+float* ActivationBuffers::hold(const BufferKey& key, Held held) {
+  if (buffers_.contains(key)) throw invalid_argument("the " + describe(key) + " is already held");
+  const auto it = buffers_.emplace(key, std::move(held)).first;
+  bytes_ += bytes_of(it->second.values);
   peak_ = std::max(peak_, live());
   peak_bytes_ = std::max(peak_bytes_, bytes_);
-  return it->second.data();
+  return it->second.values.data();
+}
+
+float* ActivationBuffers::allocate(const BufferKey& key, int64_t numel) {
+  ++allocations_;
+  return hold(key, {std::vector<float>(static_cast<size_t>(numel)), false});
+}
+
+float* ActivationBuffers::receive(const BufferKey& key, int64_t numel) {
+  const auto pooled = std::find_if(pool_.begin(), pool_.end(), [&](const std::vector<float>& v) {
+    return static_cast<int64_t>(v.size()) == numel;
+  });
+  Held held{{}, true};
+  if (pooled != pool_.end()) {
+    held.values = std::move(*pooled);
+    pool_.erase(pooled);
+    pooled_bytes_ -= bytes_of(held.values);
+  } else {
+    ++allocations_;
+    held.values.resize(static_cast<size_t>(numel));
+  }
+  float* data = hold(key, std::move(held));
+  receive_depth_ = std::max(receive_depth_, ++received_held_);
+  return data;
 }
 
 float* ActivationBuffers::find(const BufferKey& key) {
   const auto it = buffers_.find(key);
-  return it == buffers_.end() ? nullptr : it->second.data();
+  return it == buffers_.end() ? nullptr : it->second.values.data();
 }
 
 // Extracting the node keeps the vector, and so the data pointer a pending
@@ -62,7 +85,13 @@ void ActivationBuffers::rename(const BufferKey& from, const BufferKey& to) {
 void ActivationBuffers::release(const BufferKey& key) {
   const auto it = buffers_.find(key);
   if (it == buffers_.end()) return;
-  bytes_ -= bytes_of(it->second);
+  Held& held = it->second;
+  bytes_ -= bytes_of(held.values);
+  if (held.received) --received_held_;
+  if (held.received && pool_received_ && static_cast<int64_t>(pool_.size()) < receive_depth_) {
+    pooled_bytes_ += bytes_of(held.values);
+    pool_.push_back(std::move(held.values));
+  }
   buffers_.erase(it);
 }
 
@@ -79,6 +108,7 @@ std::vector<BufferKey> ActivationBuffers::keys() const {
 
 void ActivationBuffers::clear() {
   buffers_.clear();
+  received_held_ = 0;
   bytes_ = 0;
 }
 

@@ -40,8 +40,12 @@ bool is_backward_transfer(ActionType type) {
 }  // namespace
 
 Executor::Executor(schedule::Schedule lowered, int64_t rank, Communicator& pp,
-                   std::map<int64_t, HeldStage> stages)
-    : schedule_(std::move(lowered)), rank_(rank), pp_(pp), stages_(std::move(stages)) {
+                   std::map<int64_t, HeldStage> stages, bool pool_received)
+    : schedule_(std::move(lowered)),
+      rank_(rank),
+      pp_(pp),
+      stages_(std::move(stages)),
+      buffers_(pool_received) {
   check_schedule();
 }
 
@@ -272,7 +276,7 @@ void Executor::receive(size_t step, const Action& action) {
   const int64_t numel = backward ? stage.output_numel() : stage.input_numel();
   const int32_t peer = action.stage + (backward ? 1 : -1);
   const int32_t edge = backward ? action.stage : action.stage - 1;
-  float* data = buffers_.allocate(key, numel);
+  float* data = buffers_.receive(key, numel);
   FlatTensor tensor(data, dtype_float32(), numel);
   Request request = pp_.recv(tensor.get(), schedule_.stage_rank[static_cast<size_t>(peer)],
                              tag(edge, action.microbatch, backward));

@@ -50,8 +50,9 @@ class Executor {
   // schedule this rank cannot run: an action for a stage it does not hold,
   // a transfer past either end of the pipeline or between two stages of
   // this rank, or stages of this rank whose activation sizes differ.
+  // `pool_received` keeps received buffers for reuse (ActivationBuffers).
   Executor(schedule::Schedule lowered, int64_t rank, Communicator& pp,
-           std::map<int64_t, HeldStage> stages);
+           std::map<int64_t, HeldStage> stages, bool pool_received = false);
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
@@ -66,6 +67,9 @@ class Executor {
   int64_t live_buffers() const { return buffers_.live(); }
   int64_t peak_buffers() const { return buffers_.peak(); }
   int64_t peak_buffer_bytes() const { return buffers_.peak_bytes(); }
+  // Bytes of received buffers kept for reuse, and buffers allocated so far.
+  int64_t pooled_buffer_bytes() const { return buffers_.pooled_bytes(); }
+  int64_t buffer_allocations() const { return buffers_.allocations(); }
 
  private:
   // A transfer in flight, and the action that started it (for its errors).

@@ -205,7 +205,8 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
           {"tensor_parallel", tp > 1 ? choice.rules : ordered_json::array()},
           {"pipeline", pp > 1 ? pipeline_split(config, d, pp, schedule) : ordered_json(nullptr)},
           {"activation_checkpointing", std::move(checkpointed)},
-          {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel}};
+          {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel},
+          {"async_tensor_parallel", tp > 1 && config.distributed.enable_async_tensor_parallel}};
 }
 
 ordered_json sidecar_request(const Config& config, const MeshContext& mesh, const Model& model,

@@ -65,7 +65,8 @@ PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(conte
   std::map<int64_t, pipeline::HeldStage> stages;
   for (auto& held : held_)
     stages.emplace(held->index, pipeline::HeldStage{*held->work, held->work.get()});
-  executor_.emplace(std::move(schedule), ctx_.pipeline.rank(), ctx_.pipeline, std::move(stages));
+  executor_.emplace(std::move(schedule), ctx_.pipeline.rank(), ctx_.pipeline, std::move(stages),
+                    ctx_.config.distributed.pipeline.pp_recv_buffer_pool);
 }
 
 PipelineTrainer::~PipelineTrainer() = default;
@@ -249,6 +250,7 @@ MemoryUse PipelineTrainer::memory_use() {
     use.buffers_reserved += strategy.buffers_reserved;
   }
   use.buffers_peak += executor_->peak_buffer_bytes();
+  use.buffers_reserved += executor_->pooled_buffer_bytes();
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
   return use;

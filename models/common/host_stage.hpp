@@ -67,11 +67,23 @@ class HostTensorParallelGroup : public TensorParallelGroup {
     finish(request);
   }
   void reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
-    Tensor in(send, count * size_), out(recv, count);
-    meshrun_request* request = nullptr;
-    check(api_->reduce_scatter(comm_, &in.tensor, &out.tensor, MESHRUN_REDUCE_SUM, &request));
-    finish(request);
+    finish(start_reduce_scatter(send, recv, count));
   }
+  void start_all_reduce_sum(float* data, int64_t count) override {
+    if (!async_) return all_reduce_sum(data, count);
+    started_.push_back(start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
+  }
+  void start_reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    if (!async_) return reduce_scatter_sum(send, recv, count);
+    started_.push_back(start_reduce_scatter(send, recv, count));
+  }
+  void wait_started() override {
+    std::vector<meshrun_request*> started;
+    started.swap(started_);
+    for (meshrun_request* request : started) finish(request);
+  }
+  // Whether start_* return before their collective completes.
+  void set_async(bool async) { async_ = async; }
 
  private:
   // A float32 vector as DLPack describes it.
@@ -91,15 +103,27 @@ class HostTensorParallelGroup : public TensorParallelGroup {
     if (error != nullptr) throw plugin::HostError(error);
   }
   void all_reduce(float* data, int64_t count, int32_t op) {
+    finish(start_all_reduce(data, count, op));
+  }
+  // The backend reads the tensor's description when the collective starts.
+  meshrun_request* start_all_reduce(float* data, int64_t count, int32_t op) {
     Tensor tensor(data, count);
     meshrun_request* request = nullptr;
     check(api_->all_reduce(comm_, &tensor.tensor, &tensor.tensor, op, &request));
-    finish(request);
+    return request;
+  }
+  meshrun_request* start_reduce_scatter(const float* send, float* recv, int64_t count) {
+    Tensor in(send, count * size_), out(recv, count);
+    meshrun_request* request = nullptr;
+    check(api_->reduce_scatter(comm_, &in.tensor, &out.tensor, MESHRUN_REDUCE_SUM, &request));
+    return request;
   }
 
   const meshrun_comm_api* api_;
   meshrun_communicator* comm_;
   int64_t rank_ = 0, size_ = 1;
+  bool async_ = false;
+  std::vector<meshrun_request*> started_;  // by start_*, until wait_started
 };
 
 template <class Plugin>
@@ -154,7 +178,9 @@ class HostStage {
       : hooks_(*setup.hooks),
         tp_(setup),
         stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
-               &tp_, plan_placements(setup.plan_json)) {}
+               &tp_, plan_placements(setup.plan_json)) {
+    tp_.set_async(plan_placements(setup.plan_json).async);
+  }
 
   void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
     stage_.set_shape(batch, seq_len);

@@ -175,6 +175,7 @@ Placements plan_placements(const char* plan_json) {
   Placements placements;
   const auto plan = nlohmann::json::parse(plan_json != nullptr ? plan_json : "{}");
   placements.sequence_parallel = plan.value("sequence_parallel", false);
+  placements.async = plan.value("async_tensor_parallel", false);
   if (!plan.contains("parameters")) return placements;
   for (const auto& parameter : plan.at("parameters")) {
     placements.of[parameter.at("name").get<std::string>()] =

@@ -51,6 +51,15 @@ class TensorParallelGroup {
   // recv [count] = this rank's count elements of the sum over ranks of
   // send [size * count].
   virtual void reduce_scatter_sum(const float* send, float* recv, int64_t count) = 0;
+  // all_reduce_sum and reduce_scatter_sum, started: with asynchronous tensor
+  // parallelism (distributed.enable_async_tensor_parallel) they return at
+  // once and wait_started() completes them, so what runs in between
+  // overlaps the communication; otherwise they complete before returning.
+  virtual void start_all_reduce_sum(float* data, int64_t count) { all_reduce_sum(data, count); }
+  virtual void start_reduce_scatter_sum(const float* send, float* recv, int64_t count) {
+    reduce_scatter_sum(send, recv, count);
+  }
+  virtual void wait_started() {}
 };
 
 // The group of one rank: no tensor parallelism.
@@ -79,6 +88,10 @@ class ReplicatedOver : public TensorParallelGroup {
     tp_.all_gather(send, recv, count);
   }
   void reduce_scatter_sum(const float* send, float* recv, int64_t count) override;
+  void start_all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
+  void start_reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    reduce_scatter_sum(send, recv, count);
+  }
 
  private:
   TensorParallelGroup& tp_;
@@ -198,10 +211,12 @@ void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
 
 // What the plan says about tensor parallelism: every parameter's placement
 // ("tp" of the plan's "parameters": "replicate", "shard(0)", ...) by Hugging
-// Face name, and whether the stream is sequence parallel.
+// Face name, whether the stream is sequence parallel, and whether the
+// collectives may overlap compute.
 struct Placements {
   std::map<std::string, std::string> of;
   bool sequence_parallel = false;
+  bool async = false;  // the plan's "async_tensor_parallel"
 };
 // Reads them from the plan JSON a stage is given; none for "{}".
 Placements plan_placements(const char* plan_json);

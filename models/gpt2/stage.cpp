@@ -32,15 +32,33 @@ void row_parallel_forward(float* y, const float* x, const ParameterView* conv, i
   bias_forward(y, conv[1].data, rows, out);
 }
 
-// dx = dy W^T; the bias's gradient at once, the weight's (x^T dy) to
-// `gradients`, which may take x.
+// The bias's gradient at once, the weight's (x^T dy) to `gradients`, which
+// may take x.
+void conv1d_parameter_gradients(const float* dy, const ParameterView* conv, std::vector<float>& x,
+                                int64_t rows, int64_t in, int64_t out, WeightGradients& gradients) {
+  bias_backward(conv[1].grad, dy, rows, out);
+  gradients.vector_ready(conv[1]);
+  gradients.linear({&conv[0], &conv[0], WeightLayout::in_out, rows, in, out}, dy, x);
+}
+
+// The row-parallel c_proj: dx = dy W^T, complete on each rank; then the
+// parameters' gradients.
 void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
                           std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
                           WeightGradients& gradients) {
   conv1d_backward_input(dx, dy, conv[0].data, rows, in, out);
-  bias_backward(conv[1].grad, dy, rows, out);
-  gradients.vector_ready(conv[1]);
-  gradients.linear({&conv[0], &conv[0], WeightLayout::in_out, rows, in, out}, dy, x);
+  conv1d_parameter_gradients(dy, conv, x, rows, in, out, gradients);
+}
+
+// The column-parallel c_attn or c_fc: dx = dy W^T is a partial sum, whose
+// sum over `group` starts at once and runs while the parameters' gradients
+// are computed (asynchronous tensor parallelism); the caller waits for it.
+void column_parallel_backward(float* dx, const float* dy, const ParameterView* conv,
+                              std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
+                              models::TensorParallelGroup& group, WeightGradients& gradients) {
+  conv1d_backward_input(dx, dy, conv[0].data, rows, in, out);
+  if (group.size() > 1) group.start_all_reduce_sum(dx, rows * in);
+  conv1d_parameter_gradients(dy, conv, x, rows, in, out, gradients);
 }
 
 // dx += the LayerNorm's input gradient; its weight's (norm[0]) and bias's
@@ -175,8 +193,9 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
   conv1d_bias_backward(pass.d_mlp.data(), d_residual, &block[kMlpProjWeight], saved.act, N, I, E,
                        gradients);
   gelu_backward(pass.d_mlp.data(), pass.d_mlp.data(), saved.fc.data(), N * I);
-  conv1d_bias_backward(d_norm, pass.d_mlp.data(), &block[kFcWeight], saved.ln2, N, E, I, gradients);
-  models::reduce_partial_sums(pass.group(Block::mlp), d_norm, N * E);
+  column_parallel_backward(d_norm, pass.d_mlp.data(), &block[kFcWeight], saved.ln2, N, E, I,
+                           pass.group(Block::mlp), gradients);
+  pass.group(Block::mlp).wait_started();
   layernorm_backward_ready(d_residual, d_norm, saved.h.data(), &block[kLn2Weight],
                            saved.mean2.data(), saved.rstd2.data(), N, E, gradients);
 
@@ -184,9 +203,9 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
                        saved.attention, N, Q, E, gradients);
   attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
                      saved.qkv.data(), saved.probs.data(), pass.attention);
-  conv1d_bias_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
-                       gradients);
-  models::reduce_partial_sums(pass.group(Block::attention), d_norm, N * E);
+  column_parallel_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
+                           pass.group(Block::attention), gradients);
+  pass.group(Block::attention).wait_started();
   layernorm_backward_ready(d_residual, d_norm, x, &block[kLn1Weight], saved.mean1.data(),
                            saved.rstd1.data(), N, E, gradients);
 }

@@ -59,21 +59,32 @@ float* block_output_gradient(DecoderPass& pass) {
   return pass.d_gathered.data();
 }
 
-// block_input_norm's backward from pass.d_norm, the block's partial input
-// gradient [N, H]: summed over the block's group (all of it, or the rank's
-// rows), then through the norm into the residual stream's gradient. With
+// Starts the sum over the block's group of pass.d_norm, the block's partial
+// input gradient [N, H]: all of it in place, or the rank's rows into
+// pass.stream (sequence parallel). With asynchronous tensor parallelism it
+// runs while the caller computes the block's weight gradients.
+void start_input_gradient_sum(DecoderPass& pass, TensorParallelGroup& group) {
+  if (!pass.sequence_parallel) {
+    if (group.size() > 1) group.start_all_reduce_sum(pass.d_norm.data(), pass.rows() * pass.hidden);
+    return;
+  }
+  group.start_reduce_scatter_sum(pass.d_norm.data(), pass.stream.data(),
+                                 pass.stream_rows() * pass.hidden);
+}
+
+// block_input_norm's backward, once the sum start_input_gradient_sum began
+// is complete: through the norm into the residual stream's gradient. With
 // sequence parallelism each rank has the norm weight's gradient of its rows
 // only, so that is summed over tp too.
 void block_input_norm_backward(DecoderPass& pass, TensorParallelGroup& group,
                                const ParameterView& norm, const float* x, const float* rstd) {
+  group.wait_started();
   const int64_t n = pass.stream_rows(), H = pass.hidden;
   if (!pass.sequence_parallel) {
-    models::reduce_partial_sums(group, pass.d_norm.data(), n * H);
     rmsnorm_backward(pass.d_residual.data(), norm.grad, pass.d_norm.data(), x, norm.data, rstd, n,
                      H);
     return;
   }
-  models::reduce_scatter_rows(group, pass.d_norm.data(), pass.stream.data(), n, H);
   std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
   rmsnorm_backward(pass.d_residual.data(), pass.d_norm_weight.data(), pass.stream.data(), x,
                    norm.data, rstd, n, H);
@@ -201,7 +212,8 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
 
 // Each residual add passes its gradient through, so the norms' backward
 // accumulates into d_residual. Every linear's input gradient comes first and
-// its weight gradient goes to `gradients` right after, while dy is at hand.
+// its weight gradient goes to `gradients` right after, while dy is at hand;
+// a block's input gradient is summed over tp meanwhile.
 void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                            LayerActivations& saved, WeightGradients& gradients) {
   const AttentionShape& shape = pass.attention;
@@ -212,6 +224,7 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_out, saved.mlp);
   swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
   linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
+  start_input_gradient_sum(pass, pass.group(Block::mlp));
   gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
                    saved.norm2);
   block_input_norm_backward(pass, pass.group(Block::mlp), layer[kPostNorm], saved.h.data(),
@@ -227,6 +240,7 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
                         shape.qkv_dim());
+  start_input_gradient_sum(pass, pass.group(Block::attention));
   gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),
                    saved.norm1);
   block_input_norm_backward(pass, pass.group(Block::attention), layer[kInputNorm], x,
@@ -257,6 +271,7 @@ void Llama::head_backward(Pass& pass, const ParameterView* head, const Parameter
                                 targets, loss_scale, pass.rows(), pass.hidden, pass.head_vocab,
                                 gradients);
   std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
+  start_input_gradient_sum(pass, pass.group(Block::head));
   block_input_norm_backward(pass, pass.group(Block::head), *head, x, saved.final_rstd.data());
   gradients.vector_ready(*head);
 }

@@ -126,6 +126,17 @@ class Equivalence(TensorParallelTest):
                     self.assertEqual(losses(plain), losses(output))
                     self.assertEqual(exported(plain), exported(output))
 
+    def test_async_tensor_parallel_changes_no_bit(self):
+        for name, layout in (("tp2", TP2), ("sp", TP2 + SP)):
+            with self.subTest(layout=name):
+                plain = self.runs.train(f"{name}-sync", 2, *layout)
+                overlapped = self.runs.train(f"{name}-async", 2, *layout,
+                                             "distributed.enable_async_tensor_parallel=true")
+                self.assertEqual(losses(plain), losses(overlapped))
+                self.assertEqual(exported(plain), exported(overlapped))
+                self.assertEqual(metrics(plain)[0]["tp_bytes"],
+                                 metrics(overlapped)[0]["tp_bytes"])
+
     def test_gpt2_tp2_matches_one_rank(self):
         runs = Runs()
         with open(runs.config, "w") as f:
@@ -135,6 +146,10 @@ class Equivalence(TensorParallelTest):
             output = runs.train("gpt2-tp2", 2, *TP2)
             self.assert_matches(reference, output)
             self.assert_same_weights(reference, output)
+            overlapped = runs.train("gpt2-tp2-async", 2, *TP2,
+                                    "distributed.enable_async_tensor_parallel=true")
+            self.assertEqual(losses(output), losses(overlapped))
+            self.assertEqual(exported(output), exported(overlapped))
         finally:
             runs.cleanup()
 

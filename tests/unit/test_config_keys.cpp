@@ -130,7 +130,8 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.pipeline.scale_grads_in_schedule",
        trainer("true", "the loss scale seeded per microbatch (test_pipeline.py)")},
       {"distributed.pipeline.pp_seq_len", checked("32", "256")},  // data.seq_len
-      {"distributed.pipeline.pp_recv_buffer_pool", refused("true", "false")},
+      {"distributed.pipeline.pp_recv_buffer_pool",
+       trainer("true", "received activations pooled, the same losses (test_pipeline.py)")},
       {"distributed.moe.ignore_router_for_ac", refused("true", "false", kMoe)},
       {"distributed.moe.reshard_after_forward", refused("true", "false", kMoe)},
       {"distributed.moe.lm_head_precision", refused("\"float32\"", "", kMoe)},
@@ -144,7 +145,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.offload_policy", refused("\"cpu\"", "\"\"")},
       {"distributed.defer_fsdp_grad_sync", options_change("false")},
       {"distributed.reshard_after_forward", options_change("true")},
-      {"distributed.enable_async_tensor_parallel", refused("true", "false")},
+      {"distributed.enable_async_tensor_parallel", plan_change("true", {"distributed.tp_size=2"})},
       {"distributed.enable_compile", refused("true", "false")},
       {"distributed.enable_fsdp2_prefetch", options_change("false")},
       {"distributed.fsdp2_forward_prefetch_depth", options_change("2")},
