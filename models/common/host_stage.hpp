@@ -46,8 +46,9 @@ class HostHooks : public StageHooks {
 // hands back to the host unchanged.
 class HostTensorParallelGroup : public TensorParallelGroup {
  public:
-  explicit HostTensorParallelGroup(const meshrun_model_stage_setup& setup)
-      : api_(setup.comm), comm_(setup.tp) {
+  // `async`: start_* return before their collective completes.
+  HostTensorParallelGroup(const meshrun_model_stage_setup& setup, bool async)
+      : api_(setup.comm), comm_(setup.tp), async_(async) {
     if (api_ == nullptr || comm_ == nullptr) return;
     check(api_->rank(comm_, &rank_));
     check(api_->size(comm_, &size_));
@@ -82,8 +83,6 @@ class HostTensorParallelGroup : public TensorParallelGroup {
     started.swap(started_);
     for (meshrun_request* request : started) finish(request);
   }
-  // Whether start_* return before their collective completes.
-  void set_async(bool async) { async_ = async; }
 
  private:
   // A float32 vector as DLPack describes it.
@@ -122,7 +121,7 @@ class HostTensorParallelGroup : public TensorParallelGroup {
   const meshrun_comm_api* api_;
   meshrun_communicator* comm_;
   int64_t rank_ = 0, size_ = 1;
-  bool async_ = false;
+  bool async_;
   std::vector<meshrun_request*> started_;  // by start_*, until wait_started
 };
 
@@ -175,12 +174,7 @@ template <class Plugin>
 class HostStage {
  public:
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
-      : hooks_(*setup.hooks),
-        tp_(setup),
-        stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
-               &tp_, plan_placements(setup.plan_json)) {
-    tp_.set_async(plan_placements(setup.plan_json).async);
-  }
+      : HostStage(model, setup, plan_placements(setup.plan_json)) {}
 
   void set_shape(int64_t batch, int64_t seq_len, int64_t* input_numel, int64_t* output_numel) {
     stage_.set_shape(batch, seq_len);
@@ -202,6 +196,13 @@ class HostStage {
   int64_t activation_bytes() const { return stage_.activation_bytes(); }
 
  private:
+  HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup,
+            const Placements& placements)
+      : hooks_(*setup.hooks),
+        tp_(setup, placements.async),
+        stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
+               &tp_, placements) {}
+
   HostHooks hooks_;
   HostTensorParallelGroup tp_;
   TransformerStage<typename Plugin::Family> stage_;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common/layers.hpp"
@@ -22,6 +24,16 @@ VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp, const Paral
 
 void ReplicatedOver::reduce_scatter_sum(const float* send, float* recv, int64_t count) {
   std::copy_n(send + rank() * count, count, recv);
+}
+
+void require_divisible(std::initializer_list<SplitExtent> extents, int64_t tp) {
+  for (const SplitExtent& extent : extents) {
+    if (!extent.split || extent.value % tp == 0) continue;
+    throw std::invalid_argument(std::string("model.") + extent.key + ": " +
+                                std::to_string(extent.value) +
+                                " is not divisible by distributed.tp_size = " + std::to_string(tp) +
+                                ", over which tensor parallelism splits it");
+  }
 }
 
 const char* block_name(Block block) {

@@ -27,6 +27,7 @@
 
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
@@ -140,6 +141,16 @@ struct ParallelModules {
   // with each module named by a pattern ('*' for the layer index).
   std::vector<BlockSpec> specs(bool tied_lm_head) const;
 };
+
+// A [model] key whose value a parallel block splits over tp ranks.
+struct SplitExtent {
+  const char* key;
+  int64_t value;
+  bool split;
+};
+// Throws std::invalid_argument("model.<key>: ...") for the first split
+// extent tp does not divide.
+void require_divisible(std::initializer_list<SplitExtent> extents, int64_t tp);
 
 // Which blocks compute over tp; a stage's Pass sizes each block by it.
 class ParallelBlocks {

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <utility>
 
 namespace meshrun::gpt2 {
@@ -66,16 +65,11 @@ std::vector<models::BlockSpec> tensor_parallel_blocks(const Gpt2Config& config) 
 }
 
 void check_tensor_parallel(const Gpt2Config& c, int64_t tp, const models::ParallelBlocks& blocks) {
-  const bool vocab = blocks[Block::embedding] || blocks[Block::head];
-  for (const auto& [key, value, split] : {std::tuple{"n_head", c.n_head, blocks[Block::attention]},
-                                          {"n_inner", c.n_inner, blocks[Block::mlp]},
-                                          {"vocab_size", c.vocab_size, vocab}}) {
-    if (split && value % tp != 0) {
-      throw std::invalid_argument(std::string("model.") + key + ": " + std::to_string(value) +
-                                  " is not divisible by distributed.tp_size = " +
-                                  std::to_string(tp) + ", over which tensor parallelism splits it");
-    }
-  }
+  models::require_divisible(
+      {{"n_head", c.n_head, blocks[Block::attention]},
+       {"n_inner", c.n_inner, blocks[Block::mlp]},
+       {"vocab_size", c.vocab_size, blocks[Block::embedding] || blocks[Block::head]}},
+      tp);
 }
 
 std::vector<ParameterView> model_parameters(const Gpt2Config& c) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 #include <utility>
 
 namespace meshrun::llama {
@@ -69,16 +68,12 @@ std::vector<models::BlockSpec> tensor_parallel_blocks(const LlamaConfig& config)
 
 void check_tensor_parallel(const LlamaConfig& c, int64_t tp, const models::ParallelBlocks& blocks) {
   const bool vocab = blocks[Block::embedding] || blocks[Block::head];
-  for (const auto& [key, value, split] :
-       {std::tuple{"num_attention_heads", c.num_attention_heads, blocks[Block::attention]},
-        {"num_key_value_heads", c.num_key_value_heads, blocks[Block::attention]},
-        {"intermediate_size", c.intermediate_size, blocks[Block::mlp]},
-        {"vocab_size", c.vocab_size, vocab}}) {
-    require(!split || value % tp == 0,
-            std::string("model.") + key + ": " + std::to_string(value) +
-                " is not divisible by distributed.tp_size = " + std::to_string(tp) +
-                ", over which tensor parallelism splits it");
-  }
+  models::require_divisible(
+      {{"num_attention_heads", c.num_attention_heads, blocks[Block::attention]},
+       {"num_key_value_heads", c.num_key_value_heads, blocks[Block::attention]},
+       {"intermediate_size", c.intermediate_size, blocks[Block::mlp]},
+       {"vocab_size", c.vocab_size, vocab}},
+      tp);
 }
 
 std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
