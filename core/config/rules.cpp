@@ -124,10 +124,10 @@ const Refusal kRefusals[] = {
      "not implemented yet: activation checkpointing checkpoints every layer unit",
      "remove the key or set it to \"all\""},
     {"distributed.autocast_dtype",
-     [](const Config& c) { return !c.distributed.autocast_dtype.empty(); },
-     "not implemented yet: meshrun has no autocast; mixed precision works today through "
-     "fsdp2's [distributed.mp_policy] (param_dtype, reduce_dtype, output_dtype)",
-     "remove the key"},
+     [](const Config& c) { return c.distributed.autocast_dtype == "float16"; },
+     "meshrun's models compute on the CPU, where autocast computes in bfloat16 only (as "
+     "torch.autocast(\"cpu\") does); float16's narrow range would also need loss scaling",
+     "set it to \"bfloat16\" or \"float32\""},
     {"distributed.sequence_parallel",
      [](const Config& c) { return c.distributed.sequence_parallel && c.distributed.tp_size == 1; },
      "needs distributed.tp_size > 1: it shards the activations of tensor-parallel layers on the "

@@ -195,6 +195,14 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.sequence_parallel = json.at("sequence_parallel").get<bool>();
   }
+  if (json.contains("autocast_dtypes")) {
+    const ordered_json& dtypes = json.at("autocast_dtypes");
+    const auto is_string = [](const ordered_json& dtype) { return dtype.is_string(); };
+    if (!dtypes.is_array() || !std::all_of(dtypes.begin(), dtypes.end(), is_string)) {
+      bad_description(origin, "\"autocast_dtypes\" must be an array of dtype names");
+    }
+    d.autocast_dtypes = dtypes.get<std::vector<std::string>>();
+  }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }

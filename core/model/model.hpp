@@ -54,8 +54,9 @@ struct ModelDescription {
   std::vector<ModelModule> modules;
   int64_t vocab_size = 0;
   std::optional<int64_t> max_seq_len;
-  std::string num_layers_key;      // e.g. "model.num_hidden_layers"
-  bool sequence_parallel = false;  // the model computes sequence parallelism
+  std::string num_layers_key;                // e.g. "model.num_hidden_layers"
+  bool sequence_parallel = false;            // the model computes sequence parallelism
+  std::vector<std::string> autocast_dtypes;  // its matmuls' dtypes under autocast
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters

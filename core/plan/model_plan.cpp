@@ -165,6 +165,13 @@ ordered_json pipeline_split(const Config& config, const ModelDescription& d, int
   return split;
 }
 
+// The plan's "autocast_dtype": the dtype of the model's matmuls under
+// autocast, null without (float32 is no autocast).
+ordered_json autocast_dtype(const Config& config) {
+  const std::string& dtype = config.distributed.autocast_dtype;
+  return dtype.empty() || dtype == "float32" ? ordered_json(nullptr) : ordered_json(dtype);
+}
+
 ordered_json default_plan(const Config& config, const MeshContext& mesh, const ModelDescription& d,
                           const PluginLibrary* schedule) {
   // The root first, then the layer units in forward order.
@@ -206,7 +213,8 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
           {"pipeline", pp > 1 ? pipeline_split(config, d, pp, schedule) : ordered_json(nullptr)},
           {"activation_checkpointing", std::move(checkpointed)},
           {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel},
-          {"async_tensor_parallel", tp > 1 && config.distributed.enable_async_tensor_parallel}};
+          {"async_tensor_parallel", tp > 1 && config.distributed.enable_async_tensor_parallel},
+          {"autocast_dtype", autocast_dtype(config)}};
 }
 
 ordered_json sidecar_request(const Config& config, const MeshContext& mesh, const Model& model,
@@ -308,6 +316,17 @@ class PlanCheck {
       fail("\"activation_checkpointing\" must be an array");
     }
     check_pipeline(plan.contains("pipeline") ? plan.at("pipeline") : ordered_json());
+  }
+
+  // The settings the config decides for the whole run: a sidecar places
+  // parameters and splits stages, it does not change these.
+  void keeps_run_settings(const ordered_json& default_plan, const ordered_json& plan) const {
+    for (const char* key : {"sequence_parallel", "async_tensor_parallel", "autocast_dtype"}) {
+      if (plan.value(key, ordered_json()) != default_plan.value(key, ordered_json())) {
+        fail(fmt::format("\"{}\" is {}, but the config makes it {}", key,
+                         plan.value(key, ordered_json()).dump(), default_plan.at(key).dump()));
+      }
+    }
   }
 
  private:
@@ -413,9 +432,11 @@ ordered_json plan_model(const Config& config, const MeshContext& mesh, const Mod
                         const PluginLibrary* schedule) {
   ordered_json plan = default_plan(config, mesh, model.description(), schedule);
   if (!sidecar) return plan;
-  plan = ask_sidecar(sidecar, sidecar_request(config, mesh, model, plan, schedule));
-  PlanCheck(model.description(), mesh, sidecar->path(), model.library().path()).check(plan);
-  return plan;
+  ordered_json planned = ask_sidecar(sidecar, sidecar_request(config, mesh, model, plan, schedule));
+  const PlanCheck check(model.description(), mesh, sidecar->path(), model.library().path());
+  check.check(planned);
+  check.keeps_run_settings(plan, planned);
+  return planned;
 }
 
 }  // namespace meshrun

@@ -348,6 +348,11 @@ std::string model_lines(const ModelDescription& description, const nlohmann::ord
     text += fmt::format("{:<10}{} of {} layer units\n", "ac", shown(checkpointed[0], "mode"),
                         checkpointed.size());
   }
+  const auto autocast = model.value("autocast_dtype", nlohmann::ordered_json());
+  if (autocast.is_string()) {
+    text += fmt::format("{:<10}matmuls in {} (operands rounded, float32 sums)\n", "autocast",
+                        autocast.get<std::string>());
+  }
   return text;
 }
 

@@ -12,17 +12,34 @@
 
 namespace meshrun {
 
+// The bits of a float32 rounded to bfloat16 and widened back: round to
+// nearest even, a NaN stays a (quiet) NaN. Branch-free, so loops over it
+// vectorize.
+inline uint32_t bfloat16_rounded_bits(uint32_t bits) {
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (bits | 0x00400000u) & 0xffff0000u;
+  return (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+}
+
 // float32 -> bfloat16 bits, round to nearest even (NaN stays NaN).
 inline uint16_t float_to_bfloat16(float value) {
   uint32_t bits = 0;
   std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  return static_cast<uint16_t>(bfloat16_rounded_bits(bits) >> 16);
 }
 
 inline float bfloat16_to_float(uint16_t value) {
   const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result = 0;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+
+// `value` rounded to the nearest bfloat16, as float32 (exact).
+inline float rounded_to_bfloat16(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits = bfloat16_rounded_bits(bits);
   float result = 0;
   std::memcpy(&result, &bits, sizeof result);
   return result;

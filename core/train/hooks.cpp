@@ -9,7 +9,7 @@ namespace meshrun::train {
 
 void round_to(float* values, int64_t count, const std::string& dtype) {
   if (dtype == "bfloat16") {
-    for (int64_t i = 0; i < count; ++i) values[i] = bfloat16_to_float(float_to_bfloat16(values[i]));
+    for (int64_t i = 0; i < count; ++i) values[i] = rounded_to_bfloat16(values[i]);
   } else if (dtype == "float16") {
     for (int64_t i = 0; i < count; ++i) values[i] = float(static_cast<_Float16>(values[i]));
   }

@@ -81,6 +81,20 @@ void check_sequence_parallel(const Config& config, const Plan& plan) {
                                  config.data.seq_len, d.tp_size));
 }
 
+// Autocast changes what the model's own matmuls compute in, which only the
+// model can do: it says so in its description.
+void check_autocast(const Config& config, const Plan& plan) {
+  const std::string& dtype = config.distributed.autocast_dtype;
+  if (dtype.empty() || dtype == "float32") return;
+  const std::vector<std::string>& supported = plan.model->description().autocast_dtypes;
+  if (std::find(supported.begin(), supported.end(), dtype) != supported.end()) return;
+  throw config_error(config, "distributed.autocast_dtype",
+                     fmt::format("model plugin {} computes its matmuls in float32 only (its "
+                                 "description's \"autocast_dtypes\" has no \"{}\"); remove the "
+                                 "key or set it to \"float32\"",
+                                 plan.model->library().path(), dtype));
+}
+
 // The data are bytes: the model must take every byte as a token, and
 // sequences as long as data.seq_len.
 void check_model_fits_data(const Config& config, const Plan& plan) {
@@ -228,6 +242,7 @@ void check_training_input(const Config& config, const Plan& plan) {
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_parallel_sizes(config);
   check_sequence_parallel(config, plan);
+  check_autocast(config, plan);
   check_strategy_trains(config, *plan.strategy);
   check_model_fits_data(config, plan);
   if (plan.mesh.axis_size(Axis::pp) > 1) check_pipeline(config, plan);

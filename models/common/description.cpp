@@ -118,4 +118,14 @@ Checkpointing checkpointed_layers(const ModelModules& modules, int64_t num_layer
   return layers;
 }
 
+kernels::MatmulPrecision planned_matmul_precision(const char* plan_json, const char* family) {
+  if (plan_json == nullptr || *plan_json == '\0') return kernels::MatmulPrecision::float32;
+  const auto plan = nlohmann::json::parse(plan_json, nullptr, /*allow_exceptions=*/false);
+  const auto dtype = plan.is_object() ? plan.value("autocast_dtype", nlohmann::json()) : nullptr;
+  if (dtype.is_null()) return kernels::MatmulPrecision::float32;
+  if (dtype == "bfloat16") return kernels::MatmulPrecision::bfloat16;
+  throw std::invalid_argument(std::string(family) + ": the plan's autocast_dtype " + dtype.dump() +
+                              ": the model's matmuls compute in \"bfloat16\" under autocast");
+}
+
 }  // namespace meshrun::models

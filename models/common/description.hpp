@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/layers.hpp"
 #include "common/parameters.hpp"
 #include "common/stage.hpp"
 
@@ -57,5 +58,11 @@ StageLayout stage_layout(const ModelModules& modules, int64_t num_layers,
 // a module that is not a layer, and another mode.
 Checkpointing checkpointed_layers(const ModelModules& modules, int64_t num_layers,
                                   const char* plan_json, const char* family);
+
+// What the stage's matmuls compute in: the plan's "autocast_dtype"
+// (docs/plan.md), null or absent for float32, "bfloat16" for autocast's
+// bfloat16 matmuls. Throws std::invalid_argument starting with `family`
+// for another dtype.
+kernels::MatmulPrecision planned_matmul_precision(const char* plan_json, const char* family);
 
 }  // namespace meshrun::models

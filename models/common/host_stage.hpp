@@ -181,17 +181,24 @@ class HostStage {
     *input_numel = stage_.input_numel();
     *output_numel = stage_.output_numel();
   }
+  // Each computing call runs its matmuls in the plan's autocast precision.
   double forward(int32_t mb, const int32_t* tokens, const int32_t* targets, const float* input,
                  float* output) {
+    kernels::MatmulPrecisionScope precision(matmul_precision_);
     return stage_.forward(mb, tokens, targets, input, output);
   }
   void backward(int32_t mb, float loss_scale, const float* grad_output, float* grad_input) {
+    kernels::MatmulPrecisionScope precision(matmul_precision_);
     stage_.backward(mb, loss_scale, grad_output, grad_input);
   }
   void backward_input(int32_t mb, float loss_scale, const float* grad_output, float* grad_input) {
+    kernels::MatmulPrecisionScope precision(matmul_precision_);
     stage_.backward_input(mb, loss_scale, grad_output, grad_input);
   }
-  void backward_weight(int32_t mb) { stage_.backward_weight(mb); }
+  void backward_weight(int32_t mb) {
+    kernels::MatmulPrecisionScope precision(matmul_precision_);
+    stage_.backward_weight(mb);
+  }
   void discard(int32_t mb) { stage_.discard(mb); }
   int64_t activation_bytes() const { return stage_.activation_bytes(); }
 
@@ -201,11 +208,13 @@ class HostStage {
       : hooks_(*setup.hooks),
         tp_(setup, placements.async),
         stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
-               &tp_, placements) {}
+               &tp_, placements),
+        matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)) {}
 
   HostHooks hooks_;
   HostTensorParallelGroup tp_;
   TransformerStage<typename Plugin::Family> stage_;
+  kernels::MatmulPrecision matmul_precision_;
 };
 
 // The plugin table of a shipped model plugin, over its model table.

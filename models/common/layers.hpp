@@ -19,8 +19,31 @@
 
 namespace meshrun::kernels {
 
+// What the float GEMMs below compute in. bfloat16 is a matmul under
+// torch.autocast("cpu", dtype=torch.bfloat16): each operand rounded to
+// bfloat16 (nearest even), the products (exact in float32) and their sums
+// in float32, the result float32. It holds per thread: a stage sets it for
+// the duration of each forward and backward call with MatmulPrecisionScope.
+// The double GEMMs (the tests' references) always compute in double.
+enum class MatmulPrecision { float32, bfloat16 };
+
+MatmulPrecision matmul_precision();
+
+// Sets this thread's matmul precision until the scope ends.
+class MatmulPrecisionScope {
+ public:
+  explicit MatmulPrecisionScope(MatmulPrecision precision);
+  ~MatmulPrecisionScope();
+  MatmulPrecisionScope(const MatmulPrecisionScope&) = delete;
+  MatmulPrecisionScope& operator=(const MatmulPrecisionScope&) = delete;
+
+ private:
+  MatmulPrecision previous_;
+};
+
 // C[m, n] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T;
-// lda, ldb, ldc are the row strides of A, B and C as stored. One BLAS call.
+// lda, ldb, ldc are the row strides of A, B and C as stored. One BLAS call,
+// on operands rounded to bfloat16 first where the matmul precision says so.
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
           int64_t ldc);

@@ -104,6 +104,7 @@ struct Gpt2Plugin {
          {"max_seq_len", config.n_positions},
          {"num_layers_key", "n_layer"},
          {"sequence_parallel", Family::kSequenceParallel},
+         {"autocast_dtypes", {"bfloat16"}},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
         parameters, config.n_layer, modules(config));
   }

@@ -183,6 +183,8 @@ refused "an unknown [model] key" \
   "model.hidden_sise: unknown key for model_type 'byte_mlp'" model.hidden_sise=32
 refused "a bad value, in the plugin's words" \
   "model.num_layers: expected an integer in [1, 1000], got 0" model.num_layers=0
+refused "autocast (the description has no autocast_dtypes)" \
+  "distributed.autocast_dtype: model plugin" distributed.autocast_dtype=bfloat16
 refused "a zero-bubble schedule (no split backward)" \
   "distributed.pipeline.pp_schedule: schedule zbv_zero_bubble splits the backward into I and W" \
   "${fsdp2[@]}" model.num_layers=4 distributed.pp_size=2 \

@@ -17,6 +17,8 @@ line per step and a final summary line; ranks meet over TCP on 127.0.0.1 only.
     /usr/bin/python3 tests/bench/torch_llama_ddp.py examples/llama-tiny.toml --nproc 2
     /usr/bin/python3 tests/bench/torch_llama_ddp.py examples/llama-tiny.toml --no-ddp \
         --global-batch-size 8      # the 1-rank baseline without communication
+    /usr/bin/python3 tests/bench/torch_llama_ddp.py examples/llama-tiny.toml --autocast
+                                   # forward under torch.autocast("cpu", torch.bfloat16)
 """
 
 import os
@@ -28,6 +30,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["OPENBLAS_NUM_THREADS"] = "1"
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
@@ -106,13 +109,11 @@ def worker(rank, nproc, port, args):
         for m in range(accumulation):
             rows = slice(m * micro, (m + 1) * micro)
             last = m == accumulation - 1
-            if last or args.no_ddp:
-                loss = wrapped(inputs[rows], targets[rows]) / accumulation
-                loss.backward()
-            else:
-                with wrapped.no_sync():
+            sync = contextlib.nullcontext() if last or args.no_ddp else wrapped.no_sync()
+            with sync:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     loss = wrapped(inputs[rows], targets[rows]) / accumulation
-                    loss.backward()
+                loss.backward()
             step_loss += loss.item()
         if train["max_grad_norm"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), train["max_grad_norm"])
@@ -140,6 +141,7 @@ def worker(rank, nproc, port, args):
         summary = {
             "peer": "torch-ddp-gloo", "ddp": not args.no_ddp, "nproc": nproc,
             "torch": torch.__version__, "blas": loaded_blas(), "threads_per_rank": 1,
+            "autocast": "bfloat16" if args.autocast else None,
             "global_batch_size": train["global_batch_size"], "micro_batch_size": micro,
             "seq_len": seq_len, "steps": train["steps"], "warmup_steps_skipped": args.warmup,
             "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
@@ -172,6 +174,8 @@ def main():
                         help="one rank, plain model, no process group: the overhead baseline")
     parser.add_argument("--warmup", type=int, default=2,
                         help="steps left out of the summary's means (default 2)")
+    parser.add_argument("--autocast", action="store_true",
+                        help='forward and loss under torch.autocast("cpu", torch.bfloat16)')
     args = parser.parse_args()
     if args.no_ddp:
         args.nproc = 1

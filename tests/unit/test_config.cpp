@@ -130,7 +130,7 @@ ep_size = 2
 sequence_parallel = true
 activation_checkpointing = "selective"
 activation_checkpointing_scope = "all"
-# autocast_dtype, like other keys meshrun does not act on, takes no value here
+autocast_dtype = "bfloat16"
 tp_plan = ""
 offload_policy = ""
 defer_fsdp_grad_sync = false
@@ -213,6 +213,7 @@ TEST_CASE("config: a full file sets every table and records key positions", "[co
   CHECK(d.dp_size == 2);
   CHECK(d.tp_size == 2);
   CHECK(d.activation_checkpointing == "selective");
+  CHECK(d.autocast_dtype == "bfloat16");
   CHECK(d.reshard_after_forward == std::optional<bool>(true));
   CHECK(d.fsdp2_backward_prefetch_depth == 3);
   CHECK(d.pipeline.present);

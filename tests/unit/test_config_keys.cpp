@@ -113,7 +113,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.sequence_parallel", plan_change("true", {"distributed.tp_size=2"})},
       {"distributed.activation_checkpointing", plan_change("true")},
       {"distributed.activation_checkpointing_scope", refused("\"layers\"", "\"all\"")},
-      {"distributed.autocast_dtype", refused("\"bfloat16\"", "")},
+      {"distributed.autocast_dtype", plan_change("\"bfloat16\"")},
       {"distributed.pipeline.pp_schedule", plan_change("\"gpipe\"", kPipeline)},
       {"distributed.pipeline.pp_schedule_csv", plan_change("\"" + csv + "\"", kPipeline)},
       {"distributed.pipeline.pp_microbatch_size",
@@ -260,6 +260,10 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
   };
   CHECK_THAT(message("distributed.enable_compile", "true"),
              Contains("meshrun has no graph compiler; remove the key or set it to false"));
+  CHECK_THAT(message("distributed.autocast_dtype", "\"float16\""),
+             Contains("autocast computes in bfloat16 only"));
+  CHECK_THAT(message("distributed.autocast_dtype", "\"float16\""),
+             Contains("set it to \"bfloat16\" or \"float32\""));
   CHECK_THAT(message("distributed.tp_plan", "\"layers\""),
              Contains("needs distributed.tp_size > 1"));
   CHECK_THAT(message("distributed.overlap_grad_reduce", "false", kMegatron),

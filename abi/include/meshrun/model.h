@@ -57,6 +57,11 @@
  *                 parameter with a "tp" other than "replicate" is in exactly
  *                 one block. Absent: the model computes one layout only, and
  *                 the host refuses a tp_plan for it
+ *   "autocast_dtypes": the dtypes its matmuls compute in under autocast,
+ *                 e.g. ["bfloat16"] (the plan's "autocast_dtype": each
+ *                 matmul's operands rounded to that dtype, float32 sums);
+ *                 absent means none, and the host refuses
+ *                 distributed.autocast_dtype for it
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".
