@@ -111,9 +111,9 @@ struct Refusal {
 };
 
 // The reasons several keys share.
-constexpr const char* kMegatronPlansOnly =
-    "strategy 'megatron_fsdp' plans meshes only so far (its plugin has no training entry points: "
-    "`meshrun train` refuses it), so this value would change nothing";
+constexpr const char* kMegatronNotYet =
+    "not implemented yet: the megatron_fsdp plugin trains zero_dp_strategy 1 to 3 in float32 with "
+    "overlap_grad_reduce and overlap_param_gather, and takes this key's default only";
 constexpr const char* kNoExperts =
     "not implemented yet: no shipped model has experts, so meshrun plans the expert-parallel mesh "
     "only (`meshrun plan`) and `meshrun train` refuses ep_size > 1";
@@ -153,37 +153,34 @@ const Refusal kRefusals[] = {
     {"distributed.enable_compile", [](const Config& c) { return c.distributed.enable_compile; },
      "meshrun has no graph compiler", "remove the key or set it to false"},
     {"distributed.zero_dp_strategy",
-     [](const Config& c) { return c.distributed.zero_dp_strategy != 3; }, kMegatronPlansOnly,
-     "remove the key or set it to 3"},
-    {"distributed.overlap_grad_reduce",
-     [](const Config& c) { return !c.distributed.overlap_grad_reduce; }, kMegatronPlansOnly,
-     "remove the key or set it to true (AutoModel's default, accepted though nothing is "
-     "overlapped yet)"},
-    {"distributed.overlap_param_gather",
-     [](const Config& c) { return !c.distributed.overlap_param_gather; }, kMegatronPlansOnly,
-     "remove the key or set it to true (AutoModel's default, accepted though nothing is "
-     "overlapped yet)"},
+     [](const Config& c) { return c.distributed.zero_dp_strategy == 0; },
+     "not implemented yet: ZeRO-0 replicates parameters, gradients and optimizer state, which is "
+     "DDP's computation (strategy \"ddp\")",
+     "set it to 1, 2 or 3"},
     {"distributed.grad_reduce_in_fp32",
-     [](const Config& c) { return c.distributed.grad_reduce_in_fp32; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.grad_reduce_in_fp32; },
+     "megatron_fsdp reduces gradients in float32 already (the models' dtype); bfloat16 model "
+     "weights, whose gradients this would widen, are not implemented yet",
      "remove the key or set it to false"},
     {"distributed.preserve_fp32_weights",
-     [](const Config& c) { return !c.distributed.preserve_fp32_weights; }, kMegatronPlansOnly,
+     [](const Config& c) { return !c.distributed.preserve_fp32_weights; },
+     "not implemented yet: megatron_fsdp keeps float32 weights, which it also computes with",
      "remove the key or set it to true"},
     {"distributed.fsdp_double_buffer",
-     [](const Config& c) { return c.distributed.fsdp_double_buffer; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.fsdp_double_buffer; }, kMegatronNotYet,
      "remove the key or set it to false"},
     {"distributed.disable_bucketing",
-     [](const Config& c) { return c.distributed.disable_bucketing; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.disable_bucketing; }, kMegatronNotYet,
      "remove the key or set it to false"},
     {"distributed.average_in_collective",
-     [](const Config& c) { return c.distributed.average_in_collective; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.average_in_collective; }, kMegatronNotYet,
      "remove the key or set it to false"},
     {"distributed.report_nan_in_param_grad",
-     [](const Config& c) { return c.distributed.report_nan_in_param_grad; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.report_nan_in_param_grad; }, kMegatronNotYet,
      "`meshrun train` names the first parameter whose gradient is not finite whatever the "
      "strategy; remove the key or set it to false"},
     {"distributed.check_for_nan_in_grad",
-     [](const Config& c) { return c.distributed.check_for_nan_in_grad; }, kMegatronPlansOnly,
+     [](const Config& c) { return c.distributed.check_for_nan_in_grad; }, kMegatronNotYet,
      "`meshrun train` stops at the first non-finite loss or gradient norm whatever the strategy "
      "(train.skip_nonfinite_steps); remove the key or set it to false"},
     {"distributed.moe.ignore_router_for_ac",

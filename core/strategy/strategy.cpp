@@ -289,6 +289,12 @@ void Strategy::require_sharded(const char* entry_point) const {
 }
 
 std::string strategy_options_json(const DistributedConfig& d) {
+  if (d.strategy == "megatron_fsdp") {
+    return nlohmann::json{{"zero_dp_strategy", d.zero_dp_strategy},
+                          {"overlap_grad_reduce", d.overlap_grad_reduce},
+                          {"overlap_param_gather", d.overlap_param_gather}}
+        .dump();
+  }
   if (d.strategy != "fsdp2") {
     return nlohmann::json{{"bucket_cap_mb", d.bucket_cap_mb},
                           {"broadcast_buffers", d.broadcast_buffers},

@@ -53,12 +53,12 @@ struct StrategyMemory {
 };
 
 // True when `library` is a strategy whose table has every training entry
-// point of ABI 1.2 and, when it is sharded, of ABI 1.3 (megatron_fsdp still
-// ships mesh rules only).
+// point of ABI 1.2 and, when it is sharded, of ABI 1.3 (a third-party
+// strategy may ship mesh rules only).
 bool strategy_can_train(const PluginLibrary& library);
 
 // The [distributed] keys a strategy plugin reads, as AutoModel names them
-// (DDPConfig or FSDP2Config): the JSON object of its setup's options_json.
+// (DDPConfig, FSDP2Config or MegatronFSDPConfig): the JSON object of its setup's options_json.
 std::string strategy_options_json(const DistributedConfig& distributed);
 
 class Strategy {

@@ -16,13 +16,20 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The casts of the hidden states around a unit: FSDP2's mp_policy, a key of
+// its own; any other sharded strategy computes in float32 throughout.
+MixedPrecisionConfig unit_precision(const DistributedConfig& d) {
+  if (d.strategy == "fsdp2") return d.mp_policy;
+  return {"float32", "float32", "float32", false};
+}
+
 std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
   if (!ctx.strategy.sharded()) {
     return std::make_unique<ReplicatedHooks>(ctx.strategy, ctx.parameters);
   }
   return std::make_unique<ShardedHooks>(ctx.strategy, ctx.units, ctx.parameters.indices,
                                         ctx.model.description().parameters.size(),
-                                        ctx.config.distributed.mp_policy);
+                                        unit_precision(ctx.config.distributed));
 }
 
 LocalParameters local_parameters(const TrainContext& ctx) {

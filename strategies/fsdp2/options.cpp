@@ -6,10 +6,14 @@
 
 namespace meshrun::fsdp2 {
 
-Options parse_options(const char* options_json) {
+using sharding::dtype_from_name;
+using sharding::dtype_name;
+using sharding::dtype_names;
+
+sharding::EngineOptions parse_options(const char* options_json) {
   const strategies::Json json = strategies::parse_options(options_json);
   const strategies::OptionReader options(json);
-  Options parsed;
+  sharding::EngineOptions parsed;
   parsed.pp_size = options.integer("pp_size", parsed.pp_size, 1);
   parsed.reshard_after_forward = options.optional_boolean("reshard_after_forward");
   parsed.defer_grad_sync = options.boolean("defer_fsdp_grad_sync", parsed.defer_grad_sync);

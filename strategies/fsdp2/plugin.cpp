@@ -1,11 +1,17 @@
-// The fsdp2 plugin's table: every entry point of ABI 1.3 over an Fsdp2
-// instance (fsdp2.hpp), errors named "fsdp2".
+// The fsdp2 plugin: PyTorch FSDP2 (fully_shard) semantics, as NeMo
+// AutoModel configures it, on the sharding engine (sharding/engine.hpp);
+// its table has every entry point of ABI 1.3, errors named "fsdp2".
 #include "common/table.hpp"
-#include "fsdp2.hpp"
+#include "options.hpp"
 
 namespace {
 
-using meshrun::fsdp2::Fsdp2;
+class Fsdp2 : public meshrun::sharding::Engine {
+ public:
+  static constexpr const char* kName = "fsdp2";
+  explicit Fsdp2(const meshrun_host_services& host)
+      : Engine(host, kName, &meshrun::fsdp2::parse_options) {}
+};
 
 const meshrun_strategy_api kStrategyApi =
     meshrun::strategies::sharded_strategy_table<Fsdp2>(MESHRUN_MESH_FAMILY_FSDP2);

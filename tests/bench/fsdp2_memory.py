@@ -2,7 +2,7 @@
 
 Walks the hooks of one optimizer step (one micro-batch per rank, sync) in
 the order the model calls them, applying the strategy's buffer rules
-(strategies/fsdp2): a gather holds a send block and the gathered blocks in
+(strategies/sharding): a gather holds a send block and the gathered blocks in
 param_dtype until it completes, then the unit's full float32 parameters
 until it reshards (every layer but the last after forward under the default
 heuristic, every unit after its backward, the root never after forward); a

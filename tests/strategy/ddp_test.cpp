@@ -138,12 +138,12 @@ struct Context {
 void refuses_bad_input(Context& c, const meshrun::PluginLoader& loader) {
   c.section("refuses a strategy without training entry points, bad options, calls out of order");
   Model model(kNumels);
-  c.checker.expect_error("megatron_fsdp (ABI 1.0 table)", MESHRUN_UNIMPLEMENTED,
-                         {"meshrun_strategy_megatron_fsdp.so", "has no training entry points",
-                          "training with strategy megatron_fsdp is not implemented yet"},
+  c.checker.expect_error("a strategy of mesh rules only (ABI 1.0 table)", MESHRUN_UNIMPLEMENTED,
+                         {"meshrun_strategy_basic.so", "has no training entry points",
+                          "training with strategy basic is not implemented yet"},
                          [&] {
-                           Strategy(loader.load(meshrun::PluginKind::strategy, "megatron_fsdp"),
-                                    c.world, model.buffers(), kOptions);
+                           Strategy(loader.load_file(MESHRUN_MESH_RULES_ONLY_STRATEGY), c.world,
+                                    model.buffers(), kOptions);
                          });
   const std::vector<std::pair<std::string, std::string>> bad_options = {
       {R"({"bucket_cap_mb": -1})", "bucket_cap_mb"},

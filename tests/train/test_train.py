@@ -269,8 +269,8 @@ class BadInput(TrainTest, InputErrorAssertions):
             ("model.num_key_value_heads", "model.num_key_value_heads=3"),
             ("train.stepz", "train.stepz=3"),
             ("model.model_type", "model.model_type=gpt9"),
-            # no training entry points
-            ("distributed.strategy", "distributed.strategy=megatron_fsdp"),
+            # no such strategy plugin
+            ("distributed.strategy", "distributed.strategy=zero"),
             ("distributed.tp_size", "distributed.strategy=fsdp2", "distributed.tp_size=3"),
             ("model.checkpoint", "model.checkpoint=/nonexistent"),
             ("checkpoint.resume_from", "checkpoint.resume_from=/nonexistent"),

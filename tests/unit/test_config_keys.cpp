@@ -154,9 +154,9 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.mp_policy.reduce_dtype", options_change("\"bfloat16\"")},
       {"distributed.mp_policy.output_dtype", options_change("\"bfloat16\"")},
       {"distributed.mp_policy.cast_forward_inputs", options_change("false")},
-      {"distributed.zero_dp_strategy", refused("2", "3", kMegatron)},
-      {"distributed.overlap_grad_reduce", refused("false", "true", kMegatron)},
-      {"distributed.overlap_param_gather", refused("false", "true", kMegatron)},
+      {"distributed.zero_dp_strategy", options_change("2", kMegatron)},
+      {"distributed.overlap_grad_reduce", options_change("false", kMegatron)},
+      {"distributed.overlap_param_gather", options_change("false", kMegatron)},
       {"distributed.grad_reduce_in_fp32", refused("true", "false", kMegatron)},
       {"distributed.preserve_fp32_weights", refused("false", "true", kMegatron)},
       {"distributed.fsdp_double_buffer", refused("true", "false", kMegatron)},
@@ -266,8 +266,10 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
              Contains("set it to \"bfloat16\" or \"float32\""));
   CHECK_THAT(message("distributed.tp_plan", "\"layers\""),
              Contains("needs distributed.tp_size > 1"));
-  CHECK_THAT(message("distributed.overlap_grad_reduce", "false", kMegatron),
-             Contains("plans meshes only so far"));
+  CHECK_THAT(message("distributed.zero_dp_strategy", "0", kMegatron),
+             Contains("which is DDP's computation (strategy \"ddp\"); set it to 1, 2 or 3"));
+  CHECK_THAT(message("distributed.fsdp_double_buffer", "true", kMegatron),
+             Contains("not implemented yet: the megatron_fsdp plugin trains"));
   CHECK_THAT(message("distributed.pipeline.pp_seq_len", "32"),
              Contains("differs from data.seq_len (256)"));
   CHECK_THAT(message("distributed.pipeline.pp_batch_size", "4", kPipeline),

@@ -1,4 +1,4 @@
-// The fsdp2 strategy's shard layout (strategies/fsdp2/layout.hpp): setup
+// The fsdp2 strategy's shard layout (strategies/sharding/layout.hpp): setup
 // takes the shard out of the weights piece by piece as they are broadcast,
 // and the pieces, whatever their size, must give the shard the segments
 // describe.
@@ -6,12 +6,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "fsdp2/layout.hpp"
+#include "sharding/layout.hpp"
 
 namespace {
 
-using meshrun::fsdp2::LayoutInput;
-using meshrun::fsdp2::ShardLayout;
+using meshrun::sharding::LayoutInput;
+using meshrun::sharding::ShardLayout;
 
 // 5 parameters in 3 units, with row counts 3 ranks do not divide, one with
 // fewer rows than ranks, and unit 0's parameters not contiguous.

@@ -17,7 +17,7 @@
 
 #include "meshrun/strategy.h"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 
 // Where one parameter lives: in the setup's flat layout, in the local shard
 // and in its unit's full (gathered) buffer.
@@ -80,4 +80,4 @@ class ShardLayout {
   int64_t local_numel_ = 0;
 };
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstring>
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 namespace {
 
 // Rows per rank: ceil(rows / ranks).
@@ -72,4 +72,4 @@ void ShardLayout::unshard(const float* gathered, float* full) const {
   }
 }
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

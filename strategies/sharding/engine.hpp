@@ -1,15 +1,19 @@
-// The fsdp2 strategy: PyTorch FSDP2 (fully_shard) semantics, as NeMo
-// AutoModel configures it, over units of the host's model.
+// The engine of the sharded strategies (fsdp2, megatron_fsdp): ZeRO-style
+// sharding over units of the host's model, as PyTorch FSDP2 (fully_shard)
+// and Megatron-FSDP compute it.
 //
 // Each rank keeps its shard of every parameter (layout.hpp) as float32
-// master weights with their gradients. Around a unit's forward and backward
-// the unit is unsharded: its block of the shard is all-gathered in
-// param_dtype into one float32 buffer of its full parameters, and freed
-// again after (reshard). After the unit's backward its gradients are
-// reduce-scattered (average) in reduce_dtype over the shard group, then,
-// with HSDP, all-reduced (average) over the replicate group, and added to
-// the shard's gradients. Gathers of the next units are started early
-// (prefetch) and reductions run while later units compute.
+// master weights with their gradients, which the optimizer updates. Around a
+// unit's forward and backward the unit is unsharded: its block of the shard
+// is all-gathered in param_dtype into one float32 buffer of its full
+// parameters, and freed again after (reshard) unless the options keep it
+// for the rest of the step (ZeRO-1 and -2). After the unit's backward its
+// gradients are reduce-scattered (average) in reduce_dtype over the shard
+// group, then, with HSDP, all-reduced (average) over the replicate group,
+// and added to the shard's gradients; deferred, a unit's full gradients
+// accumulate over the micro-batches and are reduced once in the step
+// (no_sync; ZeRO-1). Gathers of the next units are started early (prefetch)
+// and reductions run while later units compute.
 //
 // Every rank must start its collectives in the same order (meshrun/comm.h),
 // and ranks complete requests at different times, so nothing is started
@@ -29,18 +33,44 @@
 #include "buffer.hpp"
 #include "layout.hpp"
 #include "meshrun/strategy.h"
-#include "options.hpp"
+#include "precision.hpp"
 #include "unit_comm.hpp"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 
-class Fsdp2 {
+// How the engine shards, gathers and reduces; each strategy reads its own
+// keys into these.
+struct EngineOptions {
+  int64_t pp_size = 1;
+  // Unset: AutoModel's heuristic (see Engine::reshards_after_forward).
+  std::optional<bool> reshard_after_forward;
+  // A unit stays gathered from its first use in a step to the step's end
+  // (ZeRO-1 and -2: parameters are sharded for the optimizer only).
+  bool keep_parameters_gathered = false;
+  // Non-sync micro-batches keep their unit gradients unreduced (no_sync).
+  bool defer_grad_sync = true;
+  // A unit's reduction starts right after its backward, behind the units
+  // that follow; otherwise at the micro-batch's end (the next
+  // begin_micro_batch or finish_gradients).
+  bool overlap_grad_reduce = true;
+  bool prefetch = true;
+  int64_t forward_prefetch_depth = 1;
+  int64_t backward_prefetch_depth = 2;
+  // The all-gather and the reduction dtypes.
+  Dtype param_dtype = Dtype::bfloat16;
+  Dtype reduce_dtype = Dtype::float32;
+};
+
+// INVALID_ARGUMENT naming the key for a value of the wrong type or range.
+using OptionsParser = EngineOptions (*)(const char* options_json);
+
+class Engine {
  public:
-  static constexpr const char* kName = "fsdp2";
-
-  explicit Fsdp2(const meshrun_host_services& host) : host_(&host) {}
-  Fsdp2(const Fsdp2&) = delete;
-  Fsdp2& operator=(const Fsdp2&) = delete;
+  // `name` begins messages and log lines; `parse` reads the setup's options.
+  Engine(const meshrun_host_services& host, const char* name, OptionsParser parse)
+      : host_(&host), name_(name), parse_(parse) {}
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
 
   void setup(const meshrun_strategy_setup* setup);
   void broadcast_parameters();
@@ -92,13 +122,17 @@ class Fsdp2 {
   void start_gather(int32_t unit);
   void complete_gather(int32_t unit);
   void reshard_all();
+  bool reduces_micro_batch() const;
+  void reduce_held_gradients();
   void start_reduction(int32_t unit);
   void replicate_started();
   void finish_first_reduction();
   void poll();
 
   const meshrun_host_services* host_;
-  Options options_;
+  const char* name_;
+  OptionsParser parse_;
+  EngineOptions options_;
   Groups groups_;
   std::unique_ptr<const ShardLayout> layout_;  // set once setup succeeded
   std::vector<meshrun_shard_segment> segments_;
@@ -118,4 +152,4 @@ class Fsdp2 {
   bool sync_ = false;
 };
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

@@ -4,7 +4,7 @@
 
 #include "common/errors.hpp"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 namespace {
 
 using strategies::throw_if_error;
@@ -113,4 +113,4 @@ void Reduction::finish(float* local_gradients) {
   recv_.release();
 }
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

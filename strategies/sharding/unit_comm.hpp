@@ -14,7 +14,7 @@
 #include "meshrun/comm.h"
 #include "precision.hpp"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 
 // Where fsdp2 communicates.
 struct Groups {
@@ -84,4 +84,4 @@ class Reduction {
   strategies::Request request_;  // after the buffers: destroyed first
 };
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

@@ -16,7 +16,7 @@
 #include <map>
 #include <memory>
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 
 using Bytes = std::unique_ptr<std::byte[]>;
 
@@ -89,4 +89,4 @@ class Buffer {
   size_t bytes_ = 0;
 };
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

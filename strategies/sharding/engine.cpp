@@ -1,4 +1,4 @@
-#include "fsdp2.hpp"
+#include "engine.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -7,7 +7,7 @@
 #include "common/errors.hpp"
 #include "common/setup_checks.hpp"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 namespace {
 
 using strategies::Error;
@@ -76,7 +76,7 @@ DLTensor float32_tensor(void* data, int64_t& numel) {
 
 // ---- setup and the step ----
 
-void Fsdp2::setup(const meshrun_strategy_setup* setup) {
+void Engine::setup(const meshrun_strategy_setup* setup) {
   if (layout_ != nullptr) out_of_order("setup was already called on this instance");
   strategies::check_setup(setup, MESHRUN_STRATEGY_SETUP_SIZE_1_3, "1.3");
   if (setup->comm->device_type != kDLCPU) {
@@ -85,7 +85,7 @@ void Fsdp2::setup(const meshrun_strategy_setup* setup) {
                 "device type " +
                     std::to_string(setup->comm->device_type) + " tensors");
   }
-  options_ = parse_options(setup->options_json);
+  options_ = parse_(setup->options_json);
   groups_ = make_groups(*setup);
   const LayoutInput input = layout_input(*setup);
   strategies::check_flat_float32(setup->parameters, "setup: parameters", input.offsets.back(),
@@ -116,8 +116,8 @@ void Fsdp2::setup(const meshrun_strategy_setup* setup) {
 // equalizes replicas, could not bring shard-group ranks that started from
 // other weights to rank 0's. They come in pieces, so that no rank holds a
 // second full copy.
-void Fsdp2::shard_rank_zero_weights(const meshrun_strategy_setup& setup,
-                                    const ShardLayout& layout) {
+void Engine::shard_rank_zero_weights(const meshrun_strategy_setup& setup,
+                                     const ShardLayout& layout) {
   int64_t rank = 0;
   throw_if_error(setup.comm->rank(setup.data_parallel, &rank), "rank in the data-parallel group");
   float* weights = reinterpret_cast<float*>(static_cast<std::byte*>(setup.parameters.data) +
@@ -135,12 +135,12 @@ void Fsdp2::shard_rank_zero_weights(const meshrun_strategy_setup& setup,
   }
 }
 
-void Fsdp2::log(int32_t level, const std::string& message) const {
-  const std::string line = std::string(kName) + ": " + message;
+void Engine::log(int32_t level, const std::string& message) const {
+  const std::string line = std::string(name_) + ": " + message;
   if (host_->log != nullptr) host_->log(host_->context, level, line.c_str());
 }
 
-void Fsdp2::make_units(const meshrun_strategy_setup& setup) {
+void Engine::make_units(const meshrun_strategy_setup& setup) {
   root_ = setup.root_unit;
   position_.assign(static_cast<size_t>(setup.num_units), -1);
   for (int32_t u = 0; u < setup.num_units; ++u) {
@@ -156,18 +156,19 @@ void Fsdp2::make_units(const meshrun_strategy_setup& setup) {
   }
 }
 
-// AutoModel's rule: the root keeps its parameters from forward to backward;
+// Kept gathered for the step, no unit reshards. Else AutoModel's rule: the
+// root keeps its parameters from forward to backward;
 // an explicit reshard_after_forward applies to the other units; unset, no
 // unit reshards under pipeline parallelism (a stage runs several forwards
 // before their backwards), and otherwise every unit but the last, whose
 // backward comes right after its forward.
-bool Fsdp2::reshards_after_forward(int32_t unit) const {
-  if (unit == root_) return false;
+bool Engine::reshards_after_forward(int32_t unit) const {
+  if (unit == root_ || options_.keep_parameters_gathered) return false;
   if (options_.reshard_after_forward.has_value()) return *options_.reshard_after_forward;
   return options_.pp_size == 1 && unit != layers_.back();
 }
 
-void Fsdp2::broadcast_parameters() {
+void Engine::broadcast_parameters() {
   check_outside_step("broadcast_parameters");
   DLTensor shard = float32_tensor(shard_parameters_.data(), local_numel_);
   throw_if_error(groups_.comm->broadcast(groups_.replicate, &shard, 0, nullptr),
@@ -176,12 +177,13 @@ void Fsdp2::broadcast_parameters() {
   reshard_all();
 }
 
-void Fsdp2::begin_micro_batch(bool sync) {
+void Engine::begin_micro_batch(bool sync) {
   check_setup_done("begin_micro_batch");
   if (in_micro_batch_ && sync_) {
     out_of_order("begin_micro_batch after the step's sync micro-batch without finish_gradients");
   }
   check_between_units("begin_micro_batch");
+  if (in_micro_batch_ && reduces_micro_batch()) reduce_held_gradients();
   replicate_started();
   poll();
   // A new step gathers from the shard as the optimizer left it, even where
@@ -191,7 +193,7 @@ void Fsdp2::begin_micro_batch(bool sync) {
   sync_ = sync;
 }
 
-void Fsdp2::gradients_ready(int64_t begin, int64_t end) const {
+void Engine::gradients_ready(int64_t begin, int64_t end) const {
   check_setup_done("gradients_ready");
   if (!in_micro_batch_) out_of_order("gradients_ready outside a micro-batch");
   // Gradients are reduced per unit, after post_backward: ranges are only
@@ -199,7 +201,7 @@ void Fsdp2::gradients_ready(int64_t begin, int64_t end) const {
   strategies::first_parameter_of_range(offsets_, begin, end);
 }
 
-void Fsdp2::finish_gradients() {
+void Engine::finish_gradients() {
   check_setup_done("finish_gradients");
   if (!in_micro_batch_ || !sync_) {
     out_of_order(
@@ -207,47 +209,55 @@ void Fsdp2::finish_gradients() {
         "with sync = 1");
   }
   check_between_units("finish_gradients");
-  // Deferred gradients of units the sync micro-batch's backward never reached.
-  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
-    if (units_[static_cast<size_t>(u)].gradients.held()) start_reduction(u);
-  }
+  // Deferred gradients of units the sync micro-batch's backward never
+  // reached, and without overlap the micro-batch's.
+  reduce_held_gradients();
   replicate_started();
   while (!reductions_.empty()) finish_first_reduction();
   reshard_all();
   in_micro_batch_ = false;
 }
 
-void Fsdp2::memory(meshrun_strategy_memory* out) const {
+void Engine::memory(meshrun_strategy_memory* out) const {
   strategies::write_memory(out, meter_.now(), meter_.peak(), meter_.reserved());
 }
 
 // ---- the hooks ----
 
-void Fsdp2::pre_forward(int32_t u) { enter(u, Phase::forward); }
+void Engine::pre_forward(int32_t u) { enter(u, Phase::forward); }
 
-void Fsdp2::post_forward(int32_t u) {
+void Engine::post_forward(int32_t u) {
   Unit& unit = leave(u, Phase::forward);
   poll();
   if (unit.reshard_after_forward) unit.parameters.release();
 }
 
-void Fsdp2::pre_backward(int32_t u) {
+void Engine::pre_backward(int32_t u) {
   Unit& unit = enter(u, Phase::backward);
   if (!unit.gradients.held()) {
     unit.gradients.allocate(static_cast<size_t>(unit.numel) * sizeof(float), true);
   }
 }
 
-void Fsdp2::post_backward(int32_t u) {
+void Engine::post_backward(int32_t u) {
   Unit& unit = leave(u, Phase::backward);
   replicate_started();
   poll();
-  if (sync_ || !options_.defer_grad_sync) start_reduction(u);
-  unit.parameters.release();
+  if (reduces_micro_batch() && options_.overlap_grad_reduce) start_reduction(u);
+  if (!options_.keep_parameters_gathered) unit.parameters.release();
+}
+
+bool Engine::reduces_micro_batch() const { return sync_ || !options_.defer_grad_sync; }
+
+// Without overlap, the gradients a micro-batch reduces are reduced at its end.
+void Engine::reduce_held_gradients() {
+  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
+    if (units_[static_cast<size_t>(u)].gradients.held()) start_reduction(u);
+  }
 }
 
 // pre_forward and pre_backward: the unit gathered, the next ones prefetched.
-Fsdp2::Unit& Fsdp2::enter(int32_t u, Phase phase) {
+Engine::Unit& Engine::enter(int32_t u, Phase phase) {
   const bool forward = phase == Phase::forward;
   const std::string call = std::string("pre_") + phase_name(forward);
   Unit& unit = unit_at(u, call.c_str());
@@ -262,7 +272,7 @@ Fsdp2::Unit& Fsdp2::enter(int32_t u, Phase phase) {
 }
 
 // post_forward and post_backward: the unit is out of its phase.
-Fsdp2::Unit& Fsdp2::leave(int32_t u, Phase phase) {
+Engine::Unit& Engine::leave(int32_t u, Phase phase) {
   const char* name = phase_name(phase == Phase::forward);
   const std::string call = std::string("post_") + name;
   Unit& unit = unit_at(u, call.c_str());
@@ -273,7 +283,7 @@ Fsdp2::Unit& Fsdp2::leave(int32_t u, Phase phase) {
   return unit;
 }
 
-void Fsdp2::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
+void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
   Unit& unit = unit_at(u, "unit_views");
   if (!unit.parameters.held()) {
     out_of_order("unit_views: unit " + std::to_string(u) +
@@ -287,14 +297,14 @@ void Fsdp2::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
   }
 }
 
-void Fsdp2::local_shard(DLTensor* parameters, DLTensor* gradients) {
+void Engine::local_shard(DLTensor* parameters, DLTensor* gradients) {
   check_setup_done("local_shard");
   if (parameters != nullptr) *parameters = float32_tensor(shard_parameters_.data(), local_numel_);
   if (gradients != nullptr) *gradients = float32_tensor(shard_gradients_.data(), local_numel_);
 }
 
-void Fsdp2::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
-                           int64_t* count) const {
+void Engine::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
+                            int64_t* count) const {
   check_setup_done("shard_segments");
   if (count == nullptr) invalid("shard_segments: count is NULL");
   if (capacity < 0 || (segments == nullptr && capacity > 0)) {
@@ -306,7 +316,7 @@ void Fsdp2::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
   *count = static_cast<int64_t>(segments_.size());
 }
 
-void Fsdp2::gather_parameters(DLTensor* full) {
+void Engine::gather_parameters(DLTensor* full) {
   check_outside_step("gather_parameters");
   if (full == nullptr) invalid("gather_parameters: full is NULL");
   strategies::check_flat_float32(*full, "gather_parameters: full", offsets_.back(), kDLCPU);
@@ -323,11 +333,11 @@ void Fsdp2::gather_parameters(DLTensor* full) {
 
 // ---- checks ----
 
-void Fsdp2::check_setup_done(const char* call) const {
+void Engine::check_setup_done(const char* call) const {
   if (layout_ == nullptr) out_of_order(std::string(call) + " before setup");
 }
 
-Fsdp2::Unit& Fsdp2::unit_at(int32_t unit, const char* call) {
+Engine::Unit& Engine::unit_at(int32_t unit, const char* call) {
   check_setup_done(call);
   if (unit < 0 || unit >= static_cast<int32_t>(units_.size())) {
     throw Error(MESHRUN_OUT_OF_RANGE, std::string(call) + ": unit " + std::to_string(unit) +
@@ -336,7 +346,7 @@ Fsdp2::Unit& Fsdp2::unit_at(int32_t unit, const char* call) {
   return units_[static_cast<size_t>(unit)];
 }
 
-void Fsdp2::check_idle(int32_t unit, const char* call) const {
+void Engine::check_idle(int32_t unit, const char* call) const {
   const Phase phase = units_[static_cast<size_t>(unit)].phase;
   if (phase == Phase::idle) return;
   const bool forward = phase == Phase::forward;
@@ -345,7 +355,7 @@ void Fsdp2::check_idle(int32_t unit, const char* call) const {
 }
 
 // No unit between its pre_* and post_* hooks.
-void Fsdp2::check_between_units(const char* call) const {
+void Engine::check_between_units(const char* call) const {
   for (size_t u = 0; u < units_.size(); ++u) {
     if (units_[u].phase == Phase::idle) continue;
     const bool forward = units_[u].phase == Phase::forward;
@@ -354,7 +364,7 @@ void Fsdp2::check_between_units(const char* call) const {
   }
 }
 
-void Fsdp2::check_outside_step(const char* call) const {
+void Engine::check_outside_step(const char* call) const {
   check_setup_done(call);
   if (in_micro_batch_) {
     out_of_order(std::string(call) + " during a step (before its finish_gradients)");
@@ -364,7 +374,7 @@ void Fsdp2::check_outside_step(const char* call) const {
 
 // ---- unsharding ----
 
-std::vector<int32_t> Fsdp2::forward_prefetch(int32_t unit) const {
+std::vector<int32_t> Engine::forward_prefetch(int32_t unit) const {
   const int64_t depth = options_.prefetch ? options_.forward_prefetch_depth : 0;
   // The root (position -1) runs before the first layer.
   const int64_t first = position_[static_cast<size_t>(unit)] + 1;
@@ -372,7 +382,7 @@ std::vector<int32_t> Fsdp2::forward_prefetch(int32_t unit) const {
   return {layers_.begin() + first, layers_.begin() + std::max(first, end)};
 }
 
-std::vector<int32_t> Fsdp2::backward_prefetch(int32_t unit) const {
+std::vector<int32_t> Engine::backward_prefetch(int32_t unit) const {
   const int64_t depth = options_.prefetch ? options_.backward_prefetch_depth : 0;
   // Backward visits the layers last to first, after the root's head.
   const int64_t end =
@@ -385,7 +395,7 @@ std::vector<int32_t> Fsdp2::backward_prefetch(int32_t unit) const {
 }
 
 // Starts the unit's gather, then the prefetches, and waits for the unit's.
-void Fsdp2::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
+void Engine::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
   start_gather(unit);
   for (int32_t next : prefetch) start_gather(next);
   complete_gather(unit);
@@ -393,13 +403,13 @@ void Fsdp2::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
 
 // Whether a unit is gathered or in flight is the same on every rank (it
 // follows the hooks), so every rank starts the same gathers in one order.
-void Fsdp2::start_gather(int32_t u) {
+void Engine::start_gather(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
   if (unit.parameters.held() || unit.gather.has_value()) return;
   unit.gather.emplace(groups_, *layout_, u, shard_parameters_.data(), options_.param_dtype, meter_);
 }
 
-void Fsdp2::complete_gather(int32_t u) {
+void Engine::complete_gather(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
   if (!unit.gather.has_value()) return;
   unit.gather->finish(unit.parameters);
@@ -407,7 +417,7 @@ void Fsdp2::complete_gather(int32_t u) {
 }
 
 // Every unit sharded, its gathers complete.
-void Fsdp2::reshard_all() {
+void Engine::reshard_all() {
   for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
     complete_gather(u);
     units_[static_cast<size_t>(u)].parameters.release();
@@ -417,7 +427,7 @@ void Fsdp2::reshard_all() {
 // ---- gradient reduction ----
 
 // Frees the unit's gradients once their copy is in the send buffer.
-void Fsdp2::start_reduction(int32_t u) {
+void Engine::start_reduction(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
   reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype,
                            meter_);
@@ -426,7 +436,7 @@ void Fsdp2::start_reduction(int32_t u) {
 
 // Starts the HSDP all-reduce of every reduction started so far: at fixed
 // points, in start order, so that every rank issues them alike.
-void Fsdp2::replicate_started() {
+void Engine::replicate_started() {
   for (Reduction& reduction : reductions_) {
     if (reduction.awaits_replication()) reduction.replicate();
   }
@@ -434,14 +444,14 @@ void Fsdp2::replicate_started() {
 
 // Reductions complete in start order, so every replica of a shard adds the
 // same results in the same order and the replicas stay bit-identical.
-void Fsdp2::finish_first_reduction() {
+void Engine::finish_first_reduction() {
   reductions_.front().finish(shard_gradients_.data());
   reductions_.pop_front();
 }
 
 // Completes whatever communication has finished: copies out, no new
 // collectives.
-void Fsdp2::poll() {
+void Engine::poll() {
   for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
     Unit& unit = units_[static_cast<size_t>(u)];
     if (unit.gather.has_value() && unit.gather->done()) complete_gather(u);
@@ -449,4 +459,4 @@ void Fsdp2::poll() {
   while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
 }
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

@@ -7,7 +7,7 @@
 // one the comm backends and the reference model use.
 #include "tensor/elements.hpp"
 
-namespace meshrun::fsdp2 {
+namespace meshrun::sharding {
 namespace {
 
 // Calls `body` with `data` as elements of `dtype` and the function that
@@ -97,4 +97,4 @@ void widen_add(Dtype dtype, const void* in, float* out, int64_t count) {
   });
 }
 
-}  // namespace meshrun::fsdp2
+}  // namespace meshrun::sharding

@@ -1,0 +1,28 @@
+#include "options.hpp"
+
+#include "common/errors.hpp"
+#include "common/options.hpp"
+
+namespace meshrun::megatron_fsdp {
+
+sharding::EngineOptions parse_options(const char* options_json) {
+  const strategies::Json json = strategies::parse_options(options_json);
+  const strategies::OptionReader options(json);
+  const int64_t zero = options.integer("zero_dp_strategy", 3, 0);
+  if (zero < 1 || zero > 3) {
+    strategies::invalid("option zero_dp_strategy: " + std::to_string(zero) +
+                        " is not 1, 2 or 3 (0, replicated, is not implemented)");
+  }
+  sharding::EngineOptions parsed;
+  parsed.keep_parameters_gathered = zero < 3;
+  parsed.defer_grad_sync = zero == 1;
+  parsed.overlap_grad_reduce = options.boolean("overlap_grad_reduce", true);
+  parsed.prefetch = options.boolean("overlap_param_gather", true);
+  parsed.forward_prefetch_depth = 1;
+  parsed.backward_prefetch_depth = 1;
+  parsed.param_dtype = sharding::Dtype::float32;
+  parsed.reduce_dtype = sharding::Dtype::float32;
+  return parsed;
+}
+
+}  // namespace meshrun::megatron_fsdp

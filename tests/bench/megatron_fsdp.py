@@ -1,0 +1,85 @@
+"""Benchmark: megatron_fsdp's ZeRO levels against fsdp2 and DDP on 4 ranks, measured in one run.
+
+Runs CONFIG (default examples/llama-tiny.toml) on 4 ranks in float32 with
+  - strategy ddp,
+  - strategy fsdp2 (mp_policy.param_dtype = float32),
+  - strategy megatron_fsdp at zero_dp_strategy 1, 2 and 3,
+at one micro-batch per rank and step as the config says, alternating them
+over --rounds rounds (the machine is shared and noisy) and keeping each
+one's best round.
+
+Prints, for each:
+  - tokens/s, and against fsdp2 (the issue's goal: ZeRO-3 >= 1.0x);
+  - comm_wait_s per step (time inside the strategy's calls: the collectives
+    compute did not hide), and for megatron_fsdp the share of it that
+    overlap_grad_reduce and overlap_param_gather hide (a run with both off
+    is the reference);
+  - per-rank memory from metrics.jsonl's "mem": params + grads + optimizer
+    (the float32 master shard, its gradients and AdamW's two moments) and
+    buffers_peak (what a step holds beyond them).
+
+tokens/s = global_batch_size * seq_len / mean step_time_s over the steps
+after the first --warmup. Prints figures; the exit status says only whether
+every run worked.
+
+    /usr/bin/python3 tests/bench/megatron_fsdp.py build/bin/meshrun [CONFIG]
+"""
+
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from fsdp2_vs_ddp import bench_arguments, persistent, tokens_per_s, train  # noqa: E402
+
+RANKS = 4
+VARIANTS = {
+    "ddp": ("distributed.strategy=ddp",),
+    "fsdp2": ("distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=float32"),
+    **{f"zero{level}": ("distributed.strategy=megatron_fsdp",
+                        f"distributed.zero_dp_strategy={level}") for level in (1, 2, 3)},
+}
+NO_OVERLAP = ("distributed.overlap_grad_reduce=false", "distributed.overlap_param_gather=false")
+
+
+def median_wait(lines, warmup):
+    return statistics.median(m["comm_wait_s"] for m in lines[warmup:])
+
+
+def main():
+    args, _, tokens_per_step = bench_arguments()
+    best, last, wait = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="meshrun-megatron-bench-") as root:
+        for round_ in range(args.rounds):
+            for name, overrides in VARIANTS.items():
+                lines = train(args.meshrun, args.config, RANKS,
+                              os.path.join(root, f"{name}_{round_}"), args.steps, *overrides)
+                speed = tokens_per_s(lines, tokens_per_step, args.warmup)
+                if speed > best.get(name, 0):
+                    best[name], last[name] = speed, lines[-1]
+                    wait[name] = median_wait(lines, args.warmup)
+        exposed = {}
+        for level in (1, 3):
+            lines = train(args.meshrun, args.config, RANKS, os.path.join(root, f"serial{level}"),
+                          args.steps, *VARIANTS[f"zero{level}"], *NO_OVERLAP)
+            exposed[level] = median_wait(lines, args.warmup)
+
+    print(f"{args.config}: {RANKS} ranks, float32, best of {args.rounds} rounds of {args.steps} "
+          f"steps (first {args.warmup} skipped)")
+    print(f"{'':<7} {'tokens/s':>9} {'/fsdp2':>7} {'comm wait ms':>13} "
+          f"{'params+grads+opt':>17} {'buffers_peak':>13}")
+    for name in VARIANTS:
+        memory = last[name]["mem"]
+        print(f"{name:<7} {best[name]:>9.0f} {best[name] / best['fsdp2']:>7.2f} "
+              f"{wait[name] * 1e3:>13.1f} {persistent(memory):>17} {memory['buffers_peak']:>13}")
+    for level in (1, 3):
+        hidden = 1 - wait[f"zero{level}"] / exposed[level]
+        print(f"zero{level}: comm wait {exposed[level] * 1e3:.1f} ms per step with both overlaps "
+              f"off, {wait[f'zero{level}'] * 1e3:.1f} ms on: {hidden:.0%} hidden")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
