@@ -172,17 +172,6 @@ const Refusal kRefusals[] = {
     {"distributed.disable_bucketing",
      [](const Config& c) { return c.distributed.disable_bucketing; }, kMegatronNotYet,
      "remove the key or set it to false"},
-    {"distributed.average_in_collective",
-     [](const Config& c) { return c.distributed.average_in_collective; }, kMegatronNotYet,
-     "remove the key or set it to false"},
-    {"distributed.report_nan_in_param_grad",
-     [](const Config& c) { return c.distributed.report_nan_in_param_grad; }, kMegatronNotYet,
-     "`meshrun train` names the first parameter whose gradient is not finite whatever the "
-     "strategy; remove the key or set it to false"},
-    {"distributed.check_for_nan_in_grad",
-     [](const Config& c) { return c.distributed.check_for_nan_in_grad; }, kMegatronNotYet,
-     "`meshrun train` stops at the first non-finite loss or gradient norm whatever the strategy "
-     "(train.skip_nonfinite_steps); remove the key or set it to false"},
     {"distributed.moe.ignore_router_for_ac",
      [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
      "remove the key or set it to false"},

@@ -292,7 +292,10 @@ std::string strategy_options_json(const DistributedConfig& d) {
   if (d.strategy == "megatron_fsdp") {
     return nlohmann::json{{"zero_dp_strategy", d.zero_dp_strategy},
                           {"overlap_grad_reduce", d.overlap_grad_reduce},
-                          {"overlap_param_gather", d.overlap_param_gather}}
+                          {"overlap_param_gather", d.overlap_param_gather},
+                          {"average_in_collective", d.average_in_collective},
+                          {"report_nan_in_param_grad", d.report_nan_in_param_grad},
+                          {"check_for_nan_in_grad", d.check_for_nan_in_grad}}
         .dump();
   }
   if (d.strategy != "fsdp2") {

@@ -20,9 +20,16 @@ sharding::EngineOptions parse_options(const char* options_json) {
   parsed.prefetch = options.boolean("overlap_param_gather", true);
   parsed.forward_prefetch_depth = 1;
   parsed.backward_prefetch_depth = 1;
+  parsed.average_in_collective = options.boolean("average_in_collective", false);
+  parsed.report_nan_in_param_grad = options.boolean("report_nan_in_param_grad", false);
   parsed.param_dtype = sharding::Dtype::float32;
   parsed.reduce_dtype = sharding::Dtype::float32;
   return parsed;
+}
+
+bool checks_for_nan_in_grad(const char* options_json) {
+  const strategies::Json json = strategies::parse_options(options_json);
+  return strategies::OptionReader(json).boolean("check_for_nan_in_grad", false);
 }
 
 }  // namespace meshrun::megatron_fsdp

@@ -19,9 +19,17 @@ namespace meshrun::megatron_fsdp {
 // backward (else at the micro-batch's end); overlap_param_gather starts the
 // gather of the next unit, one ahead in forward and in backward as
 // Megatron-FSDP does (else each gather waits where it is needed).
-// Parameters are gathered and gradients reduced in float32, the models'
-// dtype. INVALID_ARGUMENT naming the key for a value of the wrong type or
-// range, and for zero_dp_strategy 0.
+// average_in_collective averages in the collectives (else, AutoModel's
+// default, each rank scales its gradients by 1 / dp and the collectives
+// sum); report_nan_in_param_grad checks each unit's gradients before their
+// reduction (sharding::EngineOptions). Parameters are gathered and gradients
+// reduced in float32, the models' dtype. INVALID_ARGUMENT naming the key for a value of the wrong
+// type or range, and for zero_dp_strategy 0.
 sharding::EngineOptions parse_options(const char* options_json);
+
+// check_for_nan_in_grad: true is accepted and does nothing, as in
+// megatron-fsdp 0.5.0, where report_nan_in_param_grad replaced it; setup
+// says so once.
+bool checks_for_nan_in_grad(const char* options_json);
 
 }  // namespace meshrun::megatron_fsdp

@@ -12,6 +12,17 @@ class MegatronFsdp : public meshrun::sharding::Engine {
   static constexpr const char* kName = "megatron_fsdp";
   explicit MegatronFsdp(const meshrun_host_services& host)
       : Engine(host, kName, &meshrun::megatron_fsdp::parse_options) {}
+
+  void setup(const meshrun_strategy_setup* setup) {
+    Engine::setup(setup);
+    int64_t rank = 0;
+    setup->comm->rank(setup->data_parallel, &rank);
+    if (rank == 0 && meshrun::megatron_fsdp::checks_for_nan_in_grad(setup->options_json)) {
+      log(MESHRUN_LOG_WARNING,
+          "check_for_nan_in_grad has no effect (megatron-fsdp 0.5.0); "
+          "report_nan_in_param_grad = true checks each parameter's gradient");
+    }
+  }
 };
 
 const meshrun_strategy_api kStrategyApi =

@@ -1,6 +1,7 @@
 #include "engine.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <string>
 
@@ -97,6 +98,9 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
   auto layout = std::make_unique<const ShardLayout>(input, ranks, rank);
 
   offsets_ = input.offsets;
+  parameter_names_.assign(setup->parameter_names, setup->parameter_names + setup->num_parameters);
+  throw_if_error(setup->comm->rank(setup->data_parallel, &data_parallel_rank_),
+                 "rank in the data-parallel group");
   local_numel_ = layout->local_numel();
   shard_parameters_.assign(static_cast<size_t>(local_numel_), 0.0f);
   shard_rank_zero_weights(*setup, *layout);
@@ -426,10 +430,34 @@ void Engine::reshard_all() {
 
 // ---- gradient reduction ----
 
+void Engine::check_finite_gradients(int32_t u) const {
+  const float* gradients = units_[static_cast<size_t>(u)].gradients.floats();
+  for (const ParameterPlace& place : layout_->unit(u).parameters) {
+    const float* begin = gradients + place.unit_begin;
+    const float* found =
+        std::find_if(begin, begin + place.numel, [](float value) { return !std::isfinite(value); });
+    if (found == begin + place.numel) continue;
+    throw Error(MESHRUN_FAILED_PRECONDITION,
+                "report_nan_in_param_grad: the gradient of '" +
+                    parameter_names_[static_cast<size_t>(place.parameter)] + "' holds " +
+                    std::to_string(*found) + " (element " + std::to_string(found - begin) +
+                    ") on data-parallel rank " + std::to_string(data_parallel_rank_) +
+                    ", before its reduction");
+  }
+}
+
 // Frees the unit's gradients once their copy is in the send buffer.
 void Engine::start_reduction(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
-  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype,
+  if (options_.report_nan_in_param_grad) check_finite_gradients(u);
+  if (!options_.average_in_collective) {
+    const float scale = 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
+    float* gradients = unit.gradients.floats();
+    std::transform(gradients, gradients + unit.numel, gradients,
+                   [scale](float value) { return value * scale; });
+  }
+  const int32_t op = options_.average_in_collective ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM;
+  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype, op,
                            meter_);
   unit.gradients.release();
 }

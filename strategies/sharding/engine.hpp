@@ -56,9 +56,16 @@ struct EngineOptions {
   bool prefetch = true;
   int64_t forward_prefetch_depth = 1;
   int64_t backward_prefetch_depth = 2;
+  // Gradients are averaged by the collectives (MESHRUN_REDUCE_AVG), or
+  // scaled by 1 / (data-parallel ranks) first and summed by them.
+  bool average_in_collective = true;
   // The all-gather and the reduction dtypes.
   Dtype param_dtype = Dtype::bfloat16;
   Dtype reduce_dtype = Dtype::float32;
+  // Each unit's gradients are checked before their reduction: a value that
+  // is not finite ends the step with an error naming the parameter and the
+  // data-parallel rank it arose on (Megatron-FSDP's report_nan_in_param_grad).
+  bool report_nan_in_param_grad = false;
 };
 
 // INVALID_ARGUMENT naming the key for a value of the wrong type or range.
@@ -78,6 +85,8 @@ class Engine {
   void gradients_ready(int64_t begin, int64_t end) const;
   void finish_gradients();
   void memory(meshrun_strategy_memory* out) const;
+  // A line to the host's log, beginning with the strategy's name.
+  void log(int32_t level, const std::string& message) const;
 
   void pre_forward(int32_t unit);
   void post_forward(int32_t unit);
@@ -104,7 +113,6 @@ class Engine {
     Buffer gradients;              // held from pre_backward until reduced
   };
 
-  void log(int32_t level, const std::string& message) const;
   Unit& enter(int32_t unit, Phase phase);
   Unit& leave(int32_t unit, Phase phase);
   void check_setup_done(const char* call) const;
@@ -124,6 +132,7 @@ class Engine {
   void reshard_all();
   bool reduces_micro_batch() const;
   void reduce_held_gradients();
+  void check_finite_gradients(int32_t unit) const;
   void start_reduction(int32_t unit);
   void replicate_started();
   void finish_first_reduction();
@@ -137,6 +146,8 @@ class Engine {
   std::unique_ptr<const ShardLayout> layout_;  // set once setup succeeded
   std::vector<meshrun_shard_segment> segments_;
   std::vector<int64_t> offsets_;
+  std::vector<std::string> parameter_names_;
+  int64_t data_parallel_rank_ = 0;
   int32_t root_ = 0;
   std::vector<int32_t> layers_;    // the units but the root, in forward order
   std::vector<int32_t> position_;  // of each unit in layers_; -1 for the root

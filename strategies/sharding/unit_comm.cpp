@@ -62,10 +62,11 @@ void Gather::finish(Buffer& full) {
 }
 
 Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit,
-                     const float* gradients, Dtype dtype, MemoryMeter& meter)
+                     const float* gradients, Dtype dtype, int32_t op, MemoryMeter& meter)
     : groups_(&groups),
       unit_(&layout.unit(unit)),
       dtype_(dtype),
+      op_(op),
       unit_name_("unit " + std::to_string(unit)),
       replicated_(groups.replicate_size == 1),
       what_("reduce_scatter of the gradients of " + unit_name_),
@@ -84,8 +85,7 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
   const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
   DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
-  throw_if_error(
-      groups.comm->reduce_scatter(groups.shard, &send, &recv, MESHRUN_REDUCE_AVG, &request), what_);
+  throw_if_error(groups.comm->reduce_scatter(groups.shard, &send, &recv, op_, &request), what_);
   request_ = strategies::Request(*groups.comm, request);
 }
 
@@ -97,9 +97,8 @@ void Reduction::replicate() {
   what_ = "all_reduce over the replicate group of the gradients of " + unit_name_;
   DLTensor result = host_tensor(recv_.data(), dtype_, recv_numel_);
   meshrun_request* request = nullptr;
-  throw_if_error(
-      groups_->comm->all_reduce(groups_->replicate, &result, &result, MESHRUN_REDUCE_AVG, &request),
-      what_);
+  throw_if_error(groups_->comm->all_reduce(groups_->replicate, &result, &result, op_, &request),
+                 what_);
   request_ = strategies::Request(*groups_->comm, request);
   replicated_ = true;
 }

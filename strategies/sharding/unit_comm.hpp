@@ -54,9 +54,12 @@ class Reduction {
   // Starts the reduction of unit `unit`'s gradients `gradients` (float32,
   // laid out as its full buffer): they are cast to `dtype` into a send
   // buffer laid out rank by rank (each rank's padded chunks, padding zero)
-  // and reduce-scattered (average) over the shard group.
+  // and reduce-scattered over the shard group with `op`, then all-reduced
+  // with `op` over the replicate group: MESHRUN_REDUCE_AVG averages, and
+  // MESHRUN_REDUCE_SUM sums gradients the caller scaled by 1 / (shard ranks
+  // x replicas) before.
   Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* gradients,
-            Dtype dtype, MemoryMeter& meter);
+            Dtype dtype, int32_t op, MemoryMeter& meter);
 
   // True while the average over the replicate group (HSDP) is still to be
   // started.
@@ -74,6 +77,7 @@ class Reduction {
   const Groups* groups_;
   const UnitPlace* unit_;
   Dtype dtype_;
+  int32_t op_;  // MESHRUN_REDUCE_AVG or MESHRUN_REDUCE_SUM
   std::string unit_name_;
   bool replicated_;
   std::string what_;  // the operation in flight

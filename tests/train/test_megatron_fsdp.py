@@ -1,7 +1,7 @@
 """`meshrun train` with distributed.strategy = "megatron_fsdp": each
 zero_dp_strategy (1, 2, 3) on 2 and 4 ranks, and with tp = 2, against DDP
 on the same ranks and global batch; the overlap switches; checkpoints that
-cross to fsdp2 and back; bad input.
+cross to fsdp2 and back; report_nan_in_param_grad; bad input.
 
 Run by ctest: test_megatron_fsdp.py MESHRUN_EXE [TestClass ...]
 
@@ -14,7 +14,9 @@ gradient norms and validation losses agree to test_train.py's 1e-4
 relative, and exported weights to 1e-4 absolute (as test_tensor_parallel.py
 states for the same steps). The overlap switches change when collectives
 start, not what they sum or in which order the results are added, so runs
-with them off are bit-identical to runs with them on.
+with them off are bit-identical to runs with them on. average_in_collective
+= false (the default) scales each rank's gradients by 1/dp and sums; on 2
+and 4 ranks that is exact and gives the bits of averaging, on 3 it rounds.
 """
 
 import os
@@ -88,6 +90,22 @@ class Equivalence(MegatronTest):
         self.assertGreater(held[1], held[3])
         self.assertGreater(held[2], held[3])
 
+    def test_averaging_in_the_collective_or_before_it_both_match_ddp(self):
+        # On 3 ranks 1/3 rounds: scaling each rank's gradients before a sum
+        # and averaging the sum give different bits, both within tolerance
+        # of DDP (which averages in its all-reduce).
+        batch = ("train.global_batch_size=6",)
+        ddp = self.runs.train("ddp3", 3, *DDP, *batch)
+        exports = []
+        for average in ("true", "false"):
+            output = self.runs.train(f"average-{average}", 3, *zero(3), *batch,
+                                     f"distributed.average_in_collective={average}")
+            self.assert_matches(ddp, output)
+            self.assert_same_weights(ddp, output)
+            with open(os.path.join(output, "model.safetensors"), "rb") as f:
+                exports.append(f.read())
+        self.assertNotEqual(exports[0], exports[1])
+
     def test_overlap_off_changes_nothing(self):
         for level in (1, 3):
             with self.subTest(zero=level):
@@ -123,6 +141,20 @@ class Checkpoints(MegatronTest):
         with open(os.path.join(exports[0], "model.safetensors"), "rb") as a, \
                 open(os.path.join(exports[1], "model.safetensors"), "rb") as b:
             self.assertEqual(a.read(), b.read())
+
+
+class Faults(TrainTest):
+    def test_a_gradient_that_is_not_finite_is_named_with_its_rank_before_reduction(self):
+        # train.lr = 1e30 makes step 2's gradients overflow (test_faults.py).
+        result = run(self.runs.config, "--nproc-per-node", "2", "--output",
+                     os.path.join(self.runs.root, "nan"), *zero(3), "train.lr=1e30",
+                     "train.steps=4", "distributed.report_nan_in_param_grad=true",
+                     "distributed.check_for_nan_in_grad=true")
+        self.assertEqual(result.returncode, 3, result.stderr)
+        self.assertRegex(result.stderr, r"step 2: .*report_nan_in_param_grad: the gradient of "
+                                        r"'model\.[a-z_.0-9]+weight' holds \S+ \(element \d+\) "
+                                        r"on data-parallel rank [01], before its reduction")
+        self.assertEqual(result.stderr.count("check_for_nan_in_grad has no effect"), 1)
 
 
 class BadInput(TrainTest, InputErrorAssertions):

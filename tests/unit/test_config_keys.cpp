@@ -161,9 +161,9 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.preserve_fp32_weights", refused("false", "true", kMegatron)},
       {"distributed.fsdp_double_buffer", refused("true", "false", kMegatron)},
       {"distributed.disable_bucketing", refused("true", "false", kMegatron)},
-      {"distributed.average_in_collective", refused("true", "false", kMegatron)},
-      {"distributed.report_nan_in_param_grad", refused("true", "false", kMegatron)},
-      {"distributed.check_for_nan_in_grad", refused("true", "false", kMegatron)},
+      {"distributed.average_in_collective", options_change("true", kMegatron)},
+      {"distributed.report_nan_in_param_grad", options_change("true", kMegatron)},
+      {"distributed.check_for_nan_in_grad", options_change("true", kMegatron)},
   };
 }
 
