@@ -112,8 +112,9 @@ struct Refusal {
 
 // The reasons several keys share.
 constexpr const char* kMegatronNotYet =
-    "not implemented yet: the megatron_fsdp plugin trains zero_dp_strategy 1 to 3 in float32 with "
-    "overlap_grad_reduce and overlap_param_gather, and takes this key's default only";
+    "not implemented yet: the megatron_fsdp plugin gathers and reduces whole units (one "
+    "all-gather and one reduce-scatter per unit and micro-batch) and takes this key's default "
+    "only";
 constexpr const char* kNoExperts =
     "not implemented yet: no shipped model has experts, so meshrun plans the expert-parallel mesh "
     "only (`meshrun plan`) and `meshrun train` refuses ep_size > 1";

@@ -160,8 +160,8 @@ void Engine::make_units(const meshrun_strategy_setup& setup) {
   }
 }
 
-// Kept gathered for the step, no unit reshards. Else AutoModel's rule: the
-// root keeps its parameters from forward to backward;
+// Kept gathered for the step (ZeRO-1 and -2), no unit reshards. Otherwise
+// AutoModel's rule: the root keeps its parameters from forward to backward;
 // an explicit reshard_after_forward applies to the other units; unset, no
 // unit reshards under pipeline parallelism (a stage runs several forwards
 // before their backwards), and otherwise every unit but the last, whose

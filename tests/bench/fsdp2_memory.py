@@ -1,7 +1,8 @@
-"""The memory fsdp2's buffers may hold at once, predicted from the plan.
+"""The memory the sharding engine's buffers (fsdp2, megatron_fsdp) may hold
+at once, predicted from the plan.
 
-Walks the hooks of one optimizer step (one micro-batch per rank, sync) in
-the order the model calls them, applying the strategy's buffer rules
+Walks the hooks of one optimizer step (its micro-batches, the last one
+sync) in the order the model calls them, applying the strategy's buffer rules
 (strategies/sharding): a gather holds a send block and the gathered blocks in
 param_dtype until it completes, then the unit's full float32 parameters
 until it reshards (every layer but the last after forward under the default
@@ -9,6 +10,9 @@ heuristic, every unit after its backward, the root never after forward); a
 unit in backward holds float32 gradients until its reduction starts, which
 holds the padded unit and a block in reduce_dtype until it completes.
 Gathers start for the unit and its prefetch depth at each pre-hook.
+Kept gathered (megatron_fsdp's ZeRO-1 and -2), no unit reshards before the
+step ends; deferred (fsdp2's default, ZeRO-1), gradients accumulate whole
+over the micro-batches and are reduced in the last.
 
 `progress` says when communication completes, as the strategy sees it at
 its polls (every hook polls):
@@ -121,33 +125,45 @@ class _Step:
 
 
 def predicted_peak_buffers(sizes, ranks, param_bytes, reduce_bytes, forward_depth,
-                           backward_depth, progress="serial"):
+                           backward_depth, progress="serial", keep_gathered=False,
+                           micro_batches=1, defer=True):
     """The most bytes the buffers hold at once in a training step with the
-    default resharding heuristic (no pipeline)."""
+    default resharding heuristic (no pipeline), overlapped reductions."""
     s = _Step(sizes, ranks, param_bytes, reduce_bytes, progress)
-    root = "root"
-    layers = [name for name, _, _ in sizes if name != root]
-    backward = layers[::-1]
+    layers = [name for name, _, _ in sizes if name != "root"]
     for _ in range(2):  # the second step starts from what the first left
-        s.poll()  # begin_micro_batch
-        s.reshard_all()
-        s.enter(root, layers[:forward_depth])
-        for i, u in enumerate(layers):
-            s.enter(u, layers[i + 1:i + 1 + forward_depth])
-            s.poll()  # post_forward
-            if i < len(layers) - 1:
-                s.reshard(u)
-        s.poll()  # post_forward(root)
-        s.enter(root, backward[:backward_depth])
-        s.grads_for(root)
-        for i, u in enumerate(backward + [root]):
-            if u != root:
-                s.enter(u, backward[i + 1:i + 1 + backward_depth])
-                s.grads_for(u)
-            s.poll()  # post_backward
-            s.start_reduction(u)
-            s.reshard(u)
+        for m in range(micro_batches):
+            s.poll()  # begin_micro_batch
+            if m == 0:
+                s.reshard_all()
+            _forward(s, layers, forward_depth, keep_gathered)
+            reduces = m == micro_batches - 1 or not defer
+            _backward(s, layers[::-1], backward_depth, keep_gathered, reduces)
         while s.reductions:  # finish_gradients
             s.finish_reduction()
         s.reshard_all()
     return s.peak
+
+
+def _forward(s, layers, depth, keep_gathered):
+    s.enter("root", layers[:depth])
+    for i, u in enumerate(layers):
+        s.enter(u, layers[i + 1:i + 1 + depth])
+        s.poll()  # post_forward
+        if i < len(layers) - 1 and not keep_gathered:
+            s.reshard(u)
+    s.poll()  # post_forward(root)
+
+
+def _backward(s, backward, depth, keep_gathered, reduces):
+    s.enter("root", backward[:depth])
+    s.grads_for("root")
+    for i, u in enumerate(backward + ["root"]):
+        if u != "root":
+            s.enter(u, backward[i + 1:i + 1 + depth])
+            s.grads_for(u)
+        s.poll()  # post_backward
+        if reduces:
+            s.start_reduction(u)
+        if not keep_gathered:
+            s.reshard(u)

@@ -16,7 +16,10 @@ Prints, for each:
     is the reference);
   - per-rank memory from metrics.jsonl's "mem": params + grads + optimizer
     (the float32 master shard, its gradients and AdamW's two moments) and
-    buffers_peak (what a step holds beyond them).
+    buffers_peak (what a step holds beyond them), against the range
+    tests/bench/fsdp2_memory.py predicts for the strategy's rules: each
+    collective complete by the next hook ("asap") up to complete no sooner
+    than start order makes certain ("serial"); the ratio is to the latter.
 
 tokens/s = global_batch_size * seq_len / mean step_time_s over the steps
 after the first --warmup. Prints figures; the exit status says only whether
@@ -32,7 +35,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fsdp2_vs_ddp import bench_arguments, persistent, tokens_per_s, train  # noqa: E402
+from fsdp2_memory import predicted_peak_buffers, unit_sizes  # noqa: E402
+from fsdp2_vs_ddp import bench_arguments, persistent, plan_json, tokens_per_s, train  # noqa: E402
 
 RANKS = 4
 VARIANTS = {
@@ -44,12 +48,27 @@ VARIANTS = {
 NO_OVERLAP = ("distributed.overlap_grad_reduce=false", "distributed.overlap_param_gather=false")
 
 
+def predicted_buffers(args, toml, name, progress):
+    """The predicted buffers_peak of a sharded variant, 0 for ddp."""
+    if name == "ddp":
+        return 0
+    train_ = toml["train"]
+    micro_batches = train_["global_batch_size"] // (RANKS * train_["micro_batch_size"])
+    sizes = unit_sizes(plan_json(args.meshrun, args.config, RANKS), RANKS)
+    if name == "fsdp2":
+        return predicted_peak_buffers(sizes, RANKS, 4, 4, 1, 2, progress,
+                                      micro_batches=micro_batches)
+    level = int(name[-1])
+    return predicted_peak_buffers(sizes, RANKS, 4, 4, 1, 1, progress, keep_gathered=level < 3,
+                                  micro_batches=micro_batches, defer=level == 1)
+
+
 def median_wait(lines, warmup):
     return statistics.median(m["comm_wait_s"] for m in lines[warmup:])
 
 
 def main():
-    args, _, tokens_per_step = bench_arguments()
+    args, toml, tokens_per_step = bench_arguments()
     best, last, wait = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="meshrun-megatron-bench-") as root:
         for round_ in range(args.rounds):
@@ -69,11 +88,14 @@ def main():
     print(f"{args.config}: {RANKS} ranks, float32, best of {args.rounds} rounds of {args.steps} "
           f"steps (first {args.warmup} skipped)")
     print(f"{'':<7} {'tokens/s':>9} {'/fsdp2':>7} {'comm wait ms':>13} "
-          f"{'params+grads+opt':>17} {'buffers_peak':>13}")
+          f"{'params+grads+opt':>17} {'buffers_peak':>13} {'predicted':>19} {'ratio':>6}")
     for name in VARIANTS:
         memory = last[name]["mem"]
+        low, high = (predicted_buffers(args, toml, name, p) for p in ("asap", "serial"))
+        ratio = f"{memory['buffers_peak'] / high:>6.3f}" if high else ""
         print(f"{name:<7} {best[name]:>9.0f} {best[name] / best['fsdp2']:>7.2f} "
-              f"{wait[name] * 1e3:>13.1f} {persistent(memory):>17} {memory['buffers_peak']:>13}")
+              f"{wait[name] * 1e3:>13.1f} {persistent(memory):>17} {memory['buffers_peak']:>13} "
+              f"{low:>9}..{high:<9} {ratio}")
     for level in (1, 3):
         hidden = 1 - wait[f"zero{level}"] / exposed[level]
         print(f"zero{level}: comm wait {exposed[level] * 1e3:.1f} ms per step with both overlaps "

@@ -19,16 +19,20 @@ with them off are bit-identical to runs with them on. average_in_collective
 and 4 ranks that is exact and gives the bits of averaging, on 3 it rounds.
 """
 
+import json
 import os
+import subprocess
 import sys
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+from fsdp2_memory import predicted_peak_buffers, unit_sizes  # noqa: E402
 from meshrun_testing import InputErrorAssertions  # noqa: E402
 from test_tensor_parallel import TensorParallelTest, grad_norms, val_losses  # noqa: E402
-from test_train import Runs, TrainTest, losses, metrics, run  # noqa: E402
+from test_train import MESHRUN, Runs, TrainTest, losses, metrics, run  # noqa: E402
 
 MEGATRON = ("distributed.strategy=megatron_fsdp",)
 DDP = ("distributed.strategy=ddp",)
@@ -69,26 +73,33 @@ class Equivalence(MegatronTest):
     def test_zero3_with_tp2_matches_ddp(self):
         self.assert_trains_as_ddp("zero3-tp2", 4, *zero(3), "distributed.tp_size=2")
 
-    def test_every_level_shards_the_optimizer_and_zero3_the_parameters(self):
+    def test_every_level_holds_what_its_schedule_predicts(self):
         # Two micro-batches per rank, so that ZeRO-1's whole gradients
         # accumulate. The master weights, their gradients and AdamW's state
         # are sharded at every level (1/4 of DDP's, up to the row padding of
         # 4 shards). What a step holds beyond them (mem.buffers_peak: gathered
-        # parameters, unit gradients, collective buffers) is least at ZeRO-3,
-        # which frees each unit's parameters after use. ZeRO-1 against
-        # ZeRO-2 depends on the model: ZeRO-2 keeps the reduce-scatter
-        # buffers of every micro-batch, ZeRO-1 whole gradients; on this tiny
-        # model the buffers weigh more (on examples/llama-tiny.toml ZeRO-1
-        # holds more: tests/bench/megatron_fsdp.py).
-        held = {}
+        # parameters, unit gradients, collective buffers) is predicted by
+        # walking the step's hooks with the level's rules
+        # (tests/bench/fsdp2_memory.py): at least what it holds when every
+        # collective completes by the next hook, at most what it holds when
+        # they complete no sooner than the comm backend's one-at-a-time order
+        # makes certain.
+        plan = json.loads(subprocess.run(
+            [MESHRUN, "plan", self.runs.config, "--world-size", "4", "--json", *MEGATRON],
+            check=True, capture_output=True, text=True).stdout)
+        sizes = unit_sizes(plan, 4)
         for level in (1, 2, 3):
-            output = self.runs.train(f"memory-zero{level}", 4, *zero(level),
-                                     "train.micro_batch_size=1")
-            memory = metrics(output)[-1]["mem"]
-            self.assertLessEqual(persistent(memory), 1.02 * persistent(self.ddp_memory) / 4)
-            held[level] = memory["buffers_peak"]
-        self.assertGreater(held[1], held[3])
-        self.assertGreater(held[2], held[3])
+            with self.subTest(zero=level):
+                output = self.runs.train(f"memory-zero{level}", 4, *zero(level),
+                                         "train.micro_batch_size=1")
+                memory = metrics(output)[-1]["mem"]
+                self.assertLessEqual(persistent(memory),
+                                     1.02 * persistent(self.ddp_memory) / 4)
+                low, high = (predicted_peak_buffers(
+                    sizes, 4, 4, 4, 1, 1, progress, keep_gathered=level < 3, micro_batches=2,
+                    defer=level == 1) for progress in ("asap", "serial"))
+                self.assertLessEqual(low, memory["buffers_peak"])
+                self.assertLessEqual(memory["buffers_peak"], high)
 
     def test_averaging_in_the_collective_or_before_it_both_match_ddp(self):
         # On 3 ranks 1/3 rounds: scaling each rank's gradients before a sum

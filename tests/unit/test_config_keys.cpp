@@ -268,8 +268,9 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
              Contains("needs distributed.tp_size > 1"));
   CHECK_THAT(message("distributed.zero_dp_strategy", "0", kMegatron),
              Contains("which is DDP's computation (strategy \"ddp\"); set it to 1, 2 or 3"));
-  CHECK_THAT(message("distributed.fsdp_double_buffer", "true", kMegatron),
-             Contains("not implemented yet: the megatron_fsdp plugin trains"));
+  CHECK_THAT(
+      message("distributed.fsdp_double_buffer", "true", kMegatron),
+      Contains("not implemented yet: the megatron_fsdp plugin gathers and reduces whole units"));
   CHECK_THAT(message("distributed.pipeline.pp_seq_len", "32"),
              Contains("differs from data.seq_len (256)"));
   CHECK_THAT(message("distributed.pipeline.pp_batch_size", "4", kPipeline),
