@@ -2,13 +2,15 @@
 
 #include <cblas.h>
 
+#include <atomic>
+
 #include "tensor/elements.hpp"
 
 namespace meshrun::kernels {
 
 namespace {
 
-thread_local MatmulPrecision t_precision = MatmulPrecision::float32;
+std::atomic<MatmulPrecision> g_precision{MatmulPrecision::float32};
 
 CBLAS_TRANSPOSE op(bool transpose) { return transpose ? CblasTrans : CblasNoTrans; }
 
@@ -29,19 +31,20 @@ const float* packed_bfloat16(const float* x, int64_t rows, int64_t cols, int64_t
 
 }  // namespace
 
-MatmulPrecision matmul_precision() { return t_precision; }
+MatmulPrecision matmul_precision() { return g_precision.load(std::memory_order_relaxed); }
 
-MatmulPrecisionScope::MatmulPrecisionScope(MatmulPrecision precision) : previous_(t_precision) {
-  t_precision = precision;
+MatmulPrecisionScope::MatmulPrecisionScope(MatmulPrecision precision)
+    : previous_(g_precision.exchange(precision, std::memory_order_relaxed)) {}
+
+MatmulPrecisionScope::~MatmulPrecisionScope() {
+  g_precision.store(previous_, std::memory_order_relaxed);
 }
-
-MatmulPrecisionScope::~MatmulPrecisionScope() { t_precision = previous_; }
 
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
           int64_t ldc) {
-  if (t_precision == MatmulPrecision::bfloat16) {
-    thread_local std::vector<float> packed_a, packed_b;
+  std::vector<float> packed_a, packed_b;
+  if (matmul_precision() == MatmulPrecision::bfloat16) {
     const int64_t a_cols = transpose_a ? m : k, b_cols = transpose_b ? k : n;
     a = packed_bfloat16(a, transpose_a ? k : m, a_cols, lda, packed_a);
     b = packed_bfloat16(b, transpose_b ? n : k, b_cols, ldb, packed_b);

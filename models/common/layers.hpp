@@ -22,14 +22,17 @@ namespace meshrun::kernels {
 // What the float GEMMs below compute in. bfloat16 is a matmul under
 // torch.autocast("cpu", dtype=torch.bfloat16): each operand rounded to
 // bfloat16 (nearest even), the products (exact in float32) and their sums
-// in float32, the result float32. It holds per thread: a stage sets it for
-// the duration of each forward and backward call with MatmulPrecisionScope.
+// in float32, the result float32. It holds for the process: a stage sets it
+// for the duration of each forward and backward call with
+// MatmulPrecisionScope (every stage of a run computes alike). Not per
+// thread: thread-local storage in a dlopen'ed plugin crashed
+// LeakSanitizer's tracer at exit.
 // The double GEMMs (the tests' references) always compute in double.
 enum class MatmulPrecision { float32, bfloat16 };
 
 MatmulPrecision matmul_precision();
 
-// Sets this thread's matmul precision until the scope ends.
+// Sets the matmul precision until the scope ends, then restores the last.
 class MatmulPrecisionScope {
  public:
   explicit MatmulPrecisionScope(MatmulPrecision precision);

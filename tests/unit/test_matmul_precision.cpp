@@ -97,7 +97,7 @@ TEST_CASE("bfloat16 matmuls round every operand and sum in float32", "[layers]")
   CHECK(largest_difference > 1e-4);
 }
 
-TEST_CASE("a matmul precision scope holds for its thread until it ends", "[layers]") {
+TEST_CASE("a matmul precision scope holds until it ends", "[layers]") {
   CHECK(matmul_precision() == MatmulPrecision::float32);
   {
     MatmulPrecisionScope outer(MatmulPrecision::bfloat16);
