@@ -160,6 +160,11 @@ struct DistributedConfig {
   bool average_in_collective = false;
   bool report_nan_in_param_grad = false;
   bool check_for_nan_in_grad = false;
+  bool calculate_per_token_loss = false;
+  bool init_fsdp_with_meta_device = false;
+  bool nccl_ub = false;
+  bool keep_fp8_transpose_cache = false;
+  std::vector<std::string> megatron_fsdp_unit_modules;
 
   PipelineConfig pipeline;
   MoeConfig moe;

@@ -110,11 +110,7 @@ struct Refusal {
   const char* fix;  // what would be valid
 };
 
-// The reasons several keys share.
-constexpr const char* kMegatronNotYet =
-    "not implemented yet: the megatron_fsdp plugin gathers and reduces whole units (one "
-    "all-gather and one reduce-scatter per unit and micro-batch) and takes this key's default "
-    "only";
+// The reason several keys share.
 constexpr const char* kNoExperts =
     "not implemented yet: no shipped model has experts, so meshrun plans the expert-parallel mesh "
     "only (`meshrun plan`) and `meshrun train` refuses ep_size > 1";
@@ -153,11 +149,6 @@ const Refusal kRefusals[] = {
      "remove the key or set it to false"},
     {"distributed.enable_compile", [](const Config& c) { return c.distributed.enable_compile; },
      "meshrun has no graph compiler", "remove the key or set it to false"},
-    {"distributed.zero_dp_strategy",
-     [](const Config& c) { return c.distributed.zero_dp_strategy == 0; },
-     "not implemented yet: ZeRO-0 replicates parameters, gradients and optimizer state, which is "
-     "DDP's computation (strategy \"ddp\")",
-     "set it to 1, 2 or 3"},
     {"distributed.grad_reduce_in_fp32",
      [](const Config& c) { return c.distributed.grad_reduce_in_fp32; },
      "megatron_fsdp reduces gradients in float32 already (the models' dtype); bfloat16 model "
@@ -168,11 +159,44 @@ const Refusal kRefusals[] = {
      "not implemented yet: megatron_fsdp keeps float32 weights, which it also computes with",
      "remove the key or set it to true"},
     {"distributed.fsdp_double_buffer",
-     [](const Config& c) { return c.distributed.fsdp_double_buffer; }, kMegatronNotYet,
-     "remove the key or set it to false"},
+     [](const Config& c) {
+       return c.distributed.fsdp_double_buffer && c.distributed.zero_dp_strategy < 3;
+     },
+     "the two gather buffers hold the layer units of zero_dp_strategy 3, which frees each unit "
+     "after use; at levels 0-2 every unit stays gathered for the whole step",
+     "set distributed.zero_dp_strategy to 3, or fsdp_double_buffer to false"},
     {"distributed.disable_bucketing",
-     [](const Config& c) { return c.distributed.disable_bucketing; }, kMegatronNotYet,
+     [](const Config& c) { return c.distributed.disable_bucketing; },
+     "not implemented yet: megatron_fsdp's buckets are the units the host hooks (each decoder "
+     "layer, and the root), whose parameters a unit's forward reads as one gathered buffer; one "
+     "bucket for the whole model would need views across units",
      "remove the key or set it to false"},
+    {"distributed.calculate_per_token_loss",
+     [](const Config& c) { return c.distributed.calculate_per_token_loss; },
+     "meshrun's loss is already the mean over the step's tokens: every micro-batch holds "
+     "micro_batch_size x seq_len tokens and none is ignored, so summing per token and dividing "
+     "by the global token count is the same number; a run would not differ",
+     "remove the key or set it to false"},
+    {"distributed.init_fsdp_with_meta_device",
+     [](const Config& c) { return c.distributed.init_fsdp_with_meta_device; },
+     "not implemented yet: the host initializes every tp rank's whole weights and the strategy "
+     "takes its shard from data-parallel rank 0's, so each rank holds the full model once at "
+     "start",
+     "remove the key or set it to false"},
+    {"distributed.nccl_ub", [](const Config& c) { return c.distributed.nccl_ub; },
+     "NCCL user buffers register CUDA memory with NCCL; megatron_fsdp keeps its buffers in host "
+     "memory and runs on the CPU comm backends",
+     "remove the key or set it to false"},
+    {"distributed.keep_fp8_transpose_cache",
+     [](const Config& c) { return c.distributed.keep_fp8_transpose_cache; },
+     "meshrun has no FP8 compute (its models compute in float32, matmuls optionally in bfloat16), "
+     "so there is no FP8 transpose to cache",
+     "remove the key or set it to false"},
+    {"distributed.megatron_fsdp_unit_modules",
+     [](const Config& c) { return !c.distributed.megatron_fsdp_unit_modules.empty(); },
+     "not implemented yet: megatron_fsdp's units are the model's layer units (each decoder layer; "
+     "embeddings, final norm and head in the root), AutoModel's default from _no_split_modules",
+     "remove the key"},
     {"distributed.moe.ignore_router_for_ac",
      [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
      "remove the key or set it to false"},

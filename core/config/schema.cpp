@@ -73,6 +73,16 @@ std::vector<Field> model_fields() {
 }
 
 // An architecture key: kept as JSON for the model plugin, which checks it.
+void read_unit_modules(const Entry& entry, Config& config) {
+  const auto* names = entry.node->as_array();
+  if (names == nullptr || !names->is_homogeneous(toml::node_type::string)) {
+    fail_type(entry, "an array of strings (module class names)");
+  }
+  auto& out = config.distributed.megatron_fsdp_unit_modules;
+  out.clear();
+  for (const toml::node& name : *names) out.push_back(name.as_string()->get());
+}
+
 void read_architecture_key(const Entry& entry, Config& config) {
   const std::string name = entry.key.substr(entry.key.find('.') + 1);
   config.model.architecture[name] = to_json(*entry.node);
@@ -201,6 +211,11 @@ std::vector<Field> distributed_fields(const TableSchema& pipeline, const TableSc
       .boolean("average_in_collective", &D::average_in_collective)
       .boolean("report_nan_in_param_grad", &D::report_nan_in_param_grad)
       .boolean("check_for_nan_in_grad", &D::check_for_nan_in_grad)
+      .boolean("calculate_per_token_loss", &D::calculate_per_token_loss)
+      .boolean("init_fsdp_with_meta_device", &D::init_fsdp_with_meta_device)
+      .boolean("nccl_ub", &D::nccl_ub)
+      .boolean("keep_fp8_transpose_cache", &D::keep_fp8_transpose_cache)
+      .custom("megatron_fsdp_unit_modules", read_unit_modules)
       .build();
 }
 

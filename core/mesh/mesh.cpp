@@ -177,8 +177,16 @@ Shape resolve_megatron_fsdp(const ParallelismSizes& sizes, int64_t world_size) {
                    "no HSDP; dp_replicate_size > 1 only with fsdp2");
   const int64_t dp =
       derive_dp(sizes, world_size, {{"tp_size", sizes.tp_size}, {"cp_size", sizes.cp_size}});
+  if (sizes.replicate_data_parallel && sizes.cp_size > 1) {
+    fail("cp_size", fmt::format("distributed.cp_size ({}) must be 1 with zero_dp_strategy 0: "
+                                "ZeRO-0 replicates the parameters over dp and cp, and meshrun's "
+                                "mesh shards them over cp (dp_shard_cp)",
+                                sizes.cp_size));
+  }
   Shape shape;
-  shape.dims = {1, 1, dp, sizes.cp_size, sizes.tp_size};
+  shape.dims = sizes.replicate_data_parallel
+                   ? std::array<int64_t, 5>{1, dp, 1, sizes.cp_size, sizes.tp_size}
+                   : std::array<int64_t, 5>{1, 1, dp, sizes.cp_size, sizes.tp_size};
   return shape;
 }
 

@@ -64,6 +64,9 @@ struct ParallelismSizes {
   int64_t pp_size = 1;
   int64_t cp_size = 1;
   int64_t ep_size = 1;
+  // Megatron-FSDP's zero_dp_strategy 0: the data-parallel ranks hold equal
+  // replicas (dp_replicate = dp, dp_shard = 1), which it reduces over.
+  bool replicate_data_parallel = false;
 };
 
 class MeshContext {

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "errors.hpp"
+#include "strategy/strategy.hpp"
 #include "support/input_file.hpp"
 
 namespace meshrun {
@@ -96,7 +97,8 @@ MeshFamily mesh_family_of(const PluginLibrary& strategy) {
 }
 
 ParallelismSizes sizes_of(const DistributedConfig& d) {
-  return {d.dp_size, d.dp_replicate_size, d.tp_size, d.pp_size, d.cp_size, d.ep_size};
+  const bool zero0 = d.strategy == "megatron_fsdp" && d.zero_dp_strategy == 0;
+  return {d.dp_size, d.dp_replicate_size, d.tp_size, d.pp_size, d.cp_size, d.ep_size, zero0};
 }
 
 // The product of the named sizes; an overflow is an input error naming the
@@ -216,6 +218,35 @@ nlohmann::ordered_json sizes_json(const MeshContext& mesh, const Range& axes) {
 constexpr int64_t kJsonRankLimit = 4096;
 constexpr int64_t kTextRankEdge = 8;
 
+// What a rank holds between steps for the parameters it updates: float32
+// values and gradients and AdamW's two float32 moments, 16 bytes an element.
+// Under a replicated strategy that is all of its tp-local parameters; under
+// a sharded one its chunk of each over dp_shard_cp, dim 0 cut in padded
+// chunks as the shipped sharded strategies cut it. Gathered units and
+// communication buffers come on top, by the strategy's own rules. Null
+// without a model, and with a pipeline (each rank holds its stages).
+nlohmann::ordered_json state_memory(const Plan& plan) {
+  if (!plan.model || plan.mesh.axis_size(Axis::pp) > 1) return nullptr;
+  const int64_t ranks =
+      strategy_shards(*plan.strategy) ? plan.mesh.axis_size(Axis::dp_shard_cp) : 1;
+  int64_t elements = 0;
+  for (const auto& parameter : plan.model_plan.at("parameters")) {
+    const auto shape = parameter.value("local_shape", nlohmann::ordered_json::array());
+    if (shape.empty()) {
+      ++elements;
+      continue;
+    }
+    int64_t row = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row *= shape[d].get<int64_t>();
+    const int64_t rows = shape[0].get<int64_t>();
+    elements += (rows + ranks - 1) / ranks * row;
+  }
+  return {{"sharded_over", ranks},
+          {"params", 4 * elements},
+          {"grads", 4 * elements},
+          {"optimizer", 8 * elements}};
+}
+
 }  // namespace
 
 nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
@@ -236,6 +267,7 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
         {"schedule", plugin_json(plan.schedule)}}},
       {"warnings", config.warnings},
       {"model", plan.model_plan},
+      {"memory", state_memory(plan)},
   };
   if (!all_ranks && mesh.world_size() > kJsonRankLimit) return json;
   const auto axes = listed_axes(mesh);
@@ -356,6 +388,21 @@ std::string model_lines(const ModelDescription& description, const nlohmann::ord
   return text;
 }
 
+std::string memory_line(const Plan& plan) {
+  const nlohmann::ordered_json memory = state_memory(plan);
+  if (memory.is_null()) return "";
+  const int64_t ranks = memory.at("sharded_over").get<int64_t>();
+  const int64_t params = memory.at("params").get<int64_t>();
+  const int64_t total =
+      params + memory.at("grads").get<int64_t>() + memory.at("optimizer").get<int64_t>();
+  const std::string where =
+      ranks == 1 ? "replicated" : fmt::format("sharded over dp_shard_cp ({})", ranks);
+  return fmt::format(
+      "{:<10}per rank {} B: params {} B + grads {} B + AdamW moments {} B, float32, {}; "
+      "gathered units and comm buffers come on top\n",
+      "memory", total, params, params, memory.at("optimizer").get<int64_t>(), where);
+}
+
 }  // namespace
 
 std::string plan_to_text(const Plan& plan, bool all_ranks) {
@@ -370,6 +417,7 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
     text += sidecar_line(plan);
     text += schedule_line(plan);
     text += model_lines(plan.model->description(), plan.model_plan);
+    text += memory_line(plan);
   }
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);

@@ -66,6 +66,11 @@ bool strategy_can_train(const PluginLibrary& library) {
          (!table_is_sharded(*s) || has_sharded_entry_points(*s));
 }
 
+bool strategy_shards(const PluginLibrary& library) {
+  const meshrun_strategy_api* s = library.api().strategy;
+  return s != nullptr && table_is_sharded(*s);
+}
+
 Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
                    StrategyBuffers buffers, const std::string& options_json,
                    const StrategyUnits* units)
@@ -293,6 +298,7 @@ std::string strategy_options_json(const DistributedConfig& d) {
     return nlohmann::json{{"zero_dp_strategy", d.zero_dp_strategy},
                           {"overlap_grad_reduce", d.overlap_grad_reduce},
                           {"overlap_param_gather", d.overlap_param_gather},
+                          {"fsdp_double_buffer", d.fsdp_double_buffer},
                           {"average_in_collective", d.average_in_collective},
                           {"report_nan_in_param_grad", d.report_nan_in_param_grad},
                           {"check_for_nan_in_grad", d.check_for_nan_in_grad}}

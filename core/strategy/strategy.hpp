@@ -56,6 +56,8 @@ struct StrategyMemory {
 // point of ABI 1.2 and, when it is sharded, of ABI 1.3 (a third-party
 // strategy may ship mesh rules only).
 bool strategy_can_train(const PluginLibrary& library);
+// Whether the library's strategy shards parameters (a sharded ABI 1.3 table).
+bool strategy_shards(const PluginLibrary& library);
 
 // The [distributed] keys a strategy plugin reads, as AutoModel names them
 // (DDPConfig, FSDP2Config or MegatronFSDPConfig): the JSON object of its setup's options_json.

@@ -74,6 +74,17 @@ class Buffer {
     data_ = meter_->take(bytes, zero);
     bytes_ = bytes;
   }
+  // Holds at least `bytes` bytes: what it holds when that is enough (its
+  // contents left as they are), else `bytes` new ones.
+  void ensure(size_t bytes) {
+    if (held() && bytes_ >= bytes) return;
+    allocate(bytes, false);
+  }
+  void swap(Buffer& other) noexcept {
+    std::swap(meter_, other.meter_);
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+  }
   void release() {
     if (!data_) return;
     meter_->give_back(std::move(data_), bytes_);

@@ -153,10 +153,27 @@ void Engine::make_units(const meshrun_strategy_setup& setup) {
     layers_.push_back(u);
   }
   units_.reserve(static_cast<size_t>(setup.num_units));
+  int64_t largest_layer = 0;
   for (int32_t u = 0; u < setup.num_units; ++u) {
     Unit& unit = units_.emplace_back(meter_);
     unit.numel = layout_->unit(u).full_numel;
     unit.reshard_after_forward = reshards_after_forward(u);
+    if (u != root_) largest_layer = std::max(largest_layer, unit.numel);
+  }
+  if (options_.double_buffer) make_slots(largest_layer);
+}
+
+// Two gathered layer units at once is what one-ahead prefetch needs, and
+// all double buffering can hold: every layer must be freed after its use.
+void Engine::make_slots(int64_t numel) {
+  const int64_t depth = std::max(options_.forward_prefetch_depth, options_.backward_prefetch_depth);
+  if (options_.keep_parameters_gathered || (options_.prefetch && depth > 1)) {
+    invalid(
+        "double buffering holds two gathered layer units, but the options keep every unit "
+        "gathered for the step or prefetch more than one unit ahead");
+  }
+  for (int i = 0; i < 2; ++i) {
+    slots_.emplace_back(meter_).allocate(static_cast<size_t>(numel) * sizeof(float), false);
   }
 }
 
@@ -231,9 +248,9 @@ void Engine::memory(meshrun_strategy_memory* out) const {
 void Engine::pre_forward(int32_t u) { enter(u, Phase::forward); }
 
 void Engine::post_forward(int32_t u) {
-  Unit& unit = leave(u, Phase::forward);
+  const Unit& unit = leave(u, Phase::forward);
   poll();
-  if (unit.reshard_after_forward) unit.parameters.release();
+  if (unit.reshard_after_forward) reshard(u);
 }
 
 void Engine::pre_backward(int32_t u) {
@@ -244,11 +261,11 @@ void Engine::pre_backward(int32_t u) {
 }
 
 void Engine::post_backward(int32_t u) {
-  Unit& unit = leave(u, Phase::backward);
+  leave(u, Phase::backward);
   replicate_started();
   poll();
   if (reduces_micro_batch() && options_.overlap_grad_reduce) start_reduction(u);
-  if (!options_.keep_parameters_gathered) unit.parameters.release();
+  if (!options_.keep_parameters_gathered) reshard(u);
 }
 
 bool Engine::reduces_micro_batch() const { return sync_ || !options_.defer_grad_sync; }
@@ -416,15 +433,39 @@ void Engine::start_gather(int32_t u) {
 void Engine::complete_gather(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
   if (!unit.gather.has_value()) return;
+  if (Buffer* slot = slot_of(u)) {
+    if (!slot->held()) {
+      throw Error(MESHRUN_INTERNAL, "double buffering: unit " + std::to_string(u) +
+                                        "'s gather buffer is still held by the unit two before");
+    }
+    unit.parameters.swap(*slot);
+  }
   unit.gather->finish(unit.parameters);
   unit.gather.reset();
+}
+
+// Layer units alternate between the two buffers in forward order, so the
+// units around one in use (prefetched, just freed) never share its buffer.
+Buffer* Engine::slot_of(int32_t u) {
+  if (slots_.empty() || u == root_) return nullptr;
+  return &slots_[static_cast<size_t>(position_[static_cast<size_t>(u)] % 2)];
+}
+
+void Engine::reshard(int32_t u) {
+  Buffer& parameters = units_[static_cast<size_t>(u)].parameters;
+  Buffer* slot = slot_of(u);
+  if (slot != nullptr && parameters.held()) {
+    parameters.swap(*slot);
+  } else {
+    parameters.release();
+  }
 }
 
 // Every unit sharded, its gathers complete.
 void Engine::reshard_all() {
   for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
     complete_gather(u);
-    units_[static_cast<size_t>(u)].parameters.release();
+    reshard(u);
   }
 }
 

@@ -54,6 +54,10 @@ struct EngineOptions {
   // begin_micro_batch or finish_gradients).
   bool overlap_grad_reduce = true;
   bool prefetch = true;
+  // Layer units are gathered into two buffers allocated once, alternating
+  // (Megatron-FSDP's fsdp_double_buffer); needs units that reshard after
+  // use and prefetch at most one unit ahead.
+  bool double_buffer = false;
   int64_t forward_prefetch_depth = 1;
   int64_t backward_prefetch_depth = 2;
   // Gradients are averaged by the collectives (MESHRUN_REDUCE_AVG), or
@@ -122,6 +126,7 @@ class Engine {
   void check_outside_step(const char* call) const;
   void shard_rank_zero_weights(const meshrun_strategy_setup& setup, const ShardLayout& layout);
   void make_units(const meshrun_strategy_setup& setup);
+  void make_slots(int64_t numel);
   bool reshards_after_forward(int32_t unit) const;
   std::vector<int32_t> forward_prefetch(int32_t unit) const;
   std::vector<int32_t> backward_prefetch(int32_t unit) const;
@@ -129,6 +134,8 @@ class Engine {
   void unshard(int32_t unit, const std::vector<int32_t>& prefetch);
   void start_gather(int32_t unit);
   void complete_gather(int32_t unit);
+  Buffer* slot_of(int32_t unit);
+  void reshard(int32_t unit);
   void reshard_all();
   bool reduces_micro_batch() const;
   void reduce_held_gradients();
@@ -158,6 +165,9 @@ class Engine {
   std::vector<float> shard_parameters_;
   std::vector<float> shard_gradients_;
   std::vector<Unit> units_;
+  // With double_buffer: the two gather buffers, each lent to the layer unit
+  // gathered into it and empty meanwhile.
+  std::vector<Buffer> slots_;
   std::deque<Reduction> reductions_;  // in flight, in start order
   bool in_micro_batch_ = false;
   bool sync_ = false;

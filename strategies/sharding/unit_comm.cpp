@@ -50,7 +50,7 @@ bool Gather::done() { return request_.test(what_); }
 
 void Gather::finish(Buffer& full) {
   request_.wait(what_);
-  full.allocate(static_cast<size_t>(unit_->full_numel) * sizeof(float), false);
+  full.ensure(static_cast<size_t>(unit_->full_numel) * sizeof(float));
   for (const ParameterPlace& place : unit_->parameters) {
     for (int64_t r = 0; r < ranks_; ++r) {
       widen(dtype_, at(recv_, dtype_, r * unit_->block_numel + place.block_begin),
@@ -74,6 +74,10 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
       recv_numel_(unit_->block_numel),
       send_(meter),
       recv_(meter) {
+  if (layout.ranks() == 1 && !replicated_) {
+    start_replicated_only(gradients);
+    return;
+  }
   send_.allocate(bytes_of(send_numel_, dtype), true);
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
   for (const ParameterPlace& place : unit_->parameters) {
@@ -89,11 +93,26 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
   request_ = strategies::Request(*groups.comm, request);
 }
 
+// A shard group of one (ZeRO-0) has nothing to scatter: the gradients go
+// straight to the all-reduce over the replicas.
+void Reduction::start_replicated_only(const float* gradients) {
+  recv_.allocate(bytes_of(recv_numel_, dtype_), true);
+  for (const ParameterPlace& place : unit_->parameters) {
+    narrow(dtype_, gradients + place.unit_begin, at(recv_, dtype_, place.block_begin),
+           place.filled(0));
+  }
+  start_all_reduce();
+}
+
 bool Reduction::awaits_replication() const { return !replicated_; }
 
 void Reduction::replicate() {
   request_.wait(what_);
   send_.release();
+  start_all_reduce();
+}
+
+void Reduction::start_all_reduce() {
   what_ = "all_reduce over the replicate group of the gradients of " + unit_name_;
   DLTensor result = host_tensor(recv_.data(), dtype_, recv_numel_);
   meshrun_request* request = nullptr;

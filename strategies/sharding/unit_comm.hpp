@@ -34,7 +34,8 @@ class Gather {
 
   bool done();
   // Waits, then makes `full` hold the unit's full parameters widened to
-  // float32: its parameters in index order, each whole, no gaps.
+  // float32: its parameters in index order, each whole, no gaps (in what
+  // `full` holds when that is large enough).
   void finish(Buffer& full);
 
  private:
@@ -57,7 +58,7 @@ class Reduction {
   // and reduce-scattered over the shard group with `op`, then all-reduced
   // with `op` over the replicate group: MESHRUN_REDUCE_AVG averages, and
   // MESHRUN_REDUCE_SUM sums gradients the caller scaled by 1 / (shard ranks
-  // x replicas) before.
+  // x replicas) before. A shard group of one skips the reduce-scatter.
   Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* gradients,
             Dtype dtype, int32_t op, MemoryMeter& meter);
 
@@ -74,6 +75,9 @@ class Reduction {
   void finish(float* local_gradients);
 
  private:
+  void start_replicated_only(const float* gradients);
+  void start_all_reduce();
+
   const Groups* groups_;
   const UnitPlace* unit_;
   Dtype dtype_;

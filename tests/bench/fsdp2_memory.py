@@ -3,16 +3,23 @@ at once, predicted from the plan.
 
 Walks the hooks of one optimizer step (its micro-batches, the last one
 sync) in the order the model calls them, applying the strategy's buffer rules
-(strategies/sharding): a gather holds a send block and the gathered blocks in
-param_dtype until it completes, then the unit's full float32 parameters
-until it reshards (every layer but the last after forward under the default
-heuristic, every unit after its backward, the root never after forward); a
+(strategies/sharding): a gather holds a send block (unless param_dtype is
+float32) and the gathered blocks in param_dtype until it completes, then
+the unit's full float32 parameters until it reshards (every layer but the
+last after forward under the default heuristic, every unit after its
+backward, the root never after forward); a
 unit in backward holds float32 gradients until its reduction starts, which
 holds the padded unit and a block in reduce_dtype until it completes.
 Gathers start for the unit and its prefetch depth at each pre-hook.
 Kept gathered (megatron_fsdp's ZeRO-1 and -2), no unit reshards before the
 step ends; deferred (fsdp2's default, ZeRO-1), gradients accumulate whole
 over the micro-batches and are reduced in the last.
+
+ZeRO-0 (megatron_fsdp's zero_dp_strategy 0) shards over a group of one
+and reduces over the replicas: a reduction holds one unit in reduce_dtype,
+the all-reduce's buffer. With double buffering (fsdp_double_buffer) the
+layer units are gathered into two buffers of the largest layer, held from
+setup on, and the root into a buffer of its own.
 
 `progress` says when communication completes, as the strategy sees it at
 its polls (every hook polls):
@@ -44,11 +51,16 @@ def unit_sizes(plan, ranks):
 
 
 class _Step:
-    def __init__(self, sizes, ranks, param_bytes, reduce_bytes, progress):
+    def __init__(self, sizes, ranks, param_bytes, reduce_bytes, progress, replicas=1,
+                 double_buffer=False):
         self.full = {name: f for name, f, _ in sizes}
         self.block = {name: b for name, _, b in sizes}
         self.ranks, self.pb, self.rb, self.progress = ranks, param_bytes, reduce_bytes, progress
+        self.replicated_only = ranks == 1 and replicas > 1
+        self.slotted = {name for name in self.full if name != "root"} if double_buffer else set()
         self.now = self.peak = 0
+        if self.slotted:
+            self.add(2 * 4 * max(self.full[name] for name in self.slotted))
         self.gathered, self.grads = set(), set()
         self.gathers, self.reductions = {}, []  # with the order they were started in
         self.started = self.waited = 0
@@ -58,10 +70,16 @@ class _Step:
         self.peak = max(self.peak, self.now)
 
     def gather_buffers(self, u):
-        return (1 + self.ranks) * self.block[u] * self.pb
+        # A float32 gather sends straight from the shard.
+        sends = 0 if self.pb == 4 else 1
+        return (sends + self.ranks) * self.block[u] * self.pb
 
     def reduction_buffers(self, u):
-        return (self.ranks + 1) * self.block[u] * self.rb
+        buffers = 1 if self.replicated_only else self.ranks + 1
+        return buffers * self.block[u] * self.rb
+
+    def parameter_bytes(self, u):
+        return 0 if u in self.slotted else 4 * self.full[u]
 
     def start(self):
         self.started += 1
@@ -78,14 +96,14 @@ class _Step:
     def complete_gather(self, u):
         if u in self.gathers:
             self.waited = max(self.waited, self.gathers.pop(u))
-            self.add(4 * self.full[u])
+            self.add(self.parameter_bytes(u))
             self.add(-self.gather_buffers(u))
             self.gathered.add(u)
 
     def reshard(self, u):
         if u in self.gathered:
             self.gathered.remove(u)
-            self.add(-4 * self.full[u])
+            self.add(-self.parameter_bytes(u))
 
     def poll(self):
         for u in [u for u in self.full if u in self.gathers]:
@@ -126,10 +144,10 @@ class _Step:
 
 def predicted_peak_buffers(sizes, ranks, param_bytes, reduce_bytes, forward_depth,
                            backward_depth, progress="serial", keep_gathered=False,
-                           micro_batches=1, defer=True):
+                           micro_batches=1, defer=True, replicas=1, double_buffer=False):
     """The most bytes the buffers hold at once in a training step with the
     default resharding heuristic (no pipeline), overlapped reductions."""
-    s = _Step(sizes, ranks, param_bytes, reduce_bytes, progress)
+    s = _Step(sizes, ranks, param_bytes, reduce_bytes, progress, replicas, double_buffer)
     layers = [name for name, _, _ in sizes if name != "root"]
     for _ in range(2):  # the second step starts from what the first left
         for m in range(micro_batches):

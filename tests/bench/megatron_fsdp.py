@@ -3,7 +3,8 @@
 Runs CONFIG (default examples/llama-tiny.toml) on 4 ranks in float32 with
   - strategy ddp,
   - strategy fsdp2 (mp_policy.param_dtype = float32),
-  - strategy megatron_fsdp at zero_dp_strategy 1, 2 and 3,
+  - strategy megatron_fsdp at zero_dp_strategy 0, 1, 2 and 3, and 3 with
+    fsdp_double_buffer,
 at one micro-batch per rank and step as the config says, alternating them
 over --rounds rounds (the machine is shared and noisy) and keeping each
 one's best round.
@@ -15,7 +16,9 @@ Prints, for each:
     overlap_grad_reduce and overlap_param_gather hide (a run with both off
     is the reference);
   - per-rank memory from metrics.jsonl's "mem": params + grads + optimizer
-    (the float32 master shard, its gradients and AdamW's two moments) and
+    (the float32 master shard, its gradients and AdamW's two moments:
+    16 bytes per element of the rank's padded shard, all of the model's
+    for ddp and ZeRO-0; the ratio to that prediction is printed) and
     buffers_peak (what a step holds beyond them), against the range
     tests/bench/fsdp2_memory.py predicts for the strategy's rules: each
     collective complete by the next hook ("asap") up to complete no sooner
@@ -43,8 +46,24 @@ VARIANTS = {
     "ddp": ("distributed.strategy=ddp",),
     "fsdp2": ("distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=float32"),
     **{f"zero{level}": ("distributed.strategy=megatron_fsdp",
-                        f"distributed.zero_dp_strategy={level}") for level in (1, 2, 3)},
+                        f"distributed.zero_dp_strategy={level}") for level in (0, 1, 2, 3)},
+    "zero3db": ("distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3",
+                "distributed.fsdp_double_buffer=true"),
 }
+
+
+def level_of(name):
+    return int(name[4])
+
+
+def shard_ranks(name):
+    """The ranks parameters are sharded over: 1 for ddp and ZeRO-0."""
+    return 1 if name == "ddp" or name == "zero0" else RANKS
+
+
+def predicted_persistent(args, name):
+    sizes = unit_sizes(plan_json(args.meshrun, args.config, RANKS), shard_ranks(name))
+    return 16 * sum(block for _, _, block in sizes)
 NO_OVERLAP = ("distributed.overlap_grad_reduce=false", "distributed.overlap_param_gather=false")
 
 
@@ -54,13 +73,15 @@ def predicted_buffers(args, toml, name, progress):
         return 0
     train_ = toml["train"]
     micro_batches = train_["global_batch_size"] // (RANKS * train_["micro_batch_size"])
-    sizes = unit_sizes(plan_json(args.meshrun, args.config, RANKS), RANKS)
+    ranks = shard_ranks(name)
+    sizes = unit_sizes(plan_json(args.meshrun, args.config, RANKS), ranks)
     if name == "fsdp2":
         return predicted_peak_buffers(sizes, RANKS, 4, 4, 1, 2, progress,
                                       micro_batches=micro_batches)
-    level = int(name[-1])
-    return predicted_peak_buffers(sizes, RANKS, 4, 4, 1, 1, progress, keep_gathered=level < 3,
-                                  micro_batches=micro_batches, defer=level == 1)
+    level = level_of(name)
+    return predicted_peak_buffers(sizes, ranks, 4, 4, 1, 1, progress, keep_gathered=level < 3,
+                                  micro_batches=micro_batches, defer=level <= 1,
+                                  replicas=RANKS // ranks, double_buffer=name == "zero3db")
 
 
 def median_wait(lines, warmup):
@@ -87,14 +108,17 @@ def main():
 
     print(f"{args.config}: {RANKS} ranks, float32, best of {args.rounds} rounds of {args.steps} "
           f"steps (first {args.warmup} skipped)")
-    print(f"{'':<7} {'tokens/s':>9} {'/fsdp2':>7} {'comm wait ms':>13} "
-          f"{'params+grads+opt':>17} {'buffers_peak':>13} {'predicted':>19} {'ratio':>6}")
+    print(f"{'':<8} {'tokens/s':>9} {'/fsdp2':>7} {'comm wait ms':>13} "
+          f"{'params+grads+opt':>17} {'/pred':>6} {'buffers_peak':>13} {'predicted':>19} "
+          f"{'ratio':>6}")
     for name in VARIANTS:
         memory = last[name]["mem"]
         low, high = (predicted_buffers(args, toml, name, p) for p in ("asap", "serial"))
         ratio = f"{memory['buffers_peak'] / high:>6.3f}" if high else ""
-        print(f"{name:<7} {best[name]:>9.0f} {best[name] / best['fsdp2']:>7.2f} "
-              f"{wait[name] * 1e3:>13.1f} {persistent(memory):>17} {memory['buffers_peak']:>13} "
+        held = persistent(memory)
+        print(f"{name:<8} {best[name]:>9.0f} {best[name] / best['fsdp2']:>7.2f} "
+              f"{wait[name] * 1e3:>13.1f} {held:>17} "
+              f"{held / predicted_persistent(args, name):>6.3f} {memory['buffers_peak']:>13} "
               f"{low:>9}..{high:<9} {ratio}")
     for level in (1, 3):
         hidden = 1 - wait[f"zero{level}"] / exposed[level]

@@ -168,8 +168,8 @@ class BadInputTest(InputErrorAssertions):
         # One refusal of each kind; tests/unit/test_config_keys.cpp walks every key.
         cases = [("[distributed]\nenable_compile = true\n", "distributed.enable_compile",
                   "no graph compiler"),
-                 ("[distributed]\nstrategy = \"megatron_fsdp\"\nfsdp_double_buffer = true\n",
-                  "distributed.fsdp_double_buffer", "not implemented yet"),
+                 ("[distributed]\nstrategy = \"megatron_fsdp\"\ninit_fsdp_with_meta_device = "
+                  "true\n", "distributed.init_fsdp_with_meta_device", "not implemented yet"),
                  ("[distributed]\ntp_plan = \"layers\"\n", "distributed.tp_plan",
                   "needs distributed.tp_size > 1"),
                  ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",

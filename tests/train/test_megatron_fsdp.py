@@ -1,20 +1,23 @@
 """`meshrun train` with distributed.strategy = "megatron_fsdp": each
-zero_dp_strategy (1, 2, 3) on 2 and 4 ranks, and with tp = 2, against DDP
-on the same ranks and global batch; the overlap switches; checkpoints that
-cross to fsdp2 and back; report_nan_in_param_grad; bad input.
+zero_dp_strategy (0, 1, 2, 3) on 2 and 4 ranks, and with tp = 2, against
+DDP on the same ranks and global batch; the overlap switches and double
+buffering; checkpoints that cross to fsdp2 and back;
+report_nan_in_param_grad; bad input.
 
 Run by ctest: test_megatron_fsdp.py MESHRUN_EXE [TestClass ...]
 
 Every run computes in float32 (megatron_fsdp gathers and reduces in the
 models' dtype; DDP too). The ZeRO levels change where gradients are summed:
-a reduce-scatter (average) per micro-batch (2, 3) or once per step over
-accumulated whole gradients (1), against DDP's bucketed all-reduce. These
+a reduce-scatter (average) per micro-batch (2, 3), once per step over
+accumulated whole gradients (1), or an all-reduce per unit once per step
+(0), against DDP's bucketed all-reduce. These
 are ~1e-7 relative roundings carried through a few AdamW steps, so losses,
 gradient norms and validation losses agree to test_train.py's 1e-4
 relative, and exported weights to 1e-4 absolute (as test_tensor_parallel.py
 states for the same steps). The overlap switches change when collectives
 start, not what they sum or in which order the results are added, so runs
-with them off are bit-identical to runs with them on. average_in_collective
+with them off are bit-identical to runs with them on; double buffering
+changes only where gathered units are held, so it is bit-identical too. average_in_collective
 = false (the default) scales each rank's gradients by 1/dp and sums; on 2
 and 4 ranks that is exact and gives the bits of averaging, on 3 it rounds.
 """
@@ -43,6 +46,12 @@ def persistent(memory):
     return memory["params"] + memory["grads"] + memory["optimizer"]
 
 
+def plan_json(config, nproc, *overrides):
+    return json.loads(subprocess.run(
+        [MESHRUN, "plan", config, "--world-size", str(nproc), "--json", *overrides],
+        check=True, capture_output=True, text=True).stdout)
+
+
 def zero(level):
     return MEGATRON + (f"distributed.zero_dp_strategy={level}",)
 
@@ -65,7 +74,7 @@ class MegatronTest(TensorParallelTest):
 
 class Equivalence(MegatronTest):
     def test_every_zero_level_matches_ddp_on_2_and_4_ranks(self):
-        for level in (1, 2, 3):
+        for level in (0, 1, 2, 3):
             for nproc in (2, 4):
                 with self.subTest(zero=level, ranks=nproc):
                     self.assert_trains_as_ddp(f"zero{level}-{nproc}", nproc, *zero(level))
@@ -84,20 +93,25 @@ class Equivalence(MegatronTest):
         # collective completes by the next hook, at most what it holds when
         # they complete no sooner than the comm backend's one-at-a-time order
         # makes certain.
-        plan = json.loads(subprocess.run(
-            [MESHRUN, "plan", self.runs.config, "--world-size", "4", "--json", *MEGATRON],
-            check=True, capture_output=True, text=True).stdout)
-        sizes = unit_sizes(plan, 4)
-        for level in (1, 2, 3):
-            with self.subTest(zero=level):
-                output = self.runs.train(f"memory-zero{level}", 4, *zero(level),
-                                         "train.micro_batch_size=1")
+        for level, double_buffer in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+            with self.subTest(zero=level, double_buffer=double_buffer):
+                plan = plan_json(self.runs.config, 4, *zero(level))
+                output = self.runs.train(f"memory-zero{level}-{double_buffer}", 4, *zero(level),
+                                         "train.micro_batch_size=1",
+                                         f"distributed.fsdp_double_buffer={str(double_buffer).lower()}")
                 memory = metrics(output)[-1]["mem"]
+                # What `meshrun plan` predicted, exactly; ZeRO-0 replicates
+                # everything over the 4 ranks, as DDP does.
+                ranks = 1 if level == 0 else 4
+                self.assertEqual(plan["memory"]["sharded_over"], ranks)
+                self.assertEqual(persistent(memory), persistent(plan["memory"]))
                 self.assertLessEqual(persistent(memory),
-                                     1.02 * persistent(self.ddp_memory) / 4)
+                                     1.02 * persistent(self.ddp_memory) / ranks)
                 low, high = (predicted_peak_buffers(
-                    sizes, 4, 4, 4, 1, 1, progress, keep_gathered=level < 3, micro_batches=2,
-                    defer=level == 1) for progress in ("asap", "serial"))
+                    unit_sizes(plan, ranks), ranks, 4, 4, 1, 1, progress,
+                    keep_gathered=level < 3, micro_batches=2, defer=level <= 1,
+                    replicas=4 // ranks, double_buffer=double_buffer)
+                    for progress in ("asap", "serial"))
                 self.assertLessEqual(low, memory["buffers_peak"])
                 self.assertLessEqual(memory["buffers_peak"], high)
 
@@ -116,6 +130,21 @@ class Equivalence(MegatronTest):
             with open(os.path.join(output, "model.safetensors"), "rb") as f:
                 exports.append(f.read())
         self.assertNotEqual(exports[0], exports[1])
+
+    def test_double_buffering_changes_nothing_but_where_units_are_gathered(self):
+        plan = plan_json(self.runs.config, 2, *MEGATRON)
+        largest_layer = max(full for name, full, _ in unit_sizes(plan, 2) if name != "root")
+        single = self.runs.train("single-buffer", 2, *zero(3))
+        double = self.runs.train("double-buffer", 2, *zero(3), "distributed.fsdp_double_buffer=true")
+        self.assertEqual(losses(single), losses(double))
+        self.assertEqual(grad_norms(single), grad_norms(double))
+        with open(os.path.join(single, "model.safetensors"), "rb") as a, \
+                open(os.path.join(double, "model.safetensors"), "rb") as b:
+            self.assertEqual(a.read(), b.read())
+        # After a step (the first: no validation forward has gathered units
+        # since) every unit is freed but the two buffers, held from setup on.
+        self.assertEqual(metrics(single)[0]["mem"]["buffers"], 0)
+        self.assertEqual(metrics(double)[0]["mem"]["buffers"], 2 * 4 * largest_layer)
 
     def test_overlap_off_changes_nothing(self):
         for level in (1, 3):
@@ -171,12 +200,14 @@ class Faults(TrainTest):
 class BadInput(TrainTest, InputErrorAssertions):
     def test_what_megatron_fsdp_does_not_compute_is_refused_naming_the_key(self):
         cases = (
-            (("distributed.zero_dp_strategy=0",), "distributed.zero_dp_strategy",
-             'strategy "ddp"'),
             (("distributed.dp_replicate_size=2",), "distributed.dp_replicate_size", "fsdp2"),
             (("distributed.ep_size=2",), "distributed.ep_size", "no MoE mesh"),
-            (("distributed.fsdp_double_buffer=true",), "distributed.fsdp_double_buffer",
-             "not implemented yet"),
+            (("distributed.fsdp_double_buffer=true", "distributed.zero_dp_strategy=1"),
+             "distributed.fsdp_double_buffer", "set distributed.zero_dp_strategy to 3"),
+            (("distributed.zero_dp_strategy=0", "distributed.cp_size=2"), "distributed.cp_size",
+             "must be 1 with zero_dp_strategy 0"),
+            (("distributed.keep_fp8_transpose_cache=true",),
+             "distributed.keep_fp8_transpose_cache", "no FP8 compute"),
         )
         for overrides, key, needle in cases:
             with self.subTest(key=key):

@@ -159,11 +159,16 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.overlap_param_gather", options_change("false", kMegatron)},
       {"distributed.grad_reduce_in_fp32", refused("true", "false", kMegatron)},
       {"distributed.preserve_fp32_weights", refused("false", "true", kMegatron)},
-      {"distributed.fsdp_double_buffer", refused("true", "false", kMegatron)},
+      {"distributed.fsdp_double_buffer", options_change("true", kMegatron)},
       {"distributed.disable_bucketing", refused("true", "false", kMegatron)},
       {"distributed.average_in_collective", options_change("true", kMegatron)},
       {"distributed.report_nan_in_param_grad", options_change("true", kMegatron)},
       {"distributed.check_for_nan_in_grad", options_change("true", kMegatron)},
+      {"distributed.calculate_per_token_loss", refused("true", "false", kMegatron)},
+      {"distributed.init_fsdp_with_meta_device", refused("true", "false", kMegatron)},
+      {"distributed.nccl_ub", refused("true", "false", kMegatron)},
+      {"distributed.keep_fp8_transpose_cache", refused("true", "false", kMegatron)},
+      {"distributed.megatron_fsdp_unit_modules", refused("[\"LlamaDecoderLayer\"]", "", kMegatron)},
   };
 }
 
@@ -266,11 +271,12 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
              Contains("set it to \"bfloat16\" or \"float32\""));
   CHECK_THAT(message("distributed.tp_plan", "\"layers\""),
              Contains("needs distributed.tp_size > 1"));
-  CHECK_THAT(message("distributed.zero_dp_strategy", "0", kMegatron),
-             Contains("which is DDP's computation (strategy \"ddp\"); set it to 1, 2 or 3"));
-  CHECK_THAT(
-      message("distributed.fsdp_double_buffer", "true", kMegatron),
-      Contains("not implemented yet: the megatron_fsdp plugin gathers and reduces whole units"));
+  CHECK_THAT(message("distributed.fsdp_double_buffer", "true",
+                     with(kMegatron, {"distributed.zero_dp_strategy=2"})),
+             Contains("at levels 0-2 every unit stays gathered for the whole step; set "
+                      "distributed.zero_dp_strategy to 3, or fsdp_double_buffer to false"));
+  CHECK_THAT(message("distributed.nccl_ub", "true", kMegatron),
+             Contains("megatron_fsdp keeps its buffers in host memory"));
   CHECK_THAT(message("distributed.pipeline.pp_seq_len", "32"),
              Contains("differs from data.seq_len (256)"));
   CHECK_THAT(message("distributed.pipeline.pp_batch_size", "4", kPipeline),

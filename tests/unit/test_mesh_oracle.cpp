@@ -348,7 +348,7 @@ TEST_CASE("mesh accepts and rejects sizes exactly as the rules say", "[mesh][ora
                 const int64_t model = std::max<int64_t>(1, tp * cp * pp);
                 for (int64_t dp_size :
                      {int64_t{-1}, int64_t{0}, world / model, world / model + 1}) {
-                  const ParallelismSizes sizes{dp_size, dpr, tp, pp, cp, ep};
+                  const ParallelismSizes sizes{dp_size, dpr, tp, pp, cp, ep, false};
                   bool ok = true;
                   try {
                     meshrun::resolve_mesh(sizes, world, family);

@@ -235,3 +235,18 @@ TEST_CASE("mesh axis names round-trip and unknown names suggest the nearest", "[
                                                             Contains("dp_cp, ep_shard, ep"));
   CHECK(meshrun::mesh_family_name(MeshFamily::megatron_fsdp) == "megatron_fsdp");
 }
+
+TEST_CASE("mesh rule: megatron_fsdp's zero_dp_strategy 0 replicates over dp", "[mesh][rules]") {
+  ParallelismSizes sizes = sizes_with(2);
+  sizes.replicate_data_parallel = true;
+  const MeshContext mesh = resolve_mesh(sizes, 8, MeshFamily::megatron_fsdp);
+  CHECK(mesh.axis_size(Axis::dp) == 4);
+  CHECK(mesh.axis_size(Axis::dp_replicate) == 4);
+  CHECK(mesh.axis_size(Axis::dp_shard) == 1);
+  CHECK(mesh.axis_size(Axis::dp_shard_cp) == 1);
+  CHECK(mesh.axis_size(Axis::tp) == 2);
+  sizes.cp_size = 2;
+  REQUIRE_THROWS_WITH(resolve_mesh(sizes, 8, MeshFamily::megatron_fsdp),
+                      Contains("distributed.cp_size (2) must be 1 with zero_dp_strategy 0"));
+  CHECK(error_key(sizes, 8, MeshFamily::megatron_fsdp) == "distributed.cp_size");
+}
