@@ -87,11 +87,6 @@ void check_strategy_features(const Config& config) {
               "distributed.strategy is " +
                   strategy_text(config));
   }
-  if (!d.activation_checkpointing.empty() && d.strategy == "megatron_fsdp") {
-    fail_rule(config, {"distributed.activation_checkpointing"},
-              "strategy 'megatron_fsdp' has no activation checkpointing (MegatronFSDPConfig); "
-              "remove the key or set it to false");
-  }
   if (d.dp_replicate_size > 1 && d.strategy != "fsdp2") {
     fail_rule(config, {"distributed.dp_replicate_size"},
               fmt::format("dp_replicate_size {} > 1 (HSDP) is supported only by strategy "

@@ -491,15 +491,11 @@ void Engine::check_finite_gradients(int32_t u) const {
 void Engine::start_reduction(int32_t u) {
   Unit& unit = units_[static_cast<size_t>(u)];
   if (options_.report_nan_in_param_grad) check_finite_gradients(u);
-  if (!options_.average_in_collective) {
-    const float scale = 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
-    float* gradients = unit.gradients.floats();
-    std::transform(gradients, gradients + unit.numel, gradients,
-                   [scale](float value) { return value * scale; });
-  }
-  const int32_t op = options_.average_in_collective ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM;
-  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype, op,
-                           meter_);
+  const bool average = options_.average_in_collective;
+  const float scale =
+      average ? 1.0f : 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
+  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype,
+                           average ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM, scale, meter_);
   unit.gradients.release();
 }
 

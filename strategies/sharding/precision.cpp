@@ -63,22 +63,27 @@ DLTensor host_tensor(void* data, Dtype dtype, int64_t& numel) {
   return DLTensor{data, {kDLCPU, 0}, 1, dlpack_dtype(dtype), &numel, nullptr, 0};
 }
 
-void narrow(Dtype dtype, const float* in, void* out, int64_t count) {
+void narrow(Dtype dtype, const float* in, void* out, int64_t count, float scale) {
   switch (dtype) {
     case Dtype::bfloat16: {
       auto* bits = static_cast<uint16_t*>(out);
-      for (int64_t i = 0; i < count; ++i) bits[i] = meshrun::float_to_bfloat16(in[i]);
+      for (int64_t i = 0; i < count; ++i) bits[i] = meshrun::float_to_bfloat16(in[i] * scale);
       return;
     }
     case Dtype::float16: {
       auto* halves = static_cast<_Float16*>(out);
-      for (int64_t i = 0; i < count; ++i) halves[i] = static_cast<_Float16>(in[i]);
+      for (int64_t i = 0; i < count; ++i) halves[i] = static_cast<_Float16>(in[i] * scale);
       return;
     }
     case Dtype::float32:
       break;
   }
-  std::memcpy(out, in, static_cast<size_t>(count) * sizeof(float));
+  if (scale == 1.0f) {
+    std::memcpy(out, in, static_cast<size_t>(count) * sizeof(float));
+    return;
+  }
+  auto* scaled = static_cast<float*>(out);
+  for (int64_t i = 0; i < count; ++i) scaled[i] = in[i] * scale;
 }
 
 void widen(Dtype dtype, const void* in, float* out, int64_t count) {

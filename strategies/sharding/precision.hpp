@@ -25,9 +25,9 @@ size_t dtype_bytes(Dtype dtype);
 // memory; its shape is `numel` itself, which must outlive the view.
 DLTensor host_tensor(void* data, Dtype dtype, int64_t& numel);
 
-// out[i] = in[i] rounded to `dtype` (round to nearest even), for `count`
-// elements; `out` holds elements of `dtype`.
-void narrow(Dtype dtype, const float* in, void* out, int64_t count);
+// out[i] = in[i] * scale (in float32) rounded to `dtype` (round to nearest
+// even), for `count` elements; `out` holds elements of `dtype`.
+void narrow(Dtype dtype, const float* in, void* out, int64_t count, float scale = 1.0f);
 // out[i] = in[i] as float32; `in` holds elements of `dtype`.
 void widen(Dtype dtype, const void* in, float* out, int64_t count);
 // out[i] += in[i] as float32.

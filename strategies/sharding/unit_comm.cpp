@@ -62,7 +62,8 @@ void Gather::finish(Buffer& full) {
 }
 
 Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit,
-                     const float* gradients, Dtype dtype, int32_t op, MemoryMeter& meter)
+                     const float* gradients, Dtype dtype, int32_t op, float scale,
+                     MemoryMeter& meter)
     : groups_(&groups),
       unit_(&layout.unit(unit)),
       dtype_(dtype),
@@ -75,7 +76,7 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
       send_(meter),
       recv_(meter) {
   if (layout.ranks() == 1 && !replicated_) {
-    start_replicated_only(gradients);
+    start_replicated_only(gradients, scale);
     return;
   }
   send_.allocate(bytes_of(send_numel_, dtype), true);
@@ -83,7 +84,7 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
   for (const ParameterPlace& place : unit_->parameters) {
     for (int64_t r = 0; r < layout.ranks(); ++r) {
       narrow(dtype, gradients + place.unit_begin + r * place.chunk,
-             at(send_, dtype, r * unit_->block_numel + place.block_begin), place.filled(r));
+             at(send_, dtype, r * unit_->block_numel + place.block_begin), place.filled(r), scale);
     }
   }
   const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
@@ -95,11 +96,11 @@ Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t un
 
 // A shard group of one (ZeRO-0) has nothing to scatter: the gradients go
 // straight to the all-reduce over the replicas.
-void Reduction::start_replicated_only(const float* gradients) {
+void Reduction::start_replicated_only(const float* gradients, float scale) {
   recv_.allocate(bytes_of(recv_numel_, dtype_), true);
   for (const ParameterPlace& place : unit_->parameters) {
     narrow(dtype_, gradients + place.unit_begin, at(recv_, dtype_, place.block_begin),
-           place.filled(0));
+           place.filled(0), scale);
   }
   start_all_reduce();
 }

@@ -53,14 +53,15 @@ class Gather {
 class Reduction {
  public:
   // Starts the reduction of unit `unit`'s gradients `gradients` (float32,
-  // laid out as its full buffer): they are cast to `dtype` into a send
-  // buffer laid out rank by rank (each rank's padded chunks, padding zero)
-  // and reduce-scattered over the shard group with `op`, then all-reduced
-  // with `op` over the replicate group: MESHRUN_REDUCE_AVG averages, and
-  // MESHRUN_REDUCE_SUM sums gradients the caller scaled by 1 / (shard ranks
-  // x replicas) before. A shard group of one skips the reduce-scatter.
+  // laid out as its full buffer): they are multiplied by `scale` and cast
+  // to `dtype` into a send buffer laid out rank by rank (each rank's padded
+  // chunks, padding zero) and reduce-scattered over the shard group with
+  // `op`, then all-reduced with `op` over the replicate group:
+  // MESHRUN_REDUCE_AVG averages, and MESHRUN_REDUCE_SUM with scale 1 /
+  // (shard ranks x replicas) averages by summing. A shard group of one
+  // skips the reduce-scatter.
   Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* gradients,
-            Dtype dtype, int32_t op, MemoryMeter& meter);
+            Dtype dtype, int32_t op, float scale, MemoryMeter& meter);
 
   // True while the average over the replicate group (HSDP) is still to be
   // started.
@@ -75,7 +76,7 @@ class Reduction {
   void finish(float* local_gradients);
 
  private:
-  void start_replicated_only(const float* gradients);
+  void start_replicated_only(const float* gradients, float scale);
   void start_all_reduce();
 
   const Groups* groups_;

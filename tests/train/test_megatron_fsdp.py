@@ -1,7 +1,7 @@
 """`meshrun train` with distributed.strategy = "megatron_fsdp": each
 zero_dp_strategy (0, 1, 2, 3) on 2 and 4 ranks, and with tp = 2, against
-DDP on the same ranks and global batch; the overlap switches and double
-buffering; checkpoints that cross to fsdp2 and back;
+DDP on the same ranks and global batch; the overlap switches, double
+buffering and activation checkpointing; checkpoints that cross to fsdp2 and back;
 report_nan_in_param_grad; bad input.
 
 Run by ctest: test_megatron_fsdp.py MESHRUN_EXE [TestClass ...]
@@ -145,6 +145,23 @@ class Equivalence(MegatronTest):
         # since) every unit is freed but the two buffers, held from setup on.
         self.assertEqual(metrics(single)[0]["mem"]["buffers"], 0)
         self.assertEqual(metrics(double)[0]["mem"]["buffers"], 2 * 4 * largest_layer)
+
+    def test_activation_checkpointing_changes_nothing_but_the_activations_held(self):
+        # A checkpointed layer's backward gathers the unit (ZeRO-3) and
+        # recomputes its forward from the same parameters: the same bits.
+        for level in (1, 3):
+            kept = self.runs.train(f"ac-none-{level}", 2, *zero(level))
+            for mode in ("full", "selective"):
+                with self.subTest(zero=level, mode=mode):
+                    recomputed = self.runs.train(f"ac-{mode}-{level}", 2, *zero(level),
+                                                 f"distributed.activation_checkpointing={mode}")
+                    self.assertEqual(losses(kept), losses(recomputed))
+                    self.assertEqual(grad_norms(kept), grad_norms(recomputed))
+                    with open(os.path.join(kept, "model.safetensors"), "rb") as a, \
+                            open(os.path.join(recomputed, "model.safetensors"), "rb") as b:
+                        self.assertEqual(a.read(), b.read())
+                    self.assertLess(metrics(recomputed)[-1]["mem"]["activations_peak"],
+                                    metrics(kept)[-1]["mem"]["activations_peak"])
 
     def test_overlap_off_changes_nothing(self):
         for level in (1, 3):

@@ -621,13 +621,11 @@ TEST_CASE("config rule: sequence_parallel only with fsdp2", "[config][rules]") {
   }
 }
 
-TEST_CASE("config rule: megatron_fsdp has no activation checkpointing", "[config][rules]") {
+TEST_CASE("config rule: activation checkpointing with every shipped strategy", "[config][rules]") {
   CHECK(parse("[distributed]\nactivation_checkpointing = false\nstrategy = \"mfsdp\"\n")
             .distributed.activation_checkpointing.empty());
-  expect_rejected(failure_in("distributed", "activation_checkpointing = \"full\"",
-                             "strategy = \"megatron_fsdp\""),
-                  "distributed.activation_checkpointing",
-                  "strategy 'megatron_fsdp' has no activation checkpointing");
+  CHECK(parse("[distributed]\nactivation_checkpointing = \"selective\"\nstrategy = \"mfsdp\"\n")
+            .distributed.activation_checkpointing == "selective");
   CHECK(parse("[distributed]\nactivation_checkpointing = true\nstrategy = \"ddp\"\n")
             .distributed.activation_checkpointing == "full");
 }
