@@ -160,12 +160,13 @@ const Refusal kRefusals[] = {
      "the two gather buffers hold the layer units of zero_dp_strategy 3, which frees each unit "
      "after use; at levels 0-2 every unit stays gathered for the whole step",
      "set distributed.zero_dp_strategy to 3, or fsdp_double_buffer to false"},
-    {"distributed.disable_bucketing",
-     [](const Config& c) { return c.distributed.disable_bucketing; },
-     "not implemented yet: megatron_fsdp's buckets are the units the host hooks (each decoder "
-     "layer, and the root), whose parameters a unit's forward reads as one gathered buffer; one "
-     "bucket for the whole model would need views across units",
-     "remove the key or set it to false"},
+    {"distributed.fsdp_double_buffer",
+     [](const Config& c) {
+       return c.distributed.fsdp_double_buffer && c.distributed.disable_bucketing;
+     },
+     "the two gather buffers alternate between the layer units, and disable_bucketing gathers "
+     "every unit as one bucket",
+     "set distributed.disable_bucketing or fsdp_double_buffer to false"},
     {"distributed.calculate_per_token_loss",
      [](const Config& c) { return c.distributed.calculate_per_token_loss; },
      "meshrun's loss is already the mean over the step's tokens: every micro-batch holds "

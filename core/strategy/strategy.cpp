@@ -299,6 +299,7 @@ std::string strategy_options_json(const DistributedConfig& d) {
                           {"overlap_grad_reduce", d.overlap_grad_reduce},
                           {"overlap_param_gather", d.overlap_param_gather},
                           {"fsdp_double_buffer", d.fsdp_double_buffer},
+                          {"disable_bucketing", d.disable_bucketing},
                           {"average_in_collective", d.average_in_collective},
                           {"report_nan_in_param_grad", d.report_nan_in_param_grad},
                           {"check_for_nan_in_grad", d.check_for_nan_in_grad}}

@@ -22,6 +22,7 @@ sharding::EngineOptions parse_options(const char* options_json) {
   parsed.overlap_grad_reduce = options.boolean("overlap_grad_reduce", true);
   parsed.prefetch = options.boolean("overlap_param_gather", true);
   parsed.double_buffer = options.boolean("fsdp_double_buffer", false);
+  parsed.single_bucket = options.boolean("disable_bucketing", false);
   parsed.forward_prefetch_depth = 1;
   parsed.backward_prefetch_depth = 1;
   parsed.average_in_collective = options.boolean("average_in_collective", false);

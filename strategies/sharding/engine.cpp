@@ -152,25 +152,58 @@ void Engine::make_units(const meshrun_strategy_setup& setup) {
     position_[static_cast<size_t>(u)] = static_cast<int32_t>(layers_.size());
     layers_.push_back(u);
   }
-  units_.reserve(static_cast<size_t>(setup.num_units));
+  units_.resize(static_cast<size_t>(setup.num_units));
   int64_t largest_layer = 0;
   for (int32_t u = 0; u < setup.num_units; ++u) {
-    Unit& unit = units_.emplace_back(meter_);
+    Unit& unit = units_[static_cast<size_t>(u)];
     unit.numel = layout_->unit(u).full_numel;
     unit.reshard_after_forward = reshards_after_forward(u);
     if (u != root_) largest_layer = std::max(largest_layer, unit.numel);
   }
+  make_buckets();
   if (options_.double_buffer) make_slots(largest_layer);
+}
+
+// A bucket per unit; or one of every unit, whose block is the whole local
+// shard (the units' blocks follow each other in unit order) and whose
+// buffers hold the units' full buffers one after the other, anchored at
+// the root, whose backward is the step's last.
+void Engine::make_buckets() {
+  const int32_t count = options_.single_bucket ? 1 : static_cast<int32_t>(units_.size());
+  buckets_.reserve(static_cast<size_t>(count));  // `comm` points into each: never moved
+  for (int32_t b = 0; b < count; ++b) {
+    Bucket& bucket = buckets_.emplace_back(meter_);
+    bucket.anchor = options_.single_bucket ? root_ : b;
+    bucket.comm = {
+        &bucket.place, layout_->ranks(),
+        options_.single_bucket ? "every unit (one bucket)" : "unit " + std::to_string(b)};
+  }
+  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
+    Unit& unit = units_[static_cast<size_t>(u)];
+    unit.bucket = options_.single_bucket ? 0 : u;
+    UnitPlace& place = buckets_[static_cast<size_t>(unit.bucket)].place;
+    const UnitPlace& own = layout_->unit(u);
+    unit.offset = place.full_numel;
+    if (!options_.single_bucket || u == 0) place.local_begin = own.local_begin;
+    for (ParameterPlace parameter : own.parameters) {
+      parameter.block_begin += place.block_numel;
+      parameter.unit_begin += place.full_numel;
+      place.parameters.push_back(parameter);
+    }
+    place.block_numel += own.block_numel;
+    place.full_numel += own.full_numel;
+  }
 }
 
 // Two gathered layer units at once is what one-ahead prefetch needs, and
 // all double buffering can hold: every layer must be freed after its use.
 void Engine::make_slots(int64_t numel) {
   const int64_t depth = std::max(options_.forward_prefetch_depth, options_.backward_prefetch_depth);
-  if (options_.keep_parameters_gathered || (options_.prefetch && depth > 1)) {
+  if (options_.keep_parameters_gathered || options_.single_bucket ||
+      (options_.prefetch && depth > 1)) {
     invalid(
         "double buffering holds two gathered layer units, but the options keep every unit "
-        "gathered for the step or prefetch more than one unit ahead");
+        "gathered for the step, gather them as one bucket, or prefetch more than one unit ahead");
   }
   for (int i = 0; i < 2; ++i) {
     slots_.emplace_back(meter_).allocate(static_cast<size_t>(numel) * sizeof(float), false);
@@ -254,9 +287,10 @@ void Engine::post_forward(int32_t u) {
 }
 
 void Engine::pre_backward(int32_t u) {
-  Unit& unit = enter(u, Phase::backward);
-  if (!unit.gradients.held()) {
-    unit.gradients.allocate(static_cast<size_t>(unit.numel) * sizeof(float), true);
+  enter(u, Phase::backward);
+  Bucket& bucket = bucket_of(u);
+  if (!bucket.gradients.held()) {
+    bucket.gradients.allocate(static_cast<size_t>(bucket.place.full_numel) * sizeof(float), true);
   }
 }
 
@@ -264,7 +298,10 @@ void Engine::post_backward(int32_t u) {
   leave(u, Phase::backward);
   replicate_started();
   poll();
-  if (reduces_micro_batch() && options_.overlap_grad_reduce) start_reduction(u);
+  Bucket& bucket = bucket_of(u);
+  if (reduces_micro_batch() && options_.overlap_grad_reduce && bucket.anchor == u) {
+    start_reduction(bucket);
+  }
   if (!options_.keep_parameters_gathered) reshard(u);
 }
 
@@ -272,8 +309,8 @@ bool Engine::reduces_micro_batch() const { return sync_ || !options_.defer_grad_
 
 // Without overlap, the gradients a micro-batch reduces are reduced at its end.
 void Engine::reduce_held_gradients() {
-  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
-    if (units_[static_cast<size_t>(u)].gradients.held()) start_reduction(u);
+  for (Bucket& bucket : buckets_) {
+    if (bucket.gradients.held()) start_reduction(bucket);
   }
 }
 
@@ -306,15 +343,19 @@ Engine::Unit& Engine::leave(int32_t u, Phase phase) {
 
 void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
   Unit& unit = unit_at(u, "unit_views");
-  if (!unit.parameters.held()) {
+  const Bucket& bucket = bucket_of(u);
+  if (!bucket.parameters.held()) {
     out_of_order("unit_views: unit " + std::to_string(u) +
                  " is not gathered (views exist between pre_forward and post_forward, and "
                  "between pre_backward and post_backward)");
   }
-  if (parameters != nullptr) *parameters = float32_tensor(unit.parameters.data(), unit.numel);
+  if (parameters != nullptr) {
+    *parameters = float32_tensor(bucket.parameters.floats() + unit.offset, unit.numel);
+  }
   if (gradients != nullptr) {
     const bool in_backward = unit.phase == Phase::backward;
-    *gradients = float32_tensor(in_backward ? unit.gradients.data() : nullptr, unit.numel);
+    *gradients =
+        float32_tensor(in_backward ? bucket.gradients.floats() + unit.offset : nullptr, unit.numel);
   }
 }
 
@@ -419,41 +460,49 @@ std::vector<int32_t> Engine::backward_prefetch(int32_t unit) const {
 void Engine::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
   start_gather(unit);
   for (int32_t next : prefetch) start_gather(next);
-  complete_gather(unit);
+  complete_gather(units_[static_cast<size_t>(unit)].bucket);
 }
 
 // Whether a unit is gathered or in flight is the same on every rank (it
 // follows the hooks), so every rank starts the same gathers in one order.
 void Engine::start_gather(int32_t u) {
-  Unit& unit = units_[static_cast<size_t>(u)];
-  if (unit.parameters.held() || unit.gather.has_value()) return;
-  unit.gather.emplace(groups_, *layout_, u, shard_parameters_.data(), options_.param_dtype, meter_);
+  Bucket& bucket = bucket_of(u);
+  if (bucket.parameters.held() || bucket.gather.has_value()) return;
+  bucket.gather.emplace(groups_, bucket.comm, shard_parameters_.data(), options_.param_dtype,
+                        meter_);
 }
 
-void Engine::complete_gather(int32_t u) {
-  Unit& unit = units_[static_cast<size_t>(u)];
-  if (!unit.gather.has_value()) return;
-  if (Buffer* slot = slot_of(u)) {
+void Engine::complete_gather(int32_t b) {
+  Bucket& bucket = buckets_[static_cast<size_t>(b)];
+  if (!bucket.gather.has_value()) return;
+  if (Buffer* slot = slot_of(b)) {
     if (!slot->held()) {
-      throw Error(MESHRUN_INTERNAL, "double buffering: unit " + std::to_string(u) +
+      throw Error(MESHRUN_INTERNAL, "double buffering: unit " + std::to_string(b) +
                                         "'s gather buffer is still held by the unit two before");
     }
-    unit.parameters.swap(*slot);
+    bucket.parameters.swap(*slot);
   }
-  unit.gather->finish(unit.parameters);
-  unit.gather.reset();
+  bucket.gather->finish(bucket.parameters);
+  bucket.gather.reset();
 }
 
 // Layer units alternate between the two buffers in forward order, so the
 // units around one in use (prefetched, just freed) never share its buffer.
-Buffer* Engine::slot_of(int32_t u) {
-  if (slots_.empty() || u == root_) return nullptr;
-  return &slots_[static_cast<size_t>(position_[static_cast<size_t>(u)] % 2)];
+// (Double buffering keeps a bucket per unit.)
+Buffer* Engine::slot_of(int32_t b) {
+  if (slots_.empty() || b == root_) return nullptr;
+  return &slots_[static_cast<size_t>(position_[static_cast<size_t>(b)] % 2)];
 }
 
+// A unit's reshard frees its bucket's parameters when it anchors the bucket.
 void Engine::reshard(int32_t u) {
-  Buffer& parameters = units_[static_cast<size_t>(u)].parameters;
-  Buffer* slot = slot_of(u);
+  const int32_t b = units_[static_cast<size_t>(u)].bucket;
+  if (buckets_[static_cast<size_t>(b)].anchor == u) release_bucket(b);
+}
+
+void Engine::release_bucket(int32_t b) {
+  Buffer& parameters = buckets_[static_cast<size_t>(b)].parameters;
+  Buffer* slot = slot_of(b);
   if (slot != nullptr && parameters.held()) {
     parameters.swap(*slot);
   } else {
@@ -461,19 +510,19 @@ void Engine::reshard(int32_t u) {
   }
 }
 
-// Every unit sharded, its gathers complete.
+// Every bucket sharded, its gathers complete.
 void Engine::reshard_all() {
-  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
-    complete_gather(u);
-    reshard(u);
+  for (int32_t b = 0; b < static_cast<int32_t>(buckets_.size()); ++b) {
+    complete_gather(b);
+    release_bucket(b);
   }
 }
 
 // ---- gradient reduction ----
 
-void Engine::check_finite_gradients(int32_t u) const {
-  const float* gradients = units_[static_cast<size_t>(u)].gradients.floats();
-  for (const ParameterPlace& place : layout_->unit(u).parameters) {
+void Engine::check_finite_gradients(const Bucket& bucket) const {
+  const float* gradients = bucket.gradients.floats();
+  for (const ParameterPlace& place : bucket.place.parameters) {
     const float* begin = gradients + place.unit_begin;
     const float* found =
         std::find_if(begin, begin + place.numel, [](float value) { return !std::isfinite(value); });
@@ -487,16 +536,15 @@ void Engine::check_finite_gradients(int32_t u) const {
   }
 }
 
-// Frees the unit's gradients once their copy is in the send buffer.
-void Engine::start_reduction(int32_t u) {
-  Unit& unit = units_[static_cast<size_t>(u)];
-  if (options_.report_nan_in_param_grad) check_finite_gradients(u);
+// Frees the bucket's gradients once their copy is in the send buffer.
+void Engine::start_reduction(Bucket& bucket) {
+  if (options_.report_nan_in_param_grad) check_finite_gradients(bucket);
   const bool average = options_.average_in_collective;
   const float scale =
       average ? 1.0f : 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
-  reductions_.emplace_back(groups_, *layout_, u, unit.gradients.floats(), options_.reduce_dtype,
+  reductions_.emplace_back(groups_, bucket.comm, bucket.gradients.floats(), options_.reduce_dtype,
                            average ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM, scale, meter_);
-  unit.gradients.release();
+  bucket.gradients.release();
 }
 
 // Starts the HSDP all-reduce of every reduction started so far: at fixed
@@ -517,9 +565,9 @@ void Engine::finish_first_reduction() {
 // Completes whatever communication has finished: copies out, no new
 // collectives.
 void Engine::poll() {
-  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
-    Unit& unit = units_[static_cast<size_t>(u)];
-    if (unit.gather.has_value() && unit.gather->done()) complete_gather(u);
+  for (int32_t b = 0; b < static_cast<int32_t>(buckets_.size()); ++b) {
+    Bucket& bucket = buckets_[static_cast<size_t>(b)];
+    if (bucket.gather.has_value() && bucket.gather->done()) complete_gather(b);
   }
   while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
 }

@@ -15,6 +15,10 @@
 // (no_sync; ZeRO-1). Gathers of the next units are started early (prefetch)
 // and reductions run while later units compute.
 //
+// The collectives move buckets: a bucket is one unit, or with
+// single_bucket every unit at once; the hooks name units, and a unit's
+// views are its part of its bucket's buffers.
+//
 // Every rank must start its collectives in the same order (meshrun/comm.h),
 // and ranks complete requests at different times, so nothing is started
 // because a request was found complete: gathers start in pre_forward and
@@ -58,6 +62,11 @@ struct EngineOptions {
   // (Megatron-FSDP's fsdp_double_buffer); needs units that reshard after
   // use and prefetch at most one unit ahead.
   bool double_buffer = false;
+  // All units gathered and reduced as one bucket, in one collective each
+  // (Megatron-FSDP's disable_bucketing): the bucket is gathered at the
+  // step's first hook and freed after the root's backward (the last), and
+  // its gradients reduced then.
+  bool single_bucket = false;
   int64_t forward_prefetch_depth = 1;
   int64_t backward_prefetch_depth = 2;
   // Gradients are averaged by the collectives (MESHRUN_REDUCE_AVG), or
@@ -108,13 +117,22 @@ class Engine {
   static constexpr int64_t kWeightPiece = int64_t{1} << 20;
 
   struct Unit {
-    explicit Unit(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
     Phase phase = Phase::idle;
     bool reshard_after_forward = false;
-    int64_t numel = 0;             // of the full buffers; the views' shape
+    int64_t numel = 0;   // of the full buffers; the views' shape
+    int32_t bucket = 0;  // whose buffers hold the unit's
+    int64_t offset = 0;  // of the unit's elements in the bucket's buffers
+  };
+
+  // What one all-gather and one reduction move: a unit, or every unit.
+  struct Bucket {
+    explicit Bucket(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
+    UnitPlace place;               // the units' places, merged in unit order
+    CommPlace comm;                // points at `place`: a bucket does not move
+    int32_t anchor = 0;            // the unit whose reshard frees it and whose backward reduces it
     std::optional<Gather> gather;  // in flight
     Buffer parameters;             // held while gathered
-    Buffer gradients;              // held from pre_backward until reduced
+    Buffer gradients;              // held from the first pre_backward until reduced
   };
 
   Unit& enter(int32_t unit, Phase phase);
@@ -126,21 +144,26 @@ class Engine {
   void check_outside_step(const char* call) const;
   void shard_rank_zero_weights(const meshrun_strategy_setup& setup, const ShardLayout& layout);
   void make_units(const meshrun_strategy_setup& setup);
+  void make_buckets();
   void make_slots(int64_t numel);
+  Bucket& bucket_of(int32_t unit) {
+    return buckets_[static_cast<size_t>(units_[static_cast<size_t>(unit)].bucket)];
+  }
   bool reshards_after_forward(int32_t unit) const;
   std::vector<int32_t> forward_prefetch(int32_t unit) const;
   std::vector<int32_t> backward_prefetch(int32_t unit) const;
 
   void unshard(int32_t unit, const std::vector<int32_t>& prefetch);
   void start_gather(int32_t unit);
-  void complete_gather(int32_t unit);
-  Buffer* slot_of(int32_t unit);
+  void complete_gather(int32_t bucket);
+  Buffer* slot_of(int32_t bucket);
   void reshard(int32_t unit);
+  void release_bucket(int32_t bucket);
   void reshard_all();
   bool reduces_micro_batch() const;
   void reduce_held_gradients();
-  void check_finite_gradients(int32_t unit) const;
-  void start_reduction(int32_t unit);
+  void check_finite_gradients(const Bucket& bucket) const;
+  void start_reduction(Bucket& bucket);
   void replicate_started();
   void finish_first_reduction();
   void poll();
@@ -165,6 +188,7 @@ class Engine {
   std::vector<float> shard_parameters_;
   std::vector<float> shard_gradients_;
   std::vector<Unit> units_;
+  std::vector<Bucket> buckets_;  // one per unit, or one (single_bucket)
   // With double_buffer: the two gather buffers, each lent to the layer unit
   // gathered into it and empty meanwhile.
   std::vector<Buffer> slots_;

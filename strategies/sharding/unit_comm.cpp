@@ -20,12 +20,12 @@ size_t bytes_of(int64_t numel, Dtype dtype) {
 
 }  // namespace
 
-Gather::Gather(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* local,
-               Dtype dtype, MemoryMeter& meter)
-    : unit_(&layout.unit(unit)),
-      ranks_(layout.ranks()),
+Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
+               MemoryMeter& meter)
+    : unit_(comm.unit),
+      ranks_(comm.ranks),
       dtype_(dtype),
-      what_("all_gather of unit " + std::to_string(unit)),
+      what_("all_gather of " + comm.name),
       send_numel_(unit_->block_numel),
       recv_numel_(ranks_ * unit_->block_numel),
       send_(meter),
@@ -61,28 +61,27 @@ void Gather::finish(Buffer& full) {
   recv_.release();
 }
 
-Reduction::Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit,
-                     const float* gradients, Dtype dtype, int32_t op, float scale,
-                     MemoryMeter& meter)
+Reduction::Reduction(const Groups& groups, const CommPlace& comm, const float* gradients,
+                     Dtype dtype, int32_t op, float scale, MemoryMeter& meter)
     : groups_(&groups),
-      unit_(&layout.unit(unit)),
+      unit_(comm.unit),
       dtype_(dtype),
       op_(op),
-      unit_name_("unit " + std::to_string(unit)),
+      unit_name_(comm.name),
       replicated_(groups.replicate_size == 1),
       what_("reduce_scatter of the gradients of " + unit_name_),
-      send_numel_(layout.ranks() * unit_->block_numel),
+      send_numel_(comm.ranks * unit_->block_numel),
       recv_numel_(unit_->block_numel),
       send_(meter),
       recv_(meter) {
-  if (layout.ranks() == 1 && !replicated_) {
+  if (comm.ranks == 1 && !replicated_) {
     start_replicated_only(gradients, scale);
     return;
   }
   send_.allocate(bytes_of(send_numel_, dtype), true);
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
   for (const ParameterPlace& place : unit_->parameters) {
-    for (int64_t r = 0; r < layout.ranks(); ++r) {
+    for (int64_t r = 0; r < comm.ranks; ++r) {
       narrow(dtype, gradients + place.unit_begin + r * place.chunk,
              at(send_, dtype, r * unit_->block_numel + place.block_begin), place.filled(r), scale);
     }

@@ -24,13 +24,22 @@ struct Groups {
   int64_t replicate_size = 1;
 };
 
+// What one collective moves: the place of a unit (or of several merged
+// into one bucket) in the shard layout, the shard group's size, and what
+// messages call it ("unit 3").
+struct CommPlace {
+  const UnitPlace* unit = nullptr;
+  int64_t ranks = 1;
+  std::string name;
+};
+
 class Gather {
  public:
-  // Starts the all-gather of unit `unit`: its block of `local` (this rank's
+  // Starts the all-gather of `comm`: its block of `local` (this rank's
   // shard) cast to `dtype` into a send buffer, every rank's block into the
   // receive buffer, in one all_gather over the shard group.
-  Gather(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* local,
-         Dtype dtype, MemoryMeter& meter);
+  Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
+         MemoryMeter& meter);
 
   bool done();
   // Waits, then makes `full` hold the unit's full parameters widened to
@@ -52,7 +61,7 @@ class Gather {
 
 class Reduction {
  public:
-  // Starts the reduction of unit `unit`'s gradients `gradients` (float32,
+  // Starts the reduction of `comm`'s gradients `gradients` (float32,
   // laid out as its full buffer): they are multiplied by `scale` and cast
   // to `dtype` into a send buffer laid out rank by rank (each rank's padded
   // chunks, padding zero) and reduce-scattered over the shard group with
@@ -60,8 +69,8 @@ class Reduction {
   // MESHRUN_REDUCE_AVG averages, and MESHRUN_REDUCE_SUM with scale 1 /
   // (shard ranks x replicas) averages by summing. A shard group of one
   // skips the reduce-scatter.
-  Reduction(const Groups& groups, const ShardLayout& layout, int32_t unit, const float* gradients,
-            Dtype dtype, int32_t op, float scale, MemoryMeter& meter);
+  Reduction(const Groups& groups, const CommPlace& comm, const float* gradients, Dtype dtype,
+            int32_t op, float scale, MemoryMeter& meter);
 
   // True while the average over the replicate group (HSDP) is still to be
   // started.

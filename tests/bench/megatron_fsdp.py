@@ -4,7 +4,7 @@ Runs CONFIG (default examples/llama-tiny.toml) on 4 ranks in float32 with
   - strategy ddp,
   - strategy fsdp2 (mp_policy.param_dtype = float32),
   - strategy megatron_fsdp at zero_dp_strategy 0, 1, 2 and 3, and 3 with
-    fsdp_double_buffer,
+    fsdp_double_buffer and with disable_bucketing (one bucket),
 at one micro-batch per rank and step as the config says, alternating them
 over --rounds rounds (the machine is shared and noisy) and keeping each
 one's best round.
@@ -49,6 +49,8 @@ VARIANTS = {
                         f"distributed.zero_dp_strategy={level}") for level in (0, 1, 2, 3)},
     "zero3db": ("distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3",
                 "distributed.fsdp_double_buffer=true"),
+    "zero3one": ("distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3",
+                 "distributed.disable_bucketing=true"),
 }
 
 
@@ -79,6 +81,8 @@ def predicted_buffers(args, toml, name, progress):
         return predicted_peak_buffers(sizes, RANKS, 4, 4, 1, 2, progress,
                                       micro_batches=micro_batches)
     level = level_of(name)
+    if name == "zero3one":  # one bucket: the walk of a model of one unit
+        sizes = [("root", sum(f for _, f, _ in sizes), sum(b for _, _, b in sizes))]
     return predicted_peak_buffers(sizes, ranks, 4, 4, 1, 1, progress, keep_gathered=level < 3,
                                   micro_batches=micro_batches, defer=level <= 1,
                                   replicas=RANKS // ranks, double_buffer=name == "zero3db")

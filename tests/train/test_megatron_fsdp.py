@@ -1,7 +1,7 @@
 """`meshrun train` with distributed.strategy = "megatron_fsdp": each
 zero_dp_strategy (0, 1, 2, 3) on 2 and 4 ranks, and with tp = 2, against
-DDP on the same ranks and global batch; the overlap switches, double
-buffering and activation checkpointing; checkpoints that cross to fsdp2 and back;
+DDP on the same ranks and global batch, and as one bucket; the overlap
+switches, double buffering and activation checkpointing; checkpoints that cross to fsdp2 and back;
 report_nan_in_param_grad; bad input.
 
 Run by ctest: test_megatron_fsdp.py MESHRUN_EXE [TestClass ...]
@@ -78,6 +78,23 @@ class Equivalence(MegatronTest):
             for nproc in (2, 4):
                 with self.subTest(zero=level, ranks=nproc):
                     self.assert_trains_as_ddp(f"zero{level}-{nproc}", nproc, *zero(level))
+
+    def test_one_bucket_matches_ddp_and_holds_what_its_schedule_predicts(self):
+        # disable_bucketing: one all-gather and one reduction of every unit
+        # per micro-batch, which the walk predicts as a model of one unit.
+        plan = plan_json(self.runs.config, 4, *MEGATRON)
+        sizes = unit_sizes(plan, 4)
+        merged = [("root", sum(full for _, full, _ in sizes), sum(b for _, _, b in sizes))]
+        for level in (1, 3):
+            with self.subTest(zero=level):
+                output = self.assert_trains_as_ddp(f"one-bucket-{level}", 4, *zero(level),
+                                                   "distributed.disable_bucketing=true")
+                memory = metrics(output)[-1]["mem"]
+                low, high = (predicted_peak_buffers(
+                    merged, 4, 4, 4, 1, 1, progress, keep_gathered=level < 3,
+                    defer=level <= 1) for progress in ("asap", "serial"))
+                self.assertLessEqual(low, memory["buffers_peak"])
+                self.assertLessEqual(memory["buffers_peak"], high)
 
     def test_zero3_with_tp2_matches_ddp(self):
         self.assert_trains_as_ddp("zero3-tp2", 4, *zero(3), "distributed.tp_size=2")
@@ -223,6 +240,8 @@ class BadInput(TrainTest, InputErrorAssertions):
              "distributed.fsdp_double_buffer", "set distributed.zero_dp_strategy to 3"),
             (("distributed.zero_dp_strategy=0", "distributed.cp_size=2"), "distributed.cp_size",
              "must be 1 with zero_dp_strategy 0"),
+            (("distributed.fsdp_double_buffer=true", "distributed.disable_bucketing=true"),
+             "distributed.fsdp_double_buffer", "gathers every unit as one bucket"),
             (("distributed.keep_fp8_transpose_cache=true",),
              "distributed.keep_fp8_transpose_cache", "no FP8 compute"),
         )

@@ -160,7 +160,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.grad_reduce_in_fp32", refused("true", "false", kMegatron)},
       {"distributed.preserve_fp32_weights", refused("false", "true", kMegatron)},
       {"distributed.fsdp_double_buffer", options_change("true", kMegatron)},
-      {"distributed.disable_bucketing", refused("true", "false", kMegatron)},
+      {"distributed.disable_bucketing", options_change("true", kMegatron)},
       {"distributed.average_in_collective", options_change("true", kMegatron)},
       {"distributed.report_nan_in_param_grad", options_change("true", kMegatron)},
       {"distributed.check_for_nan_in_grad", options_change("true", kMegatron)},
