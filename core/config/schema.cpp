@@ -48,20 +48,30 @@ void read_activation_checkpointing(const Entry& entry, Config& config) {
   config.distributed.activation_checkpointing = read_choice(entry, {"full", "selective"});
 }
 
+// The strings of `node`, an array of strings; fails naming `expected` otherwise.
+std::vector<std::string> read_strings(const Entry& entry, const toml::node& node,
+                                      const std::string& expected) {
+  const auto* names = node.as_array();
+  if (names == nullptr || !names->is_homogeneous(toml::node_type::string)) {
+    fail_type(entry, expected);
+  }
+  std::vector<std::string> strings;
+  for (const toml::node& name : *names) strings.push_back(name.as_string()->get());
+  return strings;
+}
+
 void read_module_fqns(const Entry& entry, Config& config) {
   const std::string expected = "an array of arrays of strings (module names per model part)";
   const auto* parts = entry.node->as_array();
   if (parts == nullptr) fail_type(entry, expected);
   std::vector<std::vector<std::string>> result;
-  for (const toml::node& part : *parts) {
-    const auto* names = part.as_array();
-    if (names == nullptr || !names->is_homogeneous(toml::node_type::string)) {
-      fail_type(entry, expected);
-    }
-    auto& out = result.emplace_back();
-    for (const toml::node& name : *names) out.push_back(name.as_string()->get());
-  }
+  for (const toml::node& part : *parts) result.push_back(read_strings(entry, part, expected));
   config.distributed.pipeline.module_fqns_per_model_part = std::move(result);
+}
+
+void read_unit_modules(const Entry& entry, Config& config) {
+  config.distributed.megatron_fsdp_unit_modules =
+      read_strings(entry, *entry.node, "an array of strings (module class names)");
 }
 
 std::vector<Field> model_fields() {
@@ -73,16 +83,6 @@ std::vector<Field> model_fields() {
 }
 
 // An architecture key: kept as JSON for the model plugin, which checks it.
-void read_unit_modules(const Entry& entry, Config& config) {
-  const auto* names = entry.node->as_array();
-  if (names == nullptr || !names->is_homogeneous(toml::node_type::string)) {
-    fail_type(entry, "an array of strings (module class names)");
-  }
-  auto& out = config.distributed.megatron_fsdp_unit_modules;
-  out.clear();
-  for (const toml::node& name : *names) out.push_back(name.as_string()->get());
-}
-
 void read_architecture_key(const Entry& entry, Config& config) {
   const std::string name = entry.key.substr(entry.key.find('.') + 1);
   config.model.architecture[name] = to_json(*entry.node);

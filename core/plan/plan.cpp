@@ -393,14 +393,14 @@ std::string memory_line(const Plan& plan) {
   if (memory.is_null()) return "";
   const int64_t ranks = memory.at("sharded_over").get<int64_t>();
   const int64_t params = memory.at("params").get<int64_t>();
-  const int64_t total =
-      params + memory.at("grads").get<int64_t>() + memory.at("optimizer").get<int64_t>();
+  const int64_t grads = memory.at("grads").get<int64_t>();
+  const int64_t optimizer = memory.at("optimizer").get<int64_t>();
   const std::string where =
       ranks == 1 ? "replicated" : fmt::format("sharded over dp_shard_cp ({})", ranks);
   return fmt::format(
       "{:<10}per rank {} B: params {} B + grads {} B + AdamW moments {} B, float32, {}; "
       "gathered units and comm buffers come on top\n",
-      "memory", total, params, params, memory.at("optimizer").get<int64_t>(), where);
+      "memory", params + grads + optimizer, params, grads, optimizer, where);
 }
 
 }  // namespace

@@ -30,14 +30,13 @@ const meshrun_strategy_api kStrategyApi =
 
 const meshrun_plugin_api kApi = meshrun::strategies::strategy_plugin_table<MegatronFsdp>(
     MegatronFsdp::kName, MESHRUN_PLUGIN_VERSION,
-    "Megatron-FSDP: ZeRO sharding over dp (dp_shard_cp) of float32 master parameters "
-    "in contiguous per-unit buffers: zero_dp_strategy 0 replicates everything (the mesh puts dp "
-    "on dp_replicate; gradients all-reduced once per step), 1 shards the optimizer state "
-    "(parameters "
-    "gathered once per step, gradients reduce-scattered once), 2 also the gradients (each "
-    "micro-batch reduce-scatters), 3 also the parameters (each unit gathered around its forward "
-    "and backward); overlap_grad_reduce and overlap_param_gather overlap the collectives with "
-    "compute; mesh (dp, cp, tp), no pp or ep; host memory (CPU comm backends) only",
+    "Megatron-FSDP: ZeRO sharding over dp (dp_shard_cp) of float32 master parameters in "
+    "contiguous per-unit buffers: zero_dp_strategy 0 replicates everything (the mesh puts dp on "
+    "dp_replicate; gradients all-reduced once per step), 1 shards the optimizer state "
+    "(parameters gathered once per step, gradients reduce-scattered once), 2 also the gradients "
+    "(each micro-batch reduce-scatters), 3 also the parameters (each unit gathered around its "
+    "forward and backward); overlap_grad_reduce and overlap_param_gather overlap the collectives "
+    "with compute; mesh (dp, cp, tp), no pp or ep; host memory (CPU comm backends) only",
     &kStrategyApi);
 
 }  // namespace
