@@ -173,12 +173,6 @@ const Refusal kRefusals[] = {
      "micro_batch_size x seq_len tokens and none is ignored, so summing per token and dividing "
      "by the global token count is the same number; a run would not differ",
      "remove the key or set it to false"},
-    {"distributed.init_fsdp_with_meta_device",
-     [](const Config& c) { return c.distributed.init_fsdp_with_meta_device; },
-     "not implemented yet: the host initializes every tp rank's whole weights and the strategy "
-     "takes its shard from data-parallel rank 0's, so each rank holds the full model once at "
-     "start",
-     "remove the key or set it to false"},
     {"distributed.nccl_ub", [](const Config& c) { return c.distributed.nccl_ub; },
      "NCCL user buffers register CUDA memory with NCCL; megatron_fsdp keeps its buffers in host "
      "memory and runs on the CPU comm backends",
@@ -188,11 +182,6 @@ const Refusal kRefusals[] = {
      "meshrun has no FP8 compute (its models compute in float32, matmuls optionally in bfloat16), "
      "so there is no FP8 transpose to cache",
      "remove the key or set it to false"},
-    {"distributed.megatron_fsdp_unit_modules",
-     [](const Config& c) { return !c.distributed.megatron_fsdp_unit_modules.empty(); },
-     "not implemented yet: megatron_fsdp's units are the model's layer units (each decoder layer; "
-     "embeddings, final norm and head in the root), AutoModel's default from _no_split_modules",
-     "remove the key"},
     {"distributed.moe.ignore_router_for_ac",
      [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
      "remove the key or set it to false"},

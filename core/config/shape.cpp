@@ -173,7 +173,7 @@ class ShapeScanner {
     while (at_ < text_.size()) {
       const char c = peek();
       if (c == '\\' && quote == '"') {
-        if (multiline) check_line_continuation();
+        if (multiline) check_after_backslash();
         advance();
         if (at_ < text_.size()) advance();
         continue;
@@ -190,17 +190,26 @@ class ShapeScanner {
     }
   }
 
-  // After a line-ending backslash toml++ skips whitespace with the same
-  // test, so the first character after it must be ASCII too.
-  void check_line_continuation() const {
-    const auto skip = [&](size_t at, std::string_view blanks) {
-      while (at < text_.size() && blanks.find(text_[at]) != std::string_view::npos) ++at;
-      return at;
+  // In a multi-line basic string toml++ tests the character after a
+  // backslash with its whitespace function and, when it is blank (a line
+  // ending, or blanks before one), every blank or line break after it up
+  // to the first that is not: each character tested must be ASCII.
+  void check_after_backslash() const {
+    const auto non_ascii = [&](size_t at) {
+      return at < text_.size() && static_cast<unsigned char>(text_[at]) >= 0x80;
     };
-    const size_t line_end = skip(at_ + 1, " \t\r");
-    if (line_end >= text_.size() || text_[line_end] != '\n') return;
-    const size_t next = skip(line_end, " \t\r\n");
-    if (next < text_.size() && static_cast<unsigned char>(text_[next]) >= 0x80) {
+    size_t at = at_ + 1;
+    if (non_ascii(at)) {
+      fail(
+          "a non-ASCII character after a backslash in a multi-line string; toml++ cannot "
+          "read it");
+    }
+    const size_t first = at;
+    while (at < text_.size() &&
+           std::string_view(" \t\r\n").find(text_[at]) != std::string_view::npos) {
+      ++at;
+    }
+    if (at > first && non_ascii(at)) {
       fail("a non-ASCII character first after a line-ending backslash; toml++ cannot read it");
     }
   }

@@ -203,6 +203,12 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.autocast_dtypes = dtypes.get<std::vector<std::string>>();
   }
+  if (json.contains("unit_class")) {
+    if (!json.at("unit_class").is_string()) {
+      bad_description(origin, "\"unit_class\" must be a class name");
+    }
+    d.unit_class = json.at("unit_class").get<std::string>();
+  }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }

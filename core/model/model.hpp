@@ -57,6 +57,7 @@ struct ModelDescription {
   std::string num_layers_key;                // e.g. "model.num_hidden_layers"
   bool sequence_parallel = false;            // the model computes sequence parallelism
   std::vector<std::string> autocast_dtypes;  // its matmuls' dtypes under autocast
+  std::string unit_class;  // the Hugging Face class of its layer units; empty: none named
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <optional>
+#include <utility>
 
 #include "errors.hpp"
 #include "strategy/strategy.hpp"
@@ -73,6 +75,28 @@ void check_pipeline_batch(const Config& config, const MeshContext& mesh) {
                           "from [train]: a data-parallel rank's share, train.global_batch_size "
                           "({}) / dp ({}), {}",
                           batch, global, dp, fix));
+}
+
+// megatron_fsdp_unit_modules names the classes whose modules are units. A
+// model computes its own units, its layers: the key may name their class
+// (bare or with its module path, as AutoModel writes it) and nothing else.
+void check_unit_modules(const Config& config, const Model& model) {
+  const std::vector<std::string>& names = config.distributed.megatron_fsdp_unit_modules;
+  const std::string& unit_class = model.description().unit_class;
+  const auto is_unit_class = [&](const std::string& name) {
+    return !unit_class.empty() && name.substr(name.rfind('.') + 1) == unit_class;
+  };
+  if (std::all_of(names.begin(), names.end(), is_unit_class)) return;
+  const std::string fix =
+      unit_class.empty()
+          ? fmt::format("model plugin {} names no class for its layer units; remove the key",
+                        model.library().path())
+          : fmt::format("set it to [\"{}\"] or remove the key", unit_class);
+  fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.megatron_fsdp_unit_modules",
+              fmt::format("megatron_fsdp's units are the model's layers, each gathered and "
+                          "reduced as one (its _no_split_modules); units of other modules are "
+                          "not implemented: {}",
+                          fix));
 }
 
 std::shared_ptr<const Model> make_model(const Config& config, const PluginLoader& loader) {
@@ -146,6 +170,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   check_input_files(config);
   check_pipeline_batch(config, plan.mesh);
   plan.model = make_model(config, loader);
+  check_unit_modules(config, *plan.model);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
                               "model.model_type");
@@ -218,33 +243,42 @@ nlohmann::ordered_json sizes_json(const MeshContext& mesh, const Range& axes) {
 constexpr int64_t kJsonRankLimit = 4096;
 constexpr int64_t kTextRankEdge = 8;
 
-// What a rank holds between steps for the parameters it updates: float32
-// values and gradients and AdamW's two float32 moments, 16 bytes an element.
-// Under a replicated strategy that is all of its tp-local parameters; under
-// a sharded one its chunk of each over dp_shard_cp, dim 0 cut in padded
-// chunks as the shipped sharded strategies cut it. Gathered units and
-// communication buffers come on top, by the strategy's own rules. Null
-// without a model, and with a pipeline (each rank holds its stages).
+// The strategy's layout of the tp-local parameters of a one-stage run:
+// description order, the description's units (the root last).
+std::pair<StrategyBuffers, StrategyUnits> strategy_layout(const ModelDescription& local) {
+  StrategyBuffers layout{nullptr, nullptr, local.numel, {0}, {}};
+  StrategyUnits units{nullptr, nullptr, int32_t(local.units.size()), local.root_unit(), {}, {}};
+  for (const ModelParameter& parameter : local.parameters) {
+    layout.parameter_offsets.push_back(parameter.offset + parameter.numel);
+    layout.parameter_names.push_back(parameter.name);
+    units.parameter_units.push_back(parameter.unit);
+    units.parameter_rows.push_back(parameter.shape.empty() ? 1 : parameter.shape.front());
+  }
+  return {std::move(layout), std::move(units)};
+}
+
+// What a rank holds between steps for the parameters it updates, as the
+// strategy predicts it (plan_memory): float32 values and gradients and
+// AdamW's two float32 moments, 16 bytes an element, and the buffers the
+// strategy holds from setup. Units gathered during a step and
+// communication buffers come on top. Null without a model, with a
+// pipeline (each rank holds its stages), and for a sharded strategy that
+// predicts nothing.
 nlohmann::ordered_json state_memory(const Plan& plan) {
   if (!plan.model || plan.mesh.axis_size(Axis::pp) > 1) return nullptr;
+  const auto [layout, units] = strategy_layout(plan.tensor_parallel->local());
   const int64_t ranks =
       strategy_shards(*plan.strategy) ? plan.mesh.axis_size(Axis::dp_shard_cp) : 1;
-  int64_t elements = 0;
-  for (const auto& parameter : plan.model_plan.at("parameters")) {
-    const auto shape = parameter.value("local_shape", nlohmann::ordered_json::array());
-    if (shape.empty()) {
-      ++elements;
-      continue;
-    }
-    int64_t row = 1;
-    for (size_t d = 1; d < shape.size(); ++d) row *= shape[d].get<int64_t>();
-    const int64_t rows = shape[0].get<int64_t>();
-    elements += (rows + ranks - 1) / ranks * row;
-  }
+  const std::optional<StrategyMemoryPlan> predicted = plan_strategy_memory(
+      plan.strategy, layout, units, ranks, plan.mesh.axis_size(Axis::dp_replicate),
+      strategy_options_json(plan.config->distributed));
+  if (!predicted) return nullptr;
+  const int64_t elements = predicted->local_numel;
   return {{"sharded_over", ranks},
           {"params", 4 * elements},
           {"grads", 4 * elements},
-          {"optimizer", 8 * elements}};
+          {"optimizer", 8 * elements},
+          {"buffers_held", predicted->buffers_held}};
 }
 
 }  // namespace
@@ -395,12 +429,15 @@ std::string memory_line(const Plan& plan) {
   const int64_t params = memory.at("params").get<int64_t>();
   const int64_t grads = memory.at("grads").get<int64_t>();
   const int64_t optimizer = memory.at("optimizer").get<int64_t>();
+  const int64_t held = memory.at("buffers_held").get<int64_t>();
   const std::string where =
       ranks == 1 ? "replicated" : fmt::format("sharded over dp_shard_cp ({})", ranks);
+  const std::string buffers =
+      held > 0 ? fmt::format(" + buffers held from setup {} B", held) : std::string();
   return fmt::format(
-      "{:<10}per rank {} B: params {} B + grads {} B + AdamW moments {} B, float32, {}; "
-      "gathered units and comm buffers come on top\n",
-      "memory", params + grads + optimizer, params, grads, optimizer, where);
+      "{:<10}per rank {} B: params {} B + grads {} B + AdamW moments {} B{}, float32, {}; "
+      "units gathered in a step and comm buffers come on top\n",
+      "memory", params + grads + optimizer + held, params, grads, optimizer, buffers, where);
 }
 
 }  // namespace

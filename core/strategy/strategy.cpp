@@ -71,6 +71,45 @@ bool strategy_shards(const PluginLibrary& library) {
   return s != nullptr && table_is_sharded(*s);
 }
 
+bool strategy_takes_weights_by_shard(const PluginLibrary& library) {
+  const meshrun_strategy_api* s = library.api().strategy;
+  return strategy_shards(library) && s->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_6 &&
+         s->weights_by_shard != 0;
+}
+
+std::optional<StrategyMemoryPlan> plan_strategy_memory(std::shared_ptr<PluginLibrary> library,
+                                                       const StrategyBuffers& layout,
+                                                       const StrategyUnits& units,
+                                                       int64_t shard_ranks, int64_t replicate_ranks,
+                                                       const std::string& options_json) {
+  const meshrun_strategy_api* s = library->api().strategy;
+  if (s == nullptr || s->struct_size < MESHRUN_STRATEGY_API_SIZE_1_6 || s->plan_memory == nullptr) {
+    if (s != nullptr && table_is_sharded(*s)) return std::nullopt;
+    return StrategyMemoryPlan{layout.numel, 0};
+  }
+  std::vector<const char*> names;
+  for (const auto& name : layout.parameter_names) names.push_back(name.c_str());
+  meshrun_strategy_plan_input input{};
+  input.struct_size = sizeof(input);
+  input.options_json = options_json.c_str();
+  input.num_parameters = static_cast<int64_t>(names.size());
+  input.parameter_offsets = layout.parameter_offsets.data();
+  input.parameter_names = names.data();
+  input.num_units = units.num_units;
+  input.root_unit = units.root_unit;
+  input.parameter_units = units.parameter_units.data();
+  input.parameter_rows = units.parameter_rows.data();
+  input.shard_ranks = shard_ranks;
+  input.replicate_ranks = replicate_ranks;
+  meshrun_strategy_memory_plan out{};
+  out.struct_size = sizeof(out);
+  const PluginInstance instance(library);
+  throw_if_error(call_plugin(instance.library(), "plan_memory",
+                             [&] { return s->plan_memory(instance.handle(), &input, &out); }),
+                 fmt::format("strategy {} plan_memory", library->name()));
+  return StrategyMemoryPlan{out.local_numel, out.buffers_held};
+}
+
 Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_parallel,
                    StrategyBuffers buffers, const std::string& options_json,
                    const StrategyUnits* units)
@@ -100,7 +139,20 @@ Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_pa
   setup.parameter_names = name_pointers_.data();
   setup.options_json = options_json_.c_str();
   if (sharded()) fill_units(setup, units);
+  if (buffers_.parameters == nullptr && buffers_.numel > 0) {
+    setup.initial_weights = by_shard_weights();
+  }
   call("setup", [&] { return api().setup(instance_.handle(), &setup); });
+}
+
+int32_t Strategy::by_shard_weights() const {
+  if (!strategy_takes_weights_by_shard(library())) {
+    throw invalid_argument(fmt::format(
+        "strategy plugin {} does not take weights by shard (ABI 1.6 weights_by_shard): the host "
+        "must hand it the whole model at setup",
+        library().path()));
+  }
+  return MESHRUN_INITIAL_WEIGHTS_BY_SHARD;
 }
 
 void Strategy::fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,7 +18,10 @@
 namespace meshrun {
 
 // The host's view of what the strategy works on. The buffers, and the
-// data-parallel communicator handed to the Strategy, must outlive it.
+// data-parallel communicator handed to the Strategy, must outlive it. Null
+// buffers with numel > 0 ask a strategy that takes weights by shard to
+// start from zero: the host then writes the initial values into
+// local_shard() itself.
 struct StrategyBuffers {
   float* parameters = nullptr;
   float* gradients = nullptr;
@@ -58,6 +62,26 @@ struct StrategyMemory {
 bool strategy_can_train(const PluginLibrary& library);
 // Whether the library's strategy shards parameters (a sharded ABI 1.3 table).
 bool strategy_shards(const PluginLibrary& library);
+// Whether the library's strategy starts its shards without the whole model
+// (ABI 1.6 weights_by_shard): see StrategyBuffers.
+bool strategy_takes_weights_by_shard(const PluginLibrary& library);
+
+// A strategy's prediction of one rank's memory (meshrun_strategy_memory_plan).
+struct StrategyMemoryPlan {
+  int64_t local_numel = 0;   // float32 parameters the rank's optimizer updates
+  int64_t buffers_held = 0;  // bytes held between steps
+};
+
+// What `library` predicts for parameters laid out as `layout` says (its
+// buffers unused) in `units` (groups unused), sharded over `shard_ranks`
+// with `replicate_ranks` replicas (ABI 1.6 plan_memory). Without
+// plan_memory: every parameter for a replicated strategy, nothing known
+// (nullopt) for a sharded one. Throws the plugin's errors.
+std::optional<StrategyMemoryPlan> plan_strategy_memory(std::shared_ptr<PluginLibrary> library,
+                                                       const StrategyBuffers& layout,
+                                                       const StrategyUnits& units,
+                                                       int64_t shard_ranks, int64_t replicate_ranks,
+                                                       const std::string& options_json);
 
 // The [distributed] keys a strategy plugin reads, as AutoModel names them
 // (DDPConfig, FSDP2Config or MegatronFSDPConfig): the JSON object of its setup's options_json.
@@ -117,6 +141,9 @@ class Strategy {
   // where that number comes from.
   void check_length(const FloatView& view, int64_t numel, const std::string& where,
                     const char* what, const char* expected) const;
+  // MESHRUN_INITIAL_WEIGHTS_BY_SHARD, once the plugin is known to take it;
+  // INVALID_ARGUMENT naming the plugin otherwise.
+  int32_t by_shard_weights() const;
   // Checks `units` and points setup's ABI 1.3 fields at a copy of them.
   void fill_units(meshrun_strategy_setup& setup, const StrategyUnits* units);
   // Throws UNIMPLEMENTED naming `entry_point` unless the strategy is sharded.

@@ -87,30 +87,38 @@ void export_consolidated(const std::string& dir, const ModelConfig& config,
   write_json((fs::path(dir) / "config.json").string(), hf_config_json(config, description));
 }
 
-void read_consolidated(const Config& config, const ModelDescription& description,
-                       float* parameters) {
-  const std::string path = (fs::path(config.model.checkpoint) / "model.safetensors").string();
-  std::optional<SafetensorsFile> file;
+ConsolidatedWeights::ConsolidatedWeights(const Config& config, const ModelDescription& description)
+    : path_((fs::path(config.model.checkpoint) / "model.safetensors").string()) {
   try {
-    file.emplace(path);
+    file_ = std::make_unique<SafetensorsFile>(path_);
   } catch (const Error& error) {
     throw config_error(config, "model.checkpoint", error.what());
   }
-  check_names_and_shapes(config, *file, description);
+  check_names_and_shapes(config, *file_, description);
+}
+
+ConsolidatedWeights::~ConsolidatedWeights() = default;
+
+void ConsolidatedWeights::read(const ModelParameter& parameter, float* values) const {
+  file_->read(parameter.name, 0, parameter.numel, values);
+  // The file has no checksum: a NaN or infinity written into it would
+  // otherwise only show as a NaN loss steps later.
+  const float* bad = std::find_if(values, values + parameter.numel,
+                                  [](float value) { return !std::isfinite(value); });
+  if (bad != values + parameter.numel) {
+    throw invalid_argument(
+        fmt::format("{}: tensor '{}' holds {} at element {}; weights must be "
+                    "finite",
+                    path_, parameter.name, *bad, bad - values));
+  }
+}
+
+void read_consolidated(const Config& config, const ModelDescription& description,
+                       float* parameters) {
+  const ConsolidatedWeights weights(config, description);
   if (parameters == nullptr) return;
   for (const auto& parameter : description.parameters) {
-    float* values = parameters + parameter.offset;
-    file->read(parameter.name, 0, parameter.numel, values);
-    // The file has no checksum: a NaN or infinity written into it would
-    // otherwise only show as a NaN loss steps later.
-    const float* bad = std::find_if(values, values + parameter.numel,
-                                    [](float value) { return !std::isfinite(value); });
-    if (bad != values + parameter.numel) {
-      throw invalid_argument(
-          fmt::format("{}: tensor '{}' holds {} at element {}; weights must be "
-                      "finite",
-                      path, parameter.name, *bad, bad - values));
-    }
+    weights.read(parameter, parameters + parameter.offset);
   }
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,23 @@ nlohmann::ordered_json hf_config_json(const ModelConfig& config,
 // the flat `parameters`) and config.json into `dir`.
 void export_consolidated(const std::string& dir, const ModelConfig& config,
                          const ModelDescription& description, const float* parameters);
+
+class SafetensorsFile;
+
+// model.checkpoint's weights, read one parameter at a time. Opening checks
+// the names and shapes against the description (errors name
+// model.checkpoint); read refuses a value that is not finite.
+class ConsolidatedWeights {
+ public:
+  ConsolidatedWeights(const Config& config, const ModelDescription& description);
+  ~ConsolidatedWeights();
+  // Fills `values` (parameter.numel elements) with the parameter's weights.
+  void read(const ModelParameter& parameter, float* values) const;
+
+ private:
+  std::string path_;
+  std::unique_ptr<SafetensorsFile> file_;
+};
 
 // Checks model.checkpoint's names and shapes against the description; with
 // `parameters` (the flat layout) also copies the weights in. Errors name

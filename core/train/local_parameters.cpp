@@ -8,18 +8,22 @@
 
 namespace meshrun::train {
 
-FlatParameters::FlatParameters(const ModelDescription& description, std::vector<int64_t> held)
+FlatParameters::FlatParameters(const ModelDescription& description, std::vector<int64_t> held,
+                               bool allocate)
     : indices(std::move(held)), offsets{0}, position(description.parameters.size(), -1) {
   for (size_t k = 0; k < indices.size(); ++k) {
     position[size_t(indices[k])] = int64_t(k);
     offsets.push_back(offsets.back() + description.parameters[size_t(indices[k])].numel);
   }
+  if (!allocate) return;
   values.assign(size_t(numel()), 0.0f);
   gradients.assign(size_t(numel()), 0.0f);
 }
 
 StrategyBuffers FlatParameters::strategy_buffers(const ModelDescription& description) {
-  StrategyBuffers buffers{values.data(), gradients.data(), numel(), offsets, {}};
+  const bool held = !values.empty();
+  StrategyBuffers buffers{
+      held ? values.data() : nullptr, held ? gradients.data() : nullptr, numel(), offsets, {}};
   for (const int64_t p : indices)
     buffers.parameter_names.push_back(description.parameters[size_t(p)].name);
   return buffers;
@@ -30,28 +34,65 @@ void FlatParameters::release() {
   std::vector<float>().swap(gradients);
 }
 
+namespace {
+
+// The starting values of one parameter at a time, this tp rank's piece:
+// initialized from train.seed, or read from model.checkpoint.
+class StartingValues {
+ public:
+  StartingValues(const Config& config, const Model& model, const TensorParallelRank& tp)
+      : model_(model), tp_(tp), seed_(uint64_t(config.train.seed)) {
+    if (!config.model.checkpoint.empty()) checkpoint_.emplace(config, model.description());
+  }
+
+  // Writes parameter p's piece (in the tp-local layout) to `piece`.
+  void piece(int64_t p, float* piece) {
+    const ModelParameter& parameter = model_.description().parameters[size_t(p)];
+    full_.resize(size_t(parameter.numel));
+    if (checkpoint_) {
+      checkpoint_->read(parameter, full_.data());
+    } else {
+      model_.init_parameter(seed_, p, full_.data());
+    }
+    tp_.layout.slice(p, tp_.group.rank(), full_.data(), piece);
+  }
+
+ private:
+  const Model& model_;
+  const TensorParallelRank& tp_;
+  uint64_t seed_;
+  std::optional<ConsolidatedWeights> checkpoint_;
+  std::vector<float> full_;
+};
+
+}  // namespace
+
 void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                    FlatParameters& parameters) {
-  const ModelDescription& d = model.description();
-  std::vector<float> checkpoint, full;
-  if (!config.model.checkpoint.empty()) {
-    checkpoint.resize(size_t(d.numel));
-    read_consolidated(config, d, checkpoint.data());
-  }
+  StartingValues start(config, model, tp);
   for (size_t k = 0; k < parameters.indices.size(); ++k) {
-    const int64_t p = parameters.indices[k];
-    const ModelParameter& parameter = d.parameters[size_t(p)];
-    if (checkpoint.empty()) {
-      full.resize(size_t(parameter.numel));
-      model.init_parameter(uint64_t(config.train.seed), p, full.data());
-    } else {
-      full.assign(checkpoint.begin() + parameter.offset,
-                  checkpoint.begin() + parameter.offset + parameter.numel);
-    }
-    tp.layout.slice(p, tp.group.rank(), full.data(),
-                    parameters.values.data() + parameters.offsets[k]);
+    start.piece(parameters.indices[k], parameters.values.data() + parameters.offsets[k]);
   }
   round_to(parameters.values.data(), parameters.numel(), config.model.torch_dtype);
+}
+
+void start_shard_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
+                         const FlatParameters& parameters, Strategy& strategy) {
+  StartingValues start(config, model, tp);
+  const FloatView shard = strategy.local_shard().first;
+  std::vector<float> piece;
+  int64_t started = -1;  // the strategy parameter `piece` holds
+  for (const meshrun_shard_segment& segment : strategy.shard_segments()) {
+    const auto k = size_t(segment.parameter);
+    if (segment.parameter != started) {
+      piece.resize(size_t(parameters.offsets[k + 1] - parameters.offsets[k]));
+      start.piece(parameters.indices[k], piece.data());
+      started = segment.parameter;
+    }
+    std::copy_n(piece.begin() + (segment.global_begin - parameters.offsets[k]), segment.count,
+                shard.data + segment.local_begin);
+  }
+  round_to(shard.data, shard.numel, config.model.torch_dtype);
 }
 
 namespace {

@@ -20,7 +20,10 @@ namespace meshrun::train {
 // gradients in two flat buffers, in that order: a replicated strategy's
 // storage, and the weights a sharded one takes its shard from.
 struct FlatParameters {
-  FlatParameters(const ModelDescription& description, std::vector<int64_t> indices);
+  // Without `allocate` both buffers stay empty: a strategy that takes
+  // weights by shard starts without them.
+  FlatParameters(const ModelDescription& description, std::vector<int64_t> indices,
+                 bool allocate = true);
 
   std::vector<int64_t> indices;
   std::vector<int64_t> offsets;  // indices.size() + 1 element offsets
@@ -29,7 +32,8 @@ struct FlatParameters {
   std::vector<int64_t> position;
 
   int64_t numel() const { return offsets.back(); }
-  // What a strategy's setup needs to know about them.
+  // What a strategy's setup needs to know about them; null buffers when
+  // they were not allocated.
   StrategyBuffers strategy_buffers(const ModelDescription& description);
   // Frees both buffers: a sharded strategy holds the parameters now.
   void release();
@@ -47,6 +51,11 @@ struct TensorParallelRank {
 // to model.torch_dtype. `parameters` is in the tp-local layout.
 void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                    FlatParameters& parameters);
+// The same weights written into `strategy`'s local shard (set up without
+// weights, its parameters `parameters`), one parameter at a time: a rank
+// holds at most one whole parameter besides its shard.
+void start_shard_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
+                         const FlatParameters& parameters, Strategy& strategy);
 
 struct LocalParameters {
   float* params = nullptr;

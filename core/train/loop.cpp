@@ -14,6 +14,13 @@
 namespace meshrun::train {
 namespace {
 
+// The rank's memory now, with the peak RSS it had when training started.
+MemoryUse memory_now(TrainingRank& rank, int64_t start_rss) {
+  MemoryUse use = rank.memory_use();
+  use.peak_rss_at_start = start_rss;
+  return use;
+}
+
 using Clock = std::chrono::steady_clock;
 
 bool due(const TrainConfig& train, int64_t every, int64_t step) {
@@ -64,7 +71,7 @@ class NonFiniteSteps {
   // Collective: reports the non-finite step `metrics` (logged by `log`
   // first when the run stops) and throws NonFiniteStep once more than
   // allowed came in a row.
-  void skip(const StepMetrics& metrics, TrainingRank& rank, Communicator& world,
+  void skip(const StepMetrics& metrics, TrainingRank& rank, int64_t start_rss, Communicator& world,
             std::optional<MetricsLog>& log) {
     const std::string what = fmt::format("step {}: the loss is {} and the gradient norm is {}{}",
                                          metrics.step, metrics.loss, metrics.grad_norm,
@@ -72,7 +79,7 @@ class NonFiniteSteps {
     if (++in_a_row_ > allowed_) {
       if (log) {
         StepMetrics logged = metrics;
-        logged.mem = rank.memory_use();
+        logged.mem = memory_now(rank, start_rss);
         log->write(logged);
       }
       throw NonFiniteStep(
@@ -110,6 +117,8 @@ void run_training(const Config& config, const ModelDescription& description,
     log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string(), first_step);
   }
   NonFiniteSteps nonfinite(train, description, writer);
+  // What starting took: the weights in place, before the first step.
+  const int64_t start_rss = peak_rss_bytes();
   double train_seconds = 0.0;
   for (int64_t step = first_step; step < train.steps; ++step) {
     const auto start = Clock::now();
@@ -123,9 +132,9 @@ void run_training(const Config& config, const ModelDescription& description,
       if (!metrics.skipped) rank.optimizer_step(metrics);
       metrics.step_time_s = std::chrono::duration<double>(Clock::now() - start).count();
       metrics.tokens_per_s = double(tokens_per_step) / metrics.step_time_s;
-      if (metrics.skipped) nonfinite.skip(metrics, rank, world, log);
+      if (metrics.skipped) nonfinite.skip(metrics, rank, start_rss, world, log);
       if (due(train, train.val_every, metrics.step)) metrics.val_loss = rank.validate();
-      metrics.mem = rank.memory_use();
+      metrics.mem = memory_now(rank, start_rss);
       const int64_t save_every = config.checkpoint.save_every;
       if (save_every > 0 && metrics.step % save_every == 0) rank.save_checkpoint(metrics.step);
     });

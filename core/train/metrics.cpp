@@ -76,7 +76,8 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"buffers_reserved", m.mem.buffers_reserved},
                  {"activations", m.mem.activations},
                  {"activations_peak", m.mem.activations_peak},
-                 {"peak_rss", m.mem.peak_rss}};
+                 {"peak_rss", m.mem.peak_rss},
+                 {"peak_rss_at_start", m.mem.peak_rss_at_start}};
   out_.write(line.dump() + "\n");
 }
 

@@ -25,6 +25,7 @@ struct MemoryUse {
   int64_t activations = 0;
   int64_t activations_peak = 0;  // the most `activations` has been so far
   int64_t peak_rss = 0;
+  int64_t peak_rss_at_start = 0;  // peak_rss when the first step began
 };
 
 // mem.activations and mem.activations_peak from samples of what the model

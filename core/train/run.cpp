@@ -30,6 +30,12 @@ void check_strategy_trains(const Config& config, const PluginLibrary& strategy) 
                     "(no ABI 1.2 training entry points); use strategy \"fsdp2\" or \"ddp\"",
                     config.distributed.strategy, strategy.path()));
   }
+  if (config.distributed.init_fsdp_with_meta_device && !strategy_takes_weights_by_shard(strategy)) {
+    throw config_error(config, "distributed.init_fsdp_with_meta_device",
+                       fmt::format("strategy plugin {} cannot start its shards without the whole "
+                                   "model (no ABI 1.6 weights_by_shard); set it to false",
+                                   strategy.path()));
+  }
 }
 
 void check_batch(const Config& config, int64_t dp) {
@@ -190,8 +196,12 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
   const ModelDescription& local = plan.tensor_parallel->local();
   const std::vector<std::string> modules = module_names(model.description());
   const StageContents contents = stage_contents(model, modules);
-  FlatParameters parameters(local, contents.parameters);
-  start_weights(config, model, {*plan.tensor_parallel, axes.axis(Axis::tp)}, parameters);
+  const TensorParallelRank tp{*plan.tensor_parallel, axes.axis(Axis::tp)};
+  // Megatron-FSDP's meta-device init: the weights go straight into each
+  // rank's shard, and no rank holds the whole model.
+  const bool by_shard = config.distributed.init_fsdp_with_meta_device;
+  FlatParameters parameters(local, contents.parameters, !by_shard);
+  if (!by_shard) start_weights(config, model, tp, parameters);
   StageUnits units = stage_units(local, contents);
   units.strategy.shard_group = &axes.axis(Axis::dp_shard_cp);
   units.strategy.replicate_group = &axes.axis(Axis::dp_replicate);
@@ -200,6 +210,7 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
                     &units.strategy);
   // The strategy copied its shard: the full weights are no longer needed.
   if (strategy.sharded()) parameters.release();
+  if (by_shard) start_shard_weights(config, model, tp, parameters, strategy);
   Trainer trainer({config, data, model, modules, strategy, parameters, units, world,
                    axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
                    computing_axes(axes, plan.mesh), *plan.tensor_parallel, plan.model_plan.dump(),

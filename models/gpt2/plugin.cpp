@@ -105,6 +105,7 @@ struct Gpt2Plugin {
          {"num_layers_key", "n_layer"},
          {"sequence_parallel", Family::kSequenceParallel},
          {"autocast_dtypes", {"bfloat16"}},
+         {"unit_class", "GPT2Block"},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
         parameters, config.n_layer, modules(config));
   }

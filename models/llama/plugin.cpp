@@ -92,6 +92,7 @@ struct LlamaPlugin {
          {"num_layers_key", "num_hidden_layers"},
          {"sequence_parallel", Family::kSequenceParallel},
          {"autocast_dtypes", {"bfloat16"}},
+         {"unit_class", "LlamaDecoderLayer"},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
         parameters, config.num_hidden_layers, modules(config));
   }

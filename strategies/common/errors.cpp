@@ -26,4 +26,14 @@ void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak, i
   }
 }
 
+void write_memory_plan(meshrun_strategy_memory_plan* out, int64_t local_numel,
+                       int64_t buffers_held) {
+  if (out == nullptr) invalid("plan_memory: out is NULL");
+  if (!MESHRUN_HAS_FIELD(meshrun_strategy_memory_plan, out, buffers_held)) {
+    invalid("plan_memory: out->struct_size " + std::to_string(out->struct_size) + " is too small");
+  }
+  out->local_numel = local_numel;
+  out->buffers_held = buffers_held;
+}
+
 }  // namespace meshrun::strategies

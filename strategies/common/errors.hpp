@@ -24,6 +24,9 @@ void throw_if_error(meshrun_error* error, const std::string& context);
 // Writes the strategy's memory into *out, `peak` and `reserved` only where
 // the caller's struct (ABI 1.3) has room for them.
 void write_memory(meshrun_strategy_memory* out, int64_t buffers, int64_t peak, int64_t reserved);
+// Fills `out` (plan_memory's), checking its struct_size.
+void write_memory_plan(meshrun_strategy_memory_plan* out, int64_t local_numel,
+                       int64_t buffers_held);
 
 // Runs `body` and turns whatever it throws into an error whose message
 // begins with "<strategy>: ", so that every message names the strategy

@@ -40,8 +40,31 @@ void check_setup(const meshrun_strategy_setup* setup, size_t minimum_size, const
   check_parameter_layout(*setup);
 }
 
+meshrun_strategy_setup setup_of(const meshrun_strategy_plan_input* input) {
+  if (input == nullptr) invalid("plan_memory: input is NULL");
+  if (!MESHRUN_HAS_FIELD(meshrun_strategy_plan_input, input, replicate_ranks)) {
+    invalid("plan_memory: input->struct_size " + std::to_string(input->struct_size) +
+            " is too small");
+  }
+  if (input->shard_ranks < 1 || input->replicate_ranks < 1) {
+    invalid("plan_memory: shard_ranks and replicate_ranks must be at least 1");
+  }
+  meshrun_strategy_setup setup{};
+  setup.struct_size = sizeof(setup);
+  setup.num_parameters = input->num_parameters;
+  setup.parameter_offsets = input->parameter_offsets;
+  setup.parameter_names = input->parameter_names;
+  setup.options_json = input->options_json;
+  setup.num_units = input->num_units;
+  setup.root_unit = input->root_unit;
+  setup.parameter_units = input->parameter_units;
+  setup.parameter_rows = input->parameter_rows;
+  check_parameter_layout(setup);
+  return setup;
+}
+
 void check_flat_float32(const DLTensor& tensor, const std::string& what, int64_t numel,
-                        int32_t device_type) {
+                        int32_t device_type, bool data_may_be_null) {
   if (tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1) {
     invalid(what + " must be float32");
   }
@@ -51,7 +74,7 @@ void check_flat_float32(const DLTensor& tensor, const std::string& what, int64_t
             " elements but the parameter offsets end at " + std::to_string(numel));
   }
   if (tensor.strides != nullptr && tensor.strides[0] != 1) invalid(what + " must be contiguous");
-  if (tensor.data == nullptr && numel > 0) invalid(what + " data is NULL");
+  if (tensor.data == nullptr && numel > 0 && !data_may_be_null) invalid(what + " data is NULL");
   if (tensor.device.device_type != device_type) {
     invalid(what + " is on device type " + std::to_string(tensor.device.device_type) +
             " but the comm backend moves device type " + std::to_string(device_type));

@@ -64,15 +64,22 @@ struct Entries {
   static meshrun_error* gather_parameters(meshrun_plugin_instance* i, DLTensor* full) {
     return on(i, [&](T& t) { t.gather_parameters(full); });
   }
+
+  // ABI 1.6
+  static meshrun_error* plan_memory(meshrun_plugin_instance* i,
+                                    const meshrun_strategy_plan_input* input,
+                                    meshrun_strategy_memory_plan* out) {
+    return on(i, [&](T& t) { t.plan_memory(input, out); });
+  }
 };
 
-// The ABI 1.2 strategy table of a replicated strategy. Built field by field
-// from a zeroed table, so fields appended by later ABI minors need no
-// initializer here.
+// The ABI 1.6 strategy table of a replicated strategy (the entries of 1.2,
+// and plan_memory). Built field by field from a zeroed table, so fields
+// appended by later ABI minors need no initializer here.
 template <class T>
 meshrun_strategy_api replicated_strategy_table(int32_t mesh_family) {
   meshrun_strategy_api api{};
-  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_2;
+  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_6;
   api.mesh_family = mesh_family;
   api.setup = &Entries<T>::setup;
   api.broadcast_parameters = &Entries<T>::broadcast_parameters;
@@ -80,14 +87,15 @@ meshrun_strategy_api replicated_strategy_table(int32_t mesh_family) {
   api.gradients_ready = &Entries<T>::gradients_ready;
   api.finish_gradients = &Entries<T>::finish_gradients;
   api.memory = &Entries<T>::memory;
+  api.plan_memory = &Entries<T>::plan_memory;
   return api;
 }
 
-// The ABI 1.3 strategy table of a sharded strategy: every entry set.
+// The ABI 1.6 strategy table of a sharded strategy: every entry set, and
+// setups with weights by shard taken.
 template <class T>
 meshrun_strategy_api sharded_strategy_table(int32_t mesh_family) {
   meshrun_strategy_api api = replicated_strategy_table<T>(mesh_family);
-  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_3;
   api.pre_forward = &Entries<T>::pre_forward;
   api.post_forward = &Entries<T>::post_forward;
   api.pre_backward = &Entries<T>::pre_backward;
@@ -96,6 +104,7 @@ meshrun_strategy_api sharded_strategy_table(int32_t mesh_family) {
   api.local_shard = &Entries<T>::local_shard;
   api.shard_segments = &Entries<T>::shard_segments;
   api.gather_parameters = &Entries<T>::gather_parameters;
+  api.weights_by_shard = 1;
   return api;
 }
 

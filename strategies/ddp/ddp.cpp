@@ -172,6 +172,14 @@ class Ddp {
     meshrun::strategies::write_memory(out, 0, 0, 0);
   }
 
+  // Every rank updates every parameter and holds no buffers (see memory).
+  void plan_memory(const meshrun_strategy_plan_input* input,
+                   meshrun_strategy_memory_plan* out) const {
+    const meshrun_strategy_setup setup = meshrun::strategies::setup_of(input);
+    parse_options(setup.options_json);
+    meshrun::strategies::write_memory_plan(out, setup.parameter_offsets[setup.num_parameters], 0);
+  }
+
  private:
   struct Bucket {
     meshrun::ddp::Bucket plan;

@@ -37,6 +37,28 @@ Groups make_groups(const meshrun_strategy_setup& setup) {
   return groups;
 }
 
+// The most elements a layer unit (not the root) gathers: a double buffer's
+// size.
+int64_t largest_layer(const ShardLayout& layout, int32_t root) {
+  int64_t largest = 0;
+  for (int32_t u = 0; u < layout.num_units(); ++u) {
+    if (u != root) largest = std::max(largest, layout.unit(u).full_numel);
+  }
+  return largest;
+}
+
+// Whether `setup` leaves the initial weights to the host (ABI 1.6); the
+// values other than the two are refused.
+bool weights_by_shard(const meshrun_strategy_setup& setup) {
+  if (!MESHRUN_HAS_FIELD(meshrun_strategy_setup, &setup, initial_weights)) return false;
+  if (setup.initial_weights != MESHRUN_INITIAL_WEIGHTS_RANK_ZERO &&
+      setup.initial_weights != MESHRUN_INITIAL_WEIGHTS_BY_SHARD) {
+    invalid("setup: initial_weights " + std::to_string(setup.initial_weights) +
+            " is neither MESHRUN_INITIAL_WEIGHTS_RANK_ZERO (0) nor _BY_SHARD (1)");
+  }
+  return setup.initial_weights == MESHRUN_INITIAL_WEIGHTS_BY_SHARD;
+}
+
 // The units and rows of `setup`, checked: every parameter in a unit that
 // exists, its rows dividing its elements.
 LayoutInput layout_input(const meshrun_strategy_setup& setup) {
@@ -89,8 +111,9 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
   options_ = parse_(setup->options_json);
   groups_ = make_groups(*setup);
   const LayoutInput input = layout_input(*setup);
+  const bool by_shard = weights_by_shard(*setup);
   strategies::check_flat_float32(setup->parameters, "setup: parameters", input.offsets.back(),
-                                 kDLCPU);
+                                 kDLCPU, by_shard);
   int64_t ranks = 0;
   int64_t rank = 0;
   throw_if_error(setup->comm->size(setup->shard_group, &ranks), "size of the shard group");
@@ -103,7 +126,7 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
                  "rank in the data-parallel group");
   local_numel_ = layout->local_numel();
   shard_parameters_.assign(static_cast<size_t>(local_numel_), 0.0f);
-  shard_rank_zero_weights(*setup, *layout);
+  if (!by_shard) shard_rank_zero_weights(*setup, *layout);
   shard_gradients_.assign(static_cast<size_t>(local_numel_), 0.0f);
   segments_ = layout->segments();
   layout_ = std::move(layout);
@@ -144,6 +167,17 @@ void Engine::log(int32_t level, const std::string& message) const {
   if (host_->log != nullptr) host_->log(host_->context, level, line.c_str());
 }
 
+void Engine::plan_memory(const meshrun_strategy_plan_input* input,
+                         meshrun_strategy_memory_plan* out) const {
+  const meshrun_strategy_setup setup = strategies::setup_of(input);
+  const EngineOptions options = parse_(setup.options_json);
+  const ShardLayout layout(layout_input(setup), input->shard_ranks, 0);
+  strategies::write_memory_plan(
+      out, layout.local_numel(),
+      options.double_buffer ? 2 * largest_layer(layout, setup.root_unit) * int64_t{sizeof(float)}
+                            : 0);
+}
+
 void Engine::make_units(const meshrun_strategy_setup& setup) {
   root_ = setup.root_unit;
   position_.assign(static_cast<size_t>(setup.num_units), -1);
@@ -153,15 +187,13 @@ void Engine::make_units(const meshrun_strategy_setup& setup) {
     layers_.push_back(u);
   }
   units_.resize(static_cast<size_t>(setup.num_units));
-  int64_t largest_layer = 0;
   for (int32_t u = 0; u < setup.num_units; ++u) {
     Unit& unit = units_[static_cast<size_t>(u)];
     unit.numel = layout_->unit(u).full_numel;
     unit.reshard_after_forward = reshards_after_forward(u);
-    if (u != root_) largest_layer = std::max(largest_layer, unit.numel);
   }
   make_buckets();
-  if (options_.double_buffer) make_slots(largest_layer);
+  if (options_.double_buffer) make_slots(largest_layer(*layout_, root_));
 }
 
 // A bucket per unit; or one of every unit, whose block is the whole local

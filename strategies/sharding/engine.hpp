@@ -109,6 +109,9 @@ class Engine {
   void local_shard(DLTensor* parameters, DLTensor* gradients);
   void shard_segments(meshrun_shard_segment* segments, int64_t capacity, int64_t* count) const;
   void gather_parameters(DLTensor* full);
+  // ABI 1.6: the local shard's elements and the double buffer.
+  void plan_memory(const meshrun_strategy_plan_input* input,
+                   meshrun_strategy_memory_plan* out) const;
 
  private:
   enum class Phase { idle, forward, backward };

@@ -4,7 +4,8 @@ Runs CONFIG (default examples/llama-tiny.toml) on 4 ranks in float32 with
   - strategy ddp,
   - strategy fsdp2 (mp_policy.param_dtype = float32),
   - strategy megatron_fsdp at zero_dp_strategy 0, 1, 2 and 3, and 3 with
-    fsdp_double_buffer and with disable_bucketing (one bucket),
+    fsdp_double_buffer, with disable_bucketing (one bucket) and with
+    init_fsdp_with_meta_device (each rank starts only its shard),
 at one micro-batch per rank and step as the config says, alternating them
 over --rounds rounds (the machine is shared and noisy) and keeping each
 one's best round.
@@ -22,7 +23,9 @@ Prints, for each:
     buffers_peak (what a step holds beyond them), against the range
     tests/bench/fsdp2_memory.py predicts for the strategy's rules: each
     collective complete by the next hook ("asap") up to complete no sooner
-    than start order makes certain ("serial"); the ratio is to the latter.
+    than start order makes certain ("serial"); the ratio is to the latter;
+  - rank 0's peak RSS when the first step began, ZeRO-3 started from the
+    whole model and by shard, beside the model's float32 bytes.
 
 tokens/s = global_batch_size * seq_len / mean step_time_s over the steps
 after the first --warmup. Prints figures; the exit status says only whether
@@ -31,6 +34,7 @@ every run worked.
     /usr/bin/python3 tests/bench/megatron_fsdp.py build/bin/meshrun [CONFIG]
 """
 
+import math
 import os
 import statistics
 import sys
@@ -51,6 +55,8 @@ VARIANTS = {
                 "distributed.fsdp_double_buffer=true"),
     "zero3one": ("distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3",
                  "distributed.disable_bucketing=true"),
+    "zero3meta": ("distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3",
+                  "distributed.init_fsdp_with_meta_device=true"),
 }
 
 
@@ -124,6 +130,13 @@ def main():
               f"{wait[name] * 1e3:>13.1f} {held:>17} "
               f"{held / predicted_persistent(args, name):>6.3f} {memory['buffers_peak']:>13} "
               f"{low:>9}..{high:<9} {ratio}")
+    model_bytes = 4 * sum(math.prod(p["shape"]) for p in
+                          plan_json(args.meshrun, args.config, RANKS)["model"]["parameters"])
+    starts = {name: last[name]["mem"]["peak_rss_at_start"] / 2**20
+              for name in ("zero3", "zero3meta")}
+    print(f"start (peak RSS of rank 0 at the first step): whole model {starts['zero3']:.1f} MiB, "
+          f"by shard (init_fsdp_with_meta_device) {starts['zero3meta']:.1f} MiB; "
+          f"the model is {model_bytes / 2**20:.1f} MiB")
     for level in (1, 3):
         hidden = 1 - wait[f"zero{level}"] / exposed[level]
         print(f"zero{level}: comm wait {exposed[level] * 1e3:.1f} ms per step with both overlaps "

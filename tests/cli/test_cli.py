@@ -168,8 +168,9 @@ class BadInputTest(InputErrorAssertions):
         # One refusal of each kind; tests/unit/test_config_keys.cpp walks every key.
         cases = [("[distributed]\nenable_compile = true\n", "distributed.enable_compile",
                   "no graph compiler"),
-                 ("[distributed]\nstrategy = \"megatron_fsdp\"\ninit_fsdp_with_meta_device = "
-                  "true\n", "distributed.init_fsdp_with_meta_device", "not implemented yet"),
+                 ("[distributed]\nstrategy = \"megatron_fsdp\"\nmegatron_fsdp_unit_modules = "
+                  "[\"LlamaMLP\"]\n", "distributed.megatron_fsdp_unit_modules",
+                  "set it to [\"LlamaDecoderLayer\"]"),
                  ("[distributed]\ntp_plan = \"layers\"\n", "distributed.tp_plan",
                   "needs distributed.tp_size > 1"),
                  ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",

@@ -249,6 +249,11 @@ TEST_CASE("identity and kind table agree with the file name", "[conformance]") {
       CHECK(api.strategy->struct_size >= MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions));
       CHECK(api.strategy->mesh_family >= MESHRUN_MESH_FAMILY_FSDP2);
       CHECK(api.strategy->mesh_family <= MESHRUN_MESH_FAMILY_DDP);
+      // Only a sharded table (ABI 1.3 local_shard) starts shards by itself.
+      if (api.strategy->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_6 &&
+          api.strategy->weights_by_shard != 0) {
+        CHECK(api.strategy->local_shard != nullptr);
+      }
       break;
     case meshrun::PluginKind::schedule:
       REQUIRE(api.schedule != nullptr);

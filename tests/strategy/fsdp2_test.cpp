@@ -22,9 +22,12 @@
 // and the next step see the updated shard; ranks that start from different
 // weights all hold data-parallel rank 0's after setup and
 // broadcast_parameters, and broadcast_parameters equalizes replicas that
-// drifted apart; bad setups and calls out of order are refused. Rank 0 prints one
-// line per section; a failing rank prints what failed. Exits 0 when every
-// rank passed.
+// drifted apart; a setup without weights (ABI 1.6) starts the shards at
+// zero, takes the values the host writes into them, and ddp refuses it;
+// plan_memory predicts the local shard (ddp: every element) before setup;
+// bad setups and calls out of order are refused. Rank 0 prints one line per
+// section; a failing rank prints what failed. Exits 0 when every rank
+// passed.
 //
 // Tolerance: float32 reductions are checked to 1e-6 relative, because the
 // backend sums the ranks' float32 values in an order of its own, and the
@@ -624,6 +627,62 @@ void starts_from_rank_zero(Context& c, const Groups& groups, const std::string& 
   c.checker.check(full == rank_zero, name + ": gather_parameters differs from dp rank 0's weights");
 }
 
+// The buffers of a host that starts the shards itself (ABI 1.6 weights by
+// shard): no weights cross setup.
+meshrun::StrategyBuffers without_weights(Model& model) {
+  meshrun::StrategyBuffers buffers = model.buffers();
+  buffers.parameters = nullptr;
+  buffers.gradients = nullptr;
+  return buffers;
+}
+
+void starts_by_shard(Context& c, const Groups& groups, const std::string& name,
+                     const meshrun::PluginLoader& loader) {
+  c.section(name + ": set up without weights, shards start at zero and take the host's values");
+  Model model;
+  const StrategyUnits units = model.units(groups.shard, groups.replicate);
+  Strategy strategy(c.fsdp2, groups.data_parallel, without_weights(model), options_with(), &units);
+  const auto [parameters, gradients] = strategy.local_shard();
+  const bool zero = std::all_of(parameters.data, parameters.data + parameters.numel,
+                                [](float value) { return value == 0.0f; });
+  c.checker.check(zero, name + ": a shard set up without weights is not zero");
+  for (const meshrun_shard_segment& s : strategy.shard_segments()) {
+    for (int64_t k = 0; k < s.count; ++k) {
+      parameters.data[s.local_begin + k] = initial_weight(s.global_begin + k);
+    }
+  }
+  strategy.broadcast_parameters();
+  std::vector<float> full(static_cast<size_t>(model.numel()), -1.0f);
+  strategy.gather_parameters(full.data(), model.numel());
+  c.checker.check(full == model.weights, name + ": gather_parameters differs from the host's");
+  step(c, strategy, model, 1, model.weights, "the first step after starting by shard");
+  c.checker.expect_error("ddp set up without weights", MESHRUN_INVALID_ARGUMENT,
+                         {"meshrun_strategy_ddp", "weights_by_shard"}, [&] {
+                           Strategy(loader.load(meshrun::PluginKind::strategy, "ddp"),
+                                    groups.data_parallel, without_weights(model), options_with());
+                         });
+}
+
+void plans_the_shard(Context& c, const Groups& groups, const std::string& name,
+                     const meshrun::PluginLoader& loader) {
+  c.section(name + ": plan_memory predicts the local shard before any setup; ddp every element");
+  Model model;
+  const StrategyUnits units = model.units(groups.shard, groups.replicate);
+  const auto predicted =
+      meshrun::plan_strategy_memory(c.fsdp2, without_weights(model), units, groups.shard.size(),
+                                    groups.replicate.size(), options_with());
+  const auto strategy = make_strategy(c, model, groups, options_with());
+  c.checker.check(predicted && predicted->local_numel == strategy->local_shard().first.numel &&
+                      predicted->buffers_held == 0,
+                  name + ": plan_memory differs from the local shard set up");
+  const auto replicated = meshrun::plan_strategy_memory(
+      loader.load(meshrun::PluginKind::strategy, "ddp"), without_weights(model), units, 1,
+      groups.data_parallel.size(), options_with());
+  c.checker.check(
+      replicated && replicated->local_numel == model.numel() && replicated->buffers_held == 0,
+      name + ": ddp's plan_memory is not every parameter");
+}
+
 void broadcasts_replicas(Context& c) {
   c.section("HSDP: broadcast_parameters makes replicas equal to replicate-group rank 0's shard");
   Model model;
@@ -672,6 +731,10 @@ int run() {
   starts_from_rank_zero(c, c.fsdp, "FSDP over 4 ranks");
   starts_from_rank_zero(c, c.hsdp, "HSDP 2 x 2");
   broadcasts_replicas(c);
+  starts_by_shard(c, c.fsdp, "FSDP over 4 ranks", loader);
+  starts_by_shard(c, c.hsdp, "HSDP 2 x 2", loader);
+  plans_the_shard(c, c.fsdp, "FSDP over 4 ranks", loader);
+  plans_the_shard(c, c.hsdp, "HSDP 2 x 2", loader);
   return meshrun::test::verdict(world, checker, "fsdp2 test");
 }
 

@@ -1,8 +1,9 @@
 """`meshrun train` with distributed.strategy = "megatron_fsdp": each
 zero_dp_strategy (0, 1, 2, 3) on 2 and 4 ranks, and with tp = 2, against
 DDP on the same ranks and global batch, and as one bucket; the overlap
-switches, double buffering and activation checkpointing; checkpoints that cross to fsdp2 and back;
-report_nan_in_param_grad; bad input.
+switches, double buffering and activation checkpointing; shards started
+by their ranks (init_fsdp_with_meta_device); checkpoints that cross to
+fsdp2 and back; report_nan_in_param_grad; bad input.
 
 Run by ctest: test_megatron_fsdp.py MESHRUN_EXE [TestClass ...]
 
@@ -23,6 +24,7 @@ and 4 ranks that is exact and gives the bits of averaging, on 3 it rounds.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -151,6 +153,7 @@ class Equivalence(MegatronTest):
     def test_double_buffering_changes_nothing_but_where_units_are_gathered(self):
         plan = plan_json(self.runs.config, 2, *MEGATRON)
         largest_layer = max(full for name, full, _ in unit_sizes(plan, 2) if name != "root")
+        double_plan = plan_json(self.runs.config, 2, *zero(3), "distributed.fsdp_double_buffer=true")
         single = self.runs.train("single-buffer", 2, *zero(3))
         double = self.runs.train("double-buffer", 2, *zero(3), "distributed.fsdp_double_buffer=true")
         self.assertEqual(losses(single), losses(double))
@@ -160,8 +163,11 @@ class Equivalence(MegatronTest):
             self.assertEqual(a.read(), b.read())
         # After a step (the first: no validation forward has gathered units
         # since) every unit is freed but the two buffers, held from setup on.
+        # `meshrun plan` predicted both.
         self.assertEqual(metrics(single)[0]["mem"]["buffers"], 0)
+        self.assertEqual(plan["memory"]["buffers_held"], 0)
         self.assertEqual(metrics(double)[0]["mem"]["buffers"], 2 * 4 * largest_layer)
+        self.assertEqual(double_plan["memory"]["buffers_held"], 2 * 4 * largest_layer)
 
     def test_activation_checkpointing_changes_nothing_but_the_activations_held(self):
         # A checkpointed layer's backward gathers the unit (ZeRO-3) and
@@ -215,6 +221,48 @@ class Checkpoints(MegatronTest):
         with open(os.path.join(exports[0], "model.safetensors"), "rb") as a, \
                 open(os.path.join(exports[1], "model.safetensors"), "rb") as b:
             self.assertEqual(a.read(), b.read())
+
+
+def same_bytes(test, a, b, name):
+    with open(os.path.join(a, name), "rb") as x, open(os.path.join(b, name), "rb") as y:
+        test.assertEqual(x.read(), y.read())
+
+
+class MetaDeviceInit(MegatronTest):
+    """init_fsdp_with_meta_device = true: each rank starts only its shard."""
+
+    META = ("distributed.init_fsdp_with_meta_device=true",)
+
+    def test_shards_started_by_their_ranks_train_bit_for_bit_as_the_whole_model(self):
+        # A parameter's initial values do not depend on which others a rank
+        # makes, and a checkpoint's are read whole: a shard started by its
+        # rank holds the bits it would take from the whole model.
+        cases = (("zero3", 4, zero(3)), ("zero1", 2, zero(1)),
+                 ("zero3-tp2", 4, zero(3) + ("distributed.tp_size=2",)),
+                 ("zero3-from-export", 2, zero(3) + (f"model.checkpoint={self.ddp[2]}",)))
+        for name, nproc, overrides in cases:
+            with self.subTest(name):
+                whole = self.runs.train(f"whole-{name}", nproc, *overrides)
+                by_shard = self.runs.train(f"by-shard-{name}", nproc, *overrides, *self.META)
+                self.assertEqual(losses(whole), losses(by_shard))
+                self.assertEqual(grad_norms(whole), grad_norms(by_shard))
+                same_bytes(self, whole, by_shard, "model.safetensors")
+
+    def test_no_rank_holds_the_whole_model_at_start(self):
+        # A model of 26 MB, so that what starting holds shows in the peak
+        # RSS. Started whole, each rank holds the weights and a gradient
+        # buffer of the whole model (2 x) until the strategy took its shard
+        # (a quarter, and its gradients); started by shard, the shard and
+        # one parameter at a time: about 1.5 x the model's bytes less.
+        larger = ("model.hidden_size=256", "model.intermediate_size=768",
+                  "model.num_hidden_layers=8", "train.steps=1", "train.val_every=0",
+                  "train.global_batch_size=4", "train.micro_batch_size=1")
+        plan = plan_json(self.runs.config, 4, *zero(3), *larger)
+        model_bytes = 4 * sum(math.prod(p["shape"]) for p in plan["model"]["parameters"])
+        starts = [metrics(self.runs.train(name, 4, *zero(3), *larger, *meta))[0]["mem"]
+                  ["peak_rss_at_start"] for name, meta in (("start-whole", ()),
+                                                           ("start-by-shard", self.META))]
+        self.assertGreaterEqual(starts[0] - starts[1], model_bytes, starts)
 
 
 class Faults(TrainTest):

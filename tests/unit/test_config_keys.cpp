@@ -165,10 +165,13 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.report_nan_in_param_grad", options_change("true", kMegatron)},
       {"distributed.check_for_nan_in_grad", options_change("true", kMegatron)},
       {"distributed.calculate_per_token_loss", refused("true", "false", kMegatron)},
-      {"distributed.init_fsdp_with_meta_device", refused("true", "false", kMegatron)},
+      {"distributed.init_fsdp_with_meta_device",
+       trainer("true", "each rank starts only its shard (test_megatron_fsdp.py)", kMegatron)},
       {"distributed.nccl_ub", refused("true", "false", kMegatron)},
       {"distributed.keep_fp8_transpose_cache", refused("true", "false", kMegatron)},
-      {"distributed.megatron_fsdp_unit_modules", refused("[\"LlamaDecoderLayer\"]", "", kMegatron)},
+      {"distributed.megatron_fsdp_unit_modules",
+       checked("[\"LlamaMLP\"]", "[\"transformers.models.llama.modeling_llama.LlamaDecoderLayer\"]",
+               kMegatron)},
   };
 }
 

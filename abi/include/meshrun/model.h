@@ -62,6 +62,10 @@
  *                 matmul's operands rounded to that dtype, float32 sums);
  *                 absent means none, and the host refuses
  *                 distributed.autocast_dtype for it
+ *   "unit_class": the Hugging Face class of its layer units, as its
+ *                 _no_split_modules names it ("LlamaDecoderLayer");
+ *                 optional: distributed.megatron_fsdp_unit_modules may name
+ *                 it and nothing else
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".

@@ -28,6 +28,13 @@
  * and steps its optimizer on local_shard() after finish_gradients. A table
  * is sharded when it reaches `gather_parameters` and `local_shard` is set;
  * a replicated one (ddp) leaves the 1.3 entries NULL.
+ *
+ * ABI 1.6 lets a sharded strategy start without the whole model (Megatron-
+ * FSDP's init_fsdp_with_meta_device): a table that sets `weights_by_shard`
+ * takes a setup whose `initial_weights` is MESHRUN_INITIAL_WEIGHTS_BY_SHARD;
+ * no weights cross setup, and the host writes each rank's initial values
+ * into local_shard() itself before broadcast_parameters. It also lets a
+ * strategy predict a rank's memory before any rank runs (`plan_memory`).
  */
 #ifndef MESHRUN_STRATEGY_H_
 #define MESHRUN_STRATEGY_H_
@@ -78,7 +85,22 @@ typedef struct meshrun_strategy_setup {
   int32_t root_unit;
   const int32_t* parameter_units; /* num_parameters entries in [0, num_units) */
   const int64_t* parameter_rows;  /* num_parameters sizes of dim 0 (1 for scalars) */
+
+  /* ---- ABI 1.6 (test with MESHRUN_HAS_FIELD; a smaller setup means RANK_ZERO) ---- */
+
+  /* Where the shards' initial values come from: MESHRUN_INITIAL_WEIGHTS_*. */
+  int32_t initial_weights;
 } meshrun_strategy_setup;
+
+/* `parameters` holds data-parallel rank 0's full weights; setup copies each
+ * rank's shard out of them (ABI 1.3's behaviour). */
+#define MESHRUN_INITIAL_WEIGHTS_RANK_ZERO 0
+/* `parameters.data` and `gradients.data` are NULL (their shapes are still
+ * set): the shard starts at zero, and before broadcast_parameters the host
+ * fills local_shard()'s parameters, segment by segment, with the same
+ * values on every replica. Only to a table with `weights_by_shard` set;
+ * others refuse it with INVALID_ARGUMENT. */
+#define MESHRUN_INITIAL_WEIGHTS_BY_SHARD 1
 
 /* Bytes a strategy holds for one rank, for the run's memory accounting. */
 typedef struct meshrun_strategy_memory {
@@ -88,6 +110,36 @@ typedef struct meshrun_strategy_memory {
   int64_t buffers_peak;     /* the most `buffers` has been since setup */
   int64_t buffers_reserved; /* `buffers` plus memory kept for reuse (a cache) */
 } meshrun_strategy_memory;
+
+/* What a plan knows of a strategy's work before any rank runs (ABI 1.6):
+ * the setup's layout, names and units, the sizes of its groups, no buffers
+ * or communicators. Borrowed for the call. */
+typedef struct meshrun_strategy_plan_input {
+  size_t struct_size;
+  const char* options_json;           /* as setup's */
+  int64_t num_parameters;             /* as setup's */
+  const int64_t* parameter_offsets;   /* num_parameters + 1, as setup's */
+  const char* const* parameter_names; /* as setup's */
+  int32_t num_units;                  /* as setup's */
+  int32_t root_unit;                  /* as setup's */
+  const int32_t* parameter_units;     /* as setup's */
+  const int64_t* parameter_rows;      /* as setup's */
+  int64_t shard_ranks;                /* ranks of the shard group (1 unsharded) */
+  int64_t replicate_ranks;            /* ranks of the replicate group */
+} meshrun_strategy_plan_input;
+
+/* A strategy's prediction of one rank's memory (ABI 1.6). */
+typedef struct meshrun_strategy_memory_plan {
+  size_t struct_size;
+  /* float32 elements of the parameters the rank's optimizer updates (a
+   * sharded strategy's local shard, padding included; every parameter for
+   * a replicated one); as many gradients go with them. */
+  int64_t local_numel;
+  /* Bytes the strategy allocates at setup and holds between steps (what
+   * memory() reports as `buffers` after a step that gathered nothing
+   * since), e.g. Megatron-FSDP's two gather buffers. */
+  int64_t buffers_held;
+} meshrun_strategy_memory_plan;
 
 /* A piece of a sharded strategy's local shard: `count` elements that are
  * elements [global_begin, global_begin + count) of the flat parameter layout
@@ -181,15 +233,31 @@ struct meshrun_strategy_api {
    * the current parameters on every rank of the shard group, e.g. for a
    * consolidated export. Collective over the shard group; outside a step. */
   meshrun_error* (*gather_parameters)(meshrun_plugin_instance* instance, DLTensor* full);
+
+  /* ---- ABI 1.6 ---- */
+
+  /* Nonzero when setup takes MESHRUN_INITIAL_WEIGHTS_BY_SHARD; a sharded
+   * table only. */
+  int32_t weights_by_shard;
+  /* Writes into *out (out->struct_size set by the caller) what a rank of
+   * `input` will hold (the rank that holds the most), on an instance that
+   * is never set up: `meshrun plan` prints it before any rank runs.
+   * Errors: INVALID_ARGUMENT as setup's, for the same input. NULL: the host predicts nothing for a
+   * sharded strategy, and every parameter for a replicated one. */
+  meshrun_error* (*plan_memory)(meshrun_plugin_instance* instance,
+                                const meshrun_strategy_plan_input* input,
+                                meshrun_strategy_memory_plan* out);
 };
 
-/* The size of the ABI 1.0, 1.2 and 1.3 strategy tables. */
+/* The size of the ABI 1.0, 1.2, 1.3 and 1.6 strategy tables. */
 #define MESHRUN_STRATEGY_API_SIZE_1_0 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions)
 #define MESHRUN_STRATEGY_API_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, memory)
 #define MESHRUN_STRATEGY_API_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, gather_parameters)
-/* The size of the ABI 1.2 and 1.3 setup structs. */
+#define MESHRUN_STRATEGY_API_SIZE_1_6 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, plan_memory)
+/* The size of the ABI 1.2, 1.3 and 1.6 setup structs. */
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, extensions)
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
+#define MESHRUN_STRATEGY_SETUP_SIZE_1_6 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, initial_weights)
 
 #ifdef __cplusplus
 } /* extern "C" */
