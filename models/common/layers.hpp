@@ -314,9 +314,11 @@ void rotary_backward(Real* dx, const RotaryTable<Real>& table, int64_t batch, in
 // [q heads (heads * d) | k heads (kv_heads * d) | v heads (kv_heads * d)];
 // query head h reads kv head h / (heads / kv_heads). Per sequence and head:
 //   S = Q K^T / sqrt(d), P = softmax(S) over s <= t (causal), Y = P V
-// P is kept ([batch, heads, seq, seq]). Queries go in blocks of query_block
-// rows: block [t0, t1) sees keys [0, t1) only, so the GEMMs skip most of the
-// masked upper triangle, and P is written only left of t1 in those rows.
+// Forward keeps only each row's log-sum-exp, L_t = log sum_{s<=t} exp(S_ts),
+// [batch, heads, seq]: backward recomputes P_ts = exp(S_ts - L_t) block by
+// block (as flash attention does), so no [seq, seq] matrix outlives a
+// call. Queries go in blocks of query_block rows: block [t0, t1) sees keys
+// [0, t1) only, so the GEMMs skip most of the masked upper triangle.
 
 struct AttentionShape {
   int64_t batch = 0;
@@ -333,14 +335,18 @@ struct AttentionShape {
   int64_t q_offset(int64_t h) const { return h * head_dim; }
   int64_t k_offset(int64_t h) const { return q_dim() + (h / (heads / kv_heads)) * head_dim; }
   int64_t v_offset(int64_t h) const { return k_offset(h) + kv_dim(); }
-  // Scratch attention_backward needs.
-  int64_t d_scores_size() const { return std::min(query_block, seq_len) * seq_len; }
+  // Elements of the log-sum-exps forward keeps.
+  int64_t lse_size() const { return batch * heads * seq_len; }
+  // Elements of one query block's scores: the scratch attention_forward
+  // takes, and each of the two attention_backward takes.
+  int64_t scores_size() const { return std::min(query_block, seq_len) * seq_len; }
 };
 
 // Row t of S becomes softmax over s <= t, max subtracted; s in (t, width)
-// becomes 0, where the block's GEMMs still read it.
+// becomes 0, where the block's GEMMs still read it. Returns the row's
+// log-sum-exp.
 template <typename Real>
-void causal_softmax_row(Real* row, int64_t t, int64_t width) {
+Real causal_softmax_row(Real* row, int64_t t, int64_t width) {
   const Real max = *std::max_element(row, row + t + 1);
   Real sum = 0;
   for (int64_t s = 0; s <= t; ++s) {
@@ -350,11 +356,14 @@ void causal_softmax_row(Real* row, int64_t t, int64_t width) {
   const Real inv_sum = Real(1) / sum;
   for (int64_t s = 0; s <= t; ++s) row[s] *= inv_sum;
   std::fill(row + t + 1, row + width, Real(0));
+  return max + std::log(sum);
 }
 
-// out: [N, heads * d]; probs: [batch, heads, seq, seq].
+// out: [N, heads * d]; lse: shape.lse_size(); scores: scratch of
+// shape.scores_size().
 template <typename Real>
-void attention_forward(Real* out, Real* probs, const Real* qkv, const AttentionShape& shape) {
+void attention_forward(Real* out, Real* lse, Real* scores, const Real* qkv,
+                       const AttentionShape& shape) {
   const int64_t T = shape.seq_len, d = shape.head_dim;
   const int64_t ld_qkv = shape.qkv_dim(), ld_out = shape.q_dim();
   const Real scale = Real(1) / std::sqrt(Real(d));
@@ -364,29 +373,49 @@ void attention_forward(Real* out, Real* probs, const Real* qkv, const AttentionS
       const Real* q = seq + shape.q_offset(h);
       const Real* k = seq + shape.k_offset(h);
       const Real* v = seq + shape.v_offset(h);
-      Real* p = probs + (b * shape.heads + h) * T * T;
+      Real* row_lse = lse + (b * shape.heads + h) * T;
       Real* y = out + b * T * ld_out + h * d;
       for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
         const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
-        gemm(false, true, rows, t1, d, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0),
-             p + t0 * T, T);
-        for (int64_t t = t0; t < t1; ++t) causal_softmax_row(p + t * T, t, t1);
-        gemm(false, false, rows, d, t1, Real(1), p + t0 * T, T, v, ld_qkv, Real(0), y + t0 * ld_out,
+        gemm(false, true, rows, t1, d, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0), scores,
+             T);
+        for (int64_t t = t0; t < t1; ++t) {
+          row_lse[t] = causal_softmax_row(scores + (t - t0) * T, t, t1);
+        }
+        gemm(false, false, rows, d, t1, Real(1), scores, T, v, ld_qkv, Real(0), y + t0 * ld_out,
              ld_out);
       }
     }
   }
 }
 
-// With dY the gradient of Y, per sequence, head and query block:
+// P of query block [t0, t1) from its log-sum-exps, into `probs` (rows of
+// width T): P_ts = exp(S_ts - L_t) for s <= t, 0 for s in (t, t1).
+template <typename Real>
+void recompute_probabilities(Real* probs, const Real* q, const Real* k, const Real* block_lse,
+                             int64_t t0, int64_t t1, const AttentionShape& shape) {
+  const int64_t T = shape.seq_len, ld_qkv = shape.qkv_dim();
+  const Real scale = Real(1) / std::sqrt(Real(shape.head_dim));
+  gemm(false, true, t1 - t0, t1, shape.head_dim, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0),
+       probs, T);
+  for (int64_t t = t0; t < t1; ++t) {
+    Real* row = probs + (t - t0) * T;
+    for (int64_t s = 0; s <= t; ++s) row[s] = std::exp(row[s] - block_lse[t - t0]);
+    std::fill(row + t + 1, row + t1, Real(0));
+  }
+}
+
+// With dY the gradient of Y, per sequence, head and query block (P
+// recomputed from L):
 //   dV += P^T dY;  dP = dY V^T
 //   dS = P * (dP - rowsum(P * dP))          (softmax backward; 0 for s > t)
 //   dQ = dS K / sqrt(d);  dK += dS^T Q / sqrt(d)
 // dV and dK accumulate over the blocks and over the query heads sharing a kv
-// head. d_qkv is overwritten; d_scores is scratch of shape.d_scores_size().
+// head. d_qkv is overwritten; probs and d_scores are scratch of
+// shape.scores_size() each.
 template <typename Real>
-void attention_backward(Real* d_qkv, Real* d_scores, const Real* d_out, const Real* qkv,
-                        const Real* probs, const AttentionShape& shape) {
+void attention_backward(Real* d_qkv, Real* probs, Real* d_scores, const Real* d_out,
+                        const Real* qkv, const Real* lse, const AttentionShape& shape) {
   const int64_t T = shape.seq_len, d = shape.head_dim;
   const int64_t ld_qkv = shape.qkv_dim(), ld_out = shape.q_dim();
   const Real scale = Real(1) / std::sqrt(Real(d));
@@ -398,17 +427,17 @@ void attention_backward(Real* d_qkv, Real* d_scores, const Real* d_out, const Re
       const Real* q = seq + shape.q_offset(h);
       const Real* k = seq + shape.k_offset(h);
       const Real* v = seq + shape.v_offset(h);
-      const Real* p = probs + (b * shape.heads + h) * T * T;
+      const Real* row_lse = lse + (b * shape.heads + h) * T;
       const Real* dy = d_out + b * T * ld_out + h * d;
       for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
         const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
-        const Real* p_block = p + t0 * T;
-        gemm(true, false, t1, d, rows, Real(1), p_block, T, dy + t0 * ld_out, ld_out, Real(1),
+        recompute_probabilities(probs, q, k, row_lse + t0, t0, t1, shape);
+        gemm(true, false, t1, d, rows, Real(1), probs, T, dy + t0 * ld_out, ld_out, Real(1),
              d_seq + shape.v_offset(h), ld_qkv);
         gemm(false, true, rows, t1, d, Real(1), dy + t0 * ld_out, ld_out, v, ld_qkv, Real(0),
              d_scores, T);
         for (int64_t t = t0; t < t1; ++t) {
-          const Real* p_row = p + t * T;
+          const Real* p_row = probs + (t - t0) * T;
           Real* ds_row = d_scores + (t - t0) * T;
           Real dot = 0;
           for (int64_t s = 0; s <= t; ++s) dot += p_row[s] * ds_row[s];

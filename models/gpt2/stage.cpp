@@ -101,10 +101,11 @@ BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
       positions(rows()),
       projection(rows() * hidden),
       d_residual(rows() * hidden),
+      scores(attention.scores_size()),
+      d_scores(attention.scores_size()),
       d_norm(rows() * hidden),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
-      d_scores(attention.d_scores_size()),
       d_mlp(rows() * inner) {
   models::require(seq_len <= c.n_positions, Gpt2::kName,
                   "seq_len " + std::to_string(seq_len) + " is beyond n_positions " +
@@ -117,8 +118,7 @@ BlockActivations::BlockActivations(const BlockPass& pass)
       mean1(pass.rows()),
       rstd1(pass.rows()),
       qkv(pass.rows() * pass.attention.qkv_dim()),
-      probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
-            pass.attention.seq_len),
+      lse(pass.attention.lse_size()),
       attention(pass.rows() * pass.attention.q_dim()),
       h(pass.rows() * pass.hidden),
       ln2(pass.rows() * pass.hidden),
@@ -128,7 +128,7 @@ BlockActivations::BlockActivations(const BlockPass& pass)
       act(pass.rows() * pass.inner) {}
 
 int64_t BlockActivations::bytes() const {
-  return bytes_of(ln1, mean1, rstd1, qkv, probs, attention, h, ln2, mean2, rstd2, fc, act);
+  return bytes_of(ln1, mean1, rstd1, qkv, lse, attention, h, ln2, mean2, rstd2, fc, act);
 }
 
 HeadActivations::HeadActivations(const BlockPass& pass)
@@ -167,7 +167,8 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
   layernorm_out_of_line(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
                         &block[kLn1Weight], pass);
   conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * Q);
-  attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), pass.attention);
+  attention_forward(saved.attention.data(), saved.lse.data(), pass.scores.data(), saved.qkv.data(),
+                    pass.attention);
   row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
                        pass.group(Block::attention));
   residual_forward(saved.h.data(), x, projection, N * E);
@@ -201,8 +202,8 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
 
   conv1d_bias_backward(pass.d_attention.data(), d_residual, &block[kAttnProjWeight],
                        saved.attention, N, Q, E, gradients);
-  attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
-                     saved.qkv.data(), saved.probs.data(), pass.attention);
+  attention_backward(pass.d_qkv.data(), pass.scores.data(), pass.d_scores.data(),
+                     pass.d_attention.data(), saved.qkv.data(), saved.lse.data(), pass.attention);
   column_parallel_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
                            pass.group(Block::attention), gradients);
   pass.group(Block::attention).wait_started();

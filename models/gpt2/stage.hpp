@@ -72,7 +72,10 @@ struct BlockPass {
   std::vector<float> projection;
   // The residual stream's gradient [N, E], from a block's output to its input.
   std::vector<float> d_residual;
-  std::vector<float> d_norm, d_qkv, d_attention, d_scores, d_mlp;
+  // A query block's attention scores (probabilities in backward) and their
+  // gradient.
+  std::vector<float> scores, d_scores;
+  std::vector<float> d_norm, d_qkv, d_attention, d_mlp;
 };
 
 // What one block's forward keeps for its backward.
@@ -82,7 +85,7 @@ struct BlockActivations {
 
   std::vector<float> ln1, mean1, rstd1;  // ln_1(x) [N, E], its mean and 1/std [N]
   std::vector<float> qkv;                // c_attn output [N, 3E]
-  std::vector<float> probs;              // [batch, heads, T, T]
+  std::vector<float> lse;                // attention's log-sum-exps [batch, heads, T]
   std::vector<float> attention;          // attention output [N, E]
   std::vector<float> h;                  // x + attn.c_proj(attention) [N, E]
   std::vector<float> ln2, mean2, rstd2;  // ln_2(h) [N, E], [N], [N]

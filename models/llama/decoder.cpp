@@ -112,10 +112,11 @@ DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
       rotary(attention.head_dim, seq_len, c.rope_theta),
       projection(rows() * hidden),
       d_residual(rows() * hidden),
+      scores(attention.scores_size()),
+      d_scores(attention.scores_size()),
       d_norm(rows() * hidden),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
-      d_scores(attention.d_scores_size()),
       d_gate_up(rows() * 2 * intermediate),
       d_mlp(rows() * intermediate),
       stream(sequence_parallel ? stream_numel() : 0),
@@ -131,8 +132,7 @@ LayerActivations::LayerActivations(const DecoderPass& pass)
     : norm1(pass.rows() * pass.hidden),
       rstd1(pass.stream_rows()),
       qkv(pass.rows() * pass.attention.qkv_dim()),
-      probs(pass.attention.batch * pass.attention.heads * pass.attention.seq_len *
-            pass.attention.seq_len),
+      lse(pass.attention.lse_size()),
       attention(pass.rows() * pass.attention.q_dim()),
       h(pass.stream_numel()),
       norm2(pass.rows() * pass.hidden),
@@ -141,7 +141,7 @@ LayerActivations::LayerActivations(const DecoderPass& pass)
       mlp(pass.rows() * pass.intermediate) {}
 
 int64_t LayerActivations::bytes() const {
-  return bytes_of(norm1, rstd1, qkv, probs, attention, h, norm2, rstd2, gate_up, mlp);
+  return bytes_of(norm1, rstd1, qkv, lse, attention, h, norm2, rstd2, gate_up, mlp);
 }
 
 HeadActivations::HeadActivations(const DecoderPass& pass)
@@ -197,7 +197,8 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                  shape.heads + shape.kv_heads, shape.qkv_dim());
-  attention_forward(saved.attention.data(), saved.probs.data(), saved.qkv.data(), shape);
+  attention_forward(saved.attention.data(), saved.lse.data(), pass.scores.data(), saved.qkv.data(),
+                    shape);
   linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
                  H);
   residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
@@ -234,8 +235,8 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   float* d_h = block_output_gradient(pass);
   linear_backward_input(pass.d_attention.data(), d_h, layer[kO].data, N, Q, H);
   gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_h, saved.attention);
-  attention_backward(pass.d_qkv.data(), pass.d_scores.data(), pass.d_attention.data(),
-                     saved.qkv.data(), saved.probs.data(), shape);
+  attention_backward(pass.d_qkv.data(), pass.scores.data(), pass.d_scores.data(),
+                     pass.d_attention.data(), saved.qkv.data(), saved.lse.data(), shape);
   rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,

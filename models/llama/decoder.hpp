@@ -56,7 +56,10 @@ struct DecoderPass {
   std::vector<float> projection;  // o_proj / down_proj output before its residual add
   // The residual stream's gradient [N, H], from a layer's output to its input.
   std::vector<float> d_residual;
-  std::vector<float> d_norm, d_qkv, d_attention, d_scores, d_gate_up, d_mlp;
+  // A query block's attention scores (probabilities in backward) and their
+  // gradient.
+  std::vector<float> scores, d_scores;
+  std::vector<float> d_norm, d_qkv, d_attention, d_gate_up, d_mlp;
   // Sequence parallelism's scratch: the rank's rows of a norm's output or
   // of a reduce-scattered sum [n, H], a gathered gradient [N, H], and a
   // norm weight's gradient before its sum over tp [H].
@@ -70,7 +73,7 @@ struct LayerActivations {
 
   std::vector<float> norm1, rstd1;  // rmsnorm(x) [N, H], its 1/rms [N]
   std::vector<float> qkv;           // after rotary [N, q+2kv]
-  std::vector<float> probs;         // [batch, heads, T, T]
+  std::vector<float> lse;           // attention's log-sum-exps [batch, heads, T]
   std::vector<float> attention;     // attention output [N, q]
   std::vector<float> h;             // x + o_proj(attention) [N, H]
   std::vector<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]

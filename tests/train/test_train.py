@@ -142,6 +142,17 @@ class Equivalence(TrainTest):
         self.assert_close(losses(whole), losses(single))
         self.assert_close(losses(whole), losses(two_ranks))
 
+    def test_activations_grow_with_the_sequence_not_its_square(self):
+        # Attention keeps each row's log-sum-exp, not its probabilities
+        # (backward recomputes them): every activation is per token, so 4x
+        # the sequence holds exactly 4x.
+        held = {}
+        for seq_len in (32, 128):
+            output = self.runs.train(f"seq{seq_len}", 1, f"data.seq_len={seq_len}",
+                                     "train.steps=1", "train.val_every=0")
+            held[seq_len] = metrics(output)[0]["mem"]["activations"]
+        self.assertEqual(held[128], 4 * held[32])
+
     def test_metrics_lines(self):
         output = self.runs.train("metrics", 2, "train.steps=2")
         lines = metrics(output)

@@ -5,6 +5,7 @@
 // derivative * eps^2 plus 1e-16 * |L| / eps), so a bound of 1e-7 + 1e-6
 // relative leaves a wide margin for rounding yet catches any wrong term.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -134,21 +135,43 @@ TEST_CASE("llama grouped-query attention backward matches finite differences", "
   Vector qkv = random_vector(rows * shape.qkv_dim(), 1);
   const Vector upstream = random_vector(rows * shape.q_dim(), 2);
   Vector out(rows * shape.q_dim());
-  Vector probs(shape.batch * shape.heads * shape.seq_len * shape.seq_len);
+  Vector lse(shape.lse_size()), scores(shape.seq_len * shape.seq_len);
   auto loss = [&] {
-    attention_forward(out.data(), probs.data(), qkv.data(), shape);
+    attention_forward(out.data(), lse.data(), scores.data(), qkv.data(), shape);
     return dot(upstream, out);
   };
   loss();
   AttentionShape one_block = shape;
   one_block.query_block = shape.seq_len;
-  Vector one_block_out(out.size());
-  attention_forward(one_block_out.data(), probs.data(), qkv.data(), one_block);
+  Vector one_block_out(out.size()), one_block_lse(lse.size());
+  attention_forward(one_block_out.data(), one_block_lse.data(), scores.data(), qkv.data(),
+                    one_block);
   for (size_t i = 0; i < out.size(); ++i) REQUIRE(out[i] == Approx(one_block_out[i]).margin(1e-12));
+  for (size_t i = 0; i < lse.size(); ++i) REQUIRE(lse[i] == Approx(one_block_lse[i]).margin(1e-12));
+  // L_t = log sum_{s <= t} exp(q_t . k_s / sqrt(d)), summed here directly.
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    for (int64_t h = 0; h < shape.heads; ++h) {
+      for (int64_t t = 0; t < shape.seq_len; ++t) {
+        double sum = 0;
+        for (int64_t s = 0; s <= t; ++s) {
+          double score = 0;
+          for (int64_t i = 0; i < shape.head_dim; ++i) {
+            score += qkv[(b * shape.seq_len + t) * shape.qkv_dim() + shape.q_offset(h) + i] *
+                     qkv[(b * shape.seq_len + s) * shape.qkv_dim() + shape.k_offset(h) + i];
+          }
+          sum += std::exp(score / std::sqrt(double(shape.head_dim)));
+        }
+        const double expected = std::log(sum);
+        REQUIRE(lse[size_t((b * shape.heads + h) * shape.seq_len + t)] ==
+                Approx(expected).margin(1e-12));
+      }
+    }
+  }
   loss();
-  Vector d_qkv(qkv.size()), d_scores(shape.d_scores_size());
-  attention_backward(d_qkv.data(), d_scores.data(), upstream.data(), qkv.data(), probs.data(),
-                     shape);
+  // Backward recomputes the probabilities from the log-sum-exps alone.
+  Vector d_qkv(qkv.size()), probs(shape.scores_size()), d_scores(shape.scores_size());
+  attention_backward(d_qkv.data(), probs.data(), d_scores.data(), upstream.data(), qkv.data(),
+                     lse.data(), shape);
   INFO("kv_heads " << kv_heads << " query_block " << query_block);
   check_gradient("d_qkv", qkv, d_qkv, loss);
 }
