@@ -124,6 +124,10 @@ struct DistributedConfig {
   int64_t tp_size = 1;
   int64_t pp_size = 1;
   int64_t cp_size = 1;
+  // How cp ranks share attention (ring x Ulysses = cp_size); 0: the other
+  // degree decides, ring when both are 0.
+  int64_t cp_ring_degree = 0;
+  int64_t cp_ulysses_degree = 0;
   int64_t ep_size = 1;
   bool sequence_parallel = false;
   std::string activation_checkpointing;  // "" (off), "full" or "selective"; TOML true = "full"

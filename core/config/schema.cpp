@@ -176,6 +176,8 @@ std::vector<Field> distributed_fields(const TableSchema& pipeline, const TableSc
       .integer("tp_size", &D::tp_size, 1)
       .integer("pp_size", &D::pp_size, 1)
       .integer("cp_size", &D::cp_size, 1)
+      .integer("cp_ring_degree", &D::cp_ring_degree, 0)
+      .integer("cp_ulysses_degree", &D::cp_ulysses_degree, 0)
       .integer("ep_size", &D::ep_size, 1)
       .boolean("sequence_parallel", &D::sequence_parallel)
       .custom("activation_checkpointing", read_activation_checkpointing)

@@ -1,5 +1,6 @@
 #include "model/counted_comm.hpp"
 
+#include <chrono>
 #include <utility>
 
 #include "comm/comm.hpp"
@@ -10,17 +11,35 @@ namespace meshrun {
 namespace {
 
 // The handle the model holds: the backend's communicator, its size and the
-// count.
+// counts.
 struct Counted {
   const meshrun_comm_api* backend;
   meshrun_communicator* real;
   int64_t size = 1;
   int64_t bytes = 0;
+  double wait_seconds = 0;  // the model blocked in `wait` on its requests
 };
+
+// The request the model holds: the backend's, and whose it is, so that a
+// wait counts against its communicator.
+struct CountedRequest {
+  meshrun_request* real;
+  Counted* owner;
+};
+
+CountedRequest* of(meshrun_request* request) { return reinterpret_cast<CountedRequest*>(request); }
 
 Counted* of(meshrun_communicator* handle) { return reinterpret_cast<Counted*>(handle); }
 const Counted* of(const meshrun_communicator* handle) {
   return reinterpret_cast<const Counted*>(handle);
+}
+
+// Wraps the request an operation of `c` returned in *out.
+meshrun_error* owned(meshrun_communicator* c, meshrun_error* error, meshrun_request** out) {
+  if (error == nullptr && out != nullptr && *out != nullptr) {
+    *out = reinterpret_cast<meshrun_request*>(new CountedRequest{*out, of(c)});
+  }
+  return error;
 }
 
 int64_t bytes_of(const DLTensor* tensor) {
@@ -54,34 +73,51 @@ meshrun_error* set_stream(meshrun_communicator* c, void* stream) {
 meshrun_error* all_reduce(meshrun_communicator* c, const DLTensor* send, DLTensor* recv, int32_t op,
                           meshrun_request** out) {
   of(c)->bytes += 2 * (of(c)->size - 1) * bytes_of(send) / of(c)->size;
-  return of(c)->backend->all_reduce(of(c)->real, send, recv, op, out);
+  return owned(c, of(c)->backend->all_reduce(of(c)->real, send, recv, op, out), out);
 }
 meshrun_error* all_gather(meshrun_communicator* c, const DLTensor* send, DLTensor* recv,
                           meshrun_request** out) {
   of(c)->bytes += (of(c)->size - 1) * bytes_of(send);
-  return of(c)->backend->all_gather(of(c)->real, send, recv, out);
+  return owned(c, of(c)->backend->all_gather(of(c)->real, send, recv, out), out);
 }
 meshrun_error* reduce_scatter(meshrun_communicator* c, const DLTensor* send, DLTensor* recv,
                               int32_t op, meshrun_request** out) {
   of(c)->bytes += (of(c)->size - 1) * bytes_of(send) / of(c)->size;
-  return of(c)->backend->reduce_scatter(of(c)->real, send, recv, op, out);
+  return owned(c, of(c)->backend->reduce_scatter(of(c)->real, send, recv, op, out), out);
 }
 meshrun_error* broadcast(meshrun_communicator* c, DLTensor* tensor, int64_t root,
                          meshrun_request** out) {
   of(c)->bytes += bytes_of(tensor);
-  return of(c)->backend->broadcast(of(c)->real, tensor, root, out);
+  return owned(c, of(c)->backend->broadcast(of(c)->real, tensor, root, out), out);
 }
 meshrun_error* send(meshrun_communicator* c, const DLTensor* tensor, int64_t peer, int64_t tag,
                     meshrun_request** out) {
   of(c)->bytes += bytes_of(tensor);
-  return of(c)->backend->send(of(c)->real, tensor, peer, tag, out);
+  return owned(c, of(c)->backend->send(of(c)->real, tensor, peer, tag, out), out);
 }
 meshrun_error* recv(meshrun_communicator* c, DLTensor* tensor, int64_t peer, int64_t tag,
                     meshrun_request** out) {
-  return of(c)->backend->recv(of(c)->real, tensor, peer, tag, out);
+  return owned(c, of(c)->backend->recv(of(c)->real, tensor, peer, tag, out), out);
 }
 meshrun_error* barrier(meshrun_communicator* c, meshrun_request** out) {
-  return of(c)->backend->barrier(of(c)->real, out);
+  return owned(c, of(c)->backend->barrier(of(c)->real, out), out);
+}
+
+meshrun_error* wait(meshrun_request* request, double timeout_seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  CountedRequest* counted = of(request);
+  meshrun_error* error = counted->owner->backend->wait(counted->real, timeout_seconds);
+  counted->owner->wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return error;
+}
+meshrun_error* test(meshrun_request* request, int32_t* out_done) {
+  return of(request)->owner->backend->test(of(request)->real, out_done);
+}
+void request_destroy(meshrun_request* request) {
+  if (request == nullptr) return;
+  of(request)->owner->backend->request_destroy(of(request)->real);
+  delete of(request);
 }
 
 }  // namespace
@@ -118,6 +154,9 @@ CountedCommunicators::CountedCommunicators(const meshrun_comm_api* backend,
   api.send = &send;
   api.recv = &recv;
   api.barrier = &barrier;
+  api.wait = &wait;
+  api.test = &test;
+  api.request_destroy = &request_destroy;
 }
 
 CountedCommunicators::~CountedCommunicators() = default;
@@ -133,6 +172,13 @@ int64_t CountedCommunicators::take_tp_bytes() {
   const int64_t bytes = tables_->tp.bytes;
   tables_->tp.bytes = 0;
   return bytes;
+}
+
+CommTraffic CountedCommunicators::take_cp_traffic() {
+  const CommTraffic traffic{tables_->cp.bytes, tables_->cp.wait_seconds};
+  tables_->cp.bytes = 0;
+  tables_->cp.wait_seconds = 0;
+  return traffic;
 }
 
 }  // namespace meshrun

@@ -1,7 +1,8 @@
 // The communicators a model stage computes over (tp, cp, ep), handed to the
 // model plugin behind a comm table of the host's that forwards every call
-// to the backend and counts the bytes the model's collectives move, so that
-// metrics.jsonl can show what tensor parallelism costs per step.
+// to the backend and counts the bytes the model's collectives move and the
+// time it waits for them, so that metrics.jsonl can show what tensor and
+// context parallelism cost per step.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,12 @@
 #include "meshrun/comm.h"
 
 namespace meshrun {
+
+// What one communicator's operations sent and how long the model waited.
+struct CommTraffic {
+  int64_t bytes = 0;
+  double wait_seconds = 0;
+};
 
 class CountedCommunicators {
  public:
@@ -31,6 +38,10 @@ class CountedCommunicators {
   // from this rank since the last call, as ring algorithms send them
   // (nccl-tests' bus bytes: an all-reduce of B bytes 2 (p-1)/p B).
   int64_t take_tp_bytes();
+  // Likewise over the cp communicator (a send counts its bytes), with the
+  // time the model blocked waiting for its operations: what the transfers
+  // of context parallelism did not hide behind compute.
+  CommTraffic take_cp_traffic();
 
  private:
   struct Tables;

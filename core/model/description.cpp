@@ -209,6 +209,20 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.unit_class = json.at("unit_class").get<std::string>();
   }
+  if (json.contains("context_parallel")) {
+    const ordered_json& cp = json.at("context_parallel");
+    const auto positive = [&](const char* key) {
+      return cp.is_object() && cp.contains(key) && cp.at(key).is_number_integer() &&
+             cp.at(key).get<int64_t>() > 0;
+    };
+    if (!positive("heads") || !positive("kv_heads")) {
+      bad_description(origin,
+                      "\"context_parallel\" must be {\"heads\": n, \"kv_heads\": m}, "
+                      "positive integers");
+    }
+    d.context_parallel = ModelDescription::AttentionHeads{cp.at("heads").get<int64_t>(),
+                                                          cp.at("kv_heads").get<int64_t>()};
+  }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }

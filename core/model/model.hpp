@@ -58,6 +58,12 @@ struct ModelDescription {
   bool sequence_parallel = false;            // the model computes sequence parallelism
   std::vector<std::string> autocast_dtypes;  // its matmuls' dtypes under autocast
   std::string unit_class;  // the Hugging Face class of its layer units; empty: none named
+  // With context parallelism computed: its attention and key/value heads
+  // (what Ulysses splits); absent: the model computes no cp.
+  struct AttentionHeads {
+    int64_t heads = 0, kv_heads = 0;
+  };
+  std::optional<AttentionHeads> context_parallel;
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters
@@ -181,6 +187,8 @@ class ModelStage {
   int64_t activation_bytes();
   // Bytes the model's tensor-parallel communication sent since the last call.
   int64_t take_tensor_parallel_bytes() { return comms_->take_tp_bytes(); }
+  // The context-parallel traffic and waits since the last call.
+  CommTraffic take_context_parallel_traffic() { return comms_->take_cp_traffic(); }
 
  private:
   struct Bridge;

@@ -165,6 +165,17 @@ ordered_json pipeline_split(const Config& config, const ModelDescription& d, int
   return split;
 }
 
+// The plan's "context_parallel": how the cp ranks share attention, null
+// without cp.
+ordered_json context_parallel(const Config& config) {
+  if (config.distributed.cp_size == 1) return nullptr;
+  const ContextParallelDegrees degrees = context_parallel_degrees(config);
+  return {{"size", config.distributed.cp_size},
+          {"ring_degree", degrees.ring},
+          {"ulysses_degree", degrees.ulysses},
+          {"chunks", 2 * config.distributed.cp_size}};
+}
+
 // The plan's "autocast_dtype": the dtype of the model's matmuls under
 // autocast, null without (float32 is no autocast).
 ordered_json autocast_dtype(const Config& config) {
@@ -214,7 +225,8 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
           {"activation_checkpointing", std::move(checkpointed)},
           {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel},
           {"async_tensor_parallel", tp > 1 && config.distributed.enable_async_tensor_parallel},
-          {"autocast_dtype", autocast_dtype(config)}};
+          {"autocast_dtype", autocast_dtype(config)},
+          {"context_parallel", context_parallel(config)}};
 }
 
 ordered_json sidecar_request(const Config& config, const MeshContext& mesh, const Model& model,
@@ -321,8 +333,11 @@ class PlanCheck {
   // The settings the config decides for the whole run: a sidecar places
   // parameters and splits stages, it does not change these.
   void keeps_run_settings(const ordered_json& default_plan, const ordered_json& plan) const {
-    for (const char* key : {"sequence_parallel", "async_tensor_parallel", "autocast_dtype"}) {
-      if (plan.value(key, ordered_json()) != default_plan.value(key, ordered_json())) {
+    for (const char* key :
+         {"sequence_parallel", "async_tensor_parallel", "autocast_dtype", "context_parallel"}) {
+      // Compared as JSON values: a sidecar may reorder an object's keys.
+      const nlohmann::json planned = plan.value(key, ordered_json());
+      if (planned != nlohmann::json(default_plan.value(key, ordered_json()))) {
         fail(fmt::format("\"{}\" is {}, but the config makes it {}", key,
                          plan.value(key, ordered_json()).dump(), default_plan.at(key).dump()));
       }

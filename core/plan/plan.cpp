@@ -144,7 +144,60 @@ int64_t checked_product(const Config& config,
   return product;
 }
 
+// Context parallelism is the model's to compute (its description's
+// "context_parallel"); it cuts every sequence into 2 cp chunks and Ulysses
+// splits each tp rank's heads.
+void check_context_parallel(const Config& config, const Model& model) {
+  const int64_t cp = config.distributed.cp_size;
+  const ContextParallelDegrees degrees = context_parallel_degrees(config);
+  if (cp == 1) return;
+  const auto& heads = model.description().context_parallel;
+  if (!heads) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.cp_size",
+                fmt::format("{} > 1, but model plugin {} computes no context parallelism (its "
+                            "description has no \"context_parallel\"); set it to 1",
+                            cp, model.library().path()));
+  }
+  if (config.data.seq_len % (2 * cp) != 0) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "data.seq_len",
+                fmt::format("{} is not divisible by 2 x distributed.cp_size ({}): context "
+                            "parallelism cuts each sequence into 2 cp equal chunks (rank i keeps "
+                            "chunks i and 2 cp - 1 - i, which balances causal attention)",
+                            config.data.seq_len, 2 * cp));
+  }
+  const int64_t tp = config.distributed.tp_size;
+  const int64_t local_heads = heads->heads / tp, local_kv_heads = heads->kv_heads / tp;
+  if (local_heads % degrees.ulysses != 0 || local_kv_heads % degrees.ulysses != 0) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.cp_ulysses_degree",
+                fmt::format("{} does not divide the {} attention heads and {} key/value heads "
+                            "each tp rank computes ({} and {} over tp_size {}): Ulysses gives "
+                            "each of its ranks whole heads",
+                            degrees.ulysses, local_heads, local_kv_heads, heads->heads,
+                            heads->kv_heads, tp));
+  }
+}
+
 }  // namespace
+
+ContextParallelDegrees context_parallel_degrees(const Config& config) {
+  const DistributedConfig& d = config.distributed;
+  const int64_t cp = d.cp_size;
+  const int64_t ring = d.cp_ring_degree, ulysses = d.cp_ulysses_degree;
+  const auto refuse = [&](const char* key, int64_t value) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, key,
+                fmt::format("{} does not fit distributed.cp_size ({}): cp_ring_degree x "
+                            "cp_ulysses_degree must be cp_size (either may be left out: it is "
+                            "then cp_size / the other)",
+                            value, cp));
+  };
+  if (ring > 0 && ulysses > 0 && ring * ulysses != cp)
+    refuse("distributed.cp_ulysses_degree", ulysses);
+  if (ring > 0 && cp % ring != 0) refuse("distributed.cp_ring_degree", ring);
+  if (ulysses > 0 && cp % ulysses != 0) refuse("distributed.cp_ulysses_degree", ulysses);
+  if (ring > 0) return {ring, cp / ring};
+  if (ulysses > 0) return {cp / ulysses, ulysses};
+  return {cp, 1};
+}
 
 std::shared_ptr<PluginLibrary> load_strategy(const Config& config, const PluginLoader& loader) {
   return load_named(config, loader, PluginKind::strategy, config.distributed.strategy,
@@ -171,6 +224,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   check_pipeline_batch(config, plan.mesh);
   plan.model = make_model(config, loader);
   check_unit_modules(config, *plan.model);
+  check_context_parallel(config, *plan.model);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
                               "model.model_type");
@@ -418,6 +472,14 @@ std::string model_lines(const ModelDescription& description, const nlohmann::ord
   if (autocast.is_string()) {
     text += fmt::format("{:<10}matmuls in {} (operands rounded, float32 sums)\n", "autocast",
                         autocast.get<std::string>());
+  }
+  const auto cp = model.value("context_parallel", nlohmann::ordered_json());
+  if (cp.is_object()) {
+    text += fmt::format(
+        "{:<10}each sequence in {} chunks over {} ranks (rank i: chunks i and "
+        "{}-i); attention by ring {} x Ulysses {}\n",
+        "context", shown(cp, "chunks"), shown(cp, "size"), cp.at("chunks").get<int64_t>() - 1,
+        shown(cp, "ring_degree"), shown(cp, "ulysses_degree"));
   }
   return text;
 }

@@ -48,6 +48,15 @@ nlohmann::ordered_json plan_model(const Config& config, const MeshContext& mesh,
                                   const std::shared_ptr<PluginLibrary>& sidecar,
                                   const PluginLibrary* schedule);
 
+// How context parallelism shares attention over cp_size ranks: ring x
+// Ulysses (distributed.cp_ring_degree, cp_ulysses_degree; one may be left
+// out, ring when both are). Throws an input error naming the key when
+// they do not multiply to cp_size.
+struct ContextParallelDegrees {
+  int64_t ring = 1, ulysses = 1;
+};
+ContextParallelDegrees context_parallel_degrees(const Config& config);
+
 // Loads the strategy plugin the config names; its table says the mesh family.
 std::shared_ptr<PluginLibrary> load_strategy(const Config& config, const PluginLoader& loader);
 

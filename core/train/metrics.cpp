@@ -64,6 +64,8 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"grad_sync_wait_s", m.grad_sync_wait_s},
                                  {"comm_wait_s", m.comm_wait_s},
                                  {"tp_bytes", m.tp_bytes},
+                                 {"cp_bytes", m.cp_bytes},
+                                 {"cp_wait_s", m.cp_wait_s},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
   if (m.skipped) line["skipped"] = true;

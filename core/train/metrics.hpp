@@ -60,6 +60,11 @@ struct StepMetrics {
   // Bytes this rank's tensor-parallel collectives sent in the step (the
   // model's all-reduces over tp); 0 without tensor parallelism.
   int64_t tp_bytes = 0;
+  // Bytes this rank's context-parallel transfers sent in the step (ring
+  // attention's key/value blocks and their gradients, Ulysses' all-to-alls)
+  // and the time the model blocked waiting for them; 0 without cp.
+  int64_t cp_bytes = 0;
+  double cp_wait_s = 0;
   std::optional<double> val_loss;
   MemoryUse mem;
 };

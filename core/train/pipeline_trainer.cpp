@@ -126,6 +126,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
     std::fill_n(held->local.grads, held->local.numel, 0.0f);
     held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
+    held->work->compute().take_context_parallel_traffic();
   }
   activations_.begin_step();
   const pipeline::StepTimes times = executor_->run_step();
@@ -134,7 +135,12 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.grad_sync_wait_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
   metrics.comm_wait_s = metrics.grad_sync_wait_s + times.wait_s + times.sharding_s;
-  for (auto& held : held_) metrics.tp_bytes += held->work->compute().take_tensor_parallel_bytes();
+  for (auto& held : held_) {
+    metrics.tp_bytes += held->work->compute().take_tensor_parallel_bytes();
+    const CommTraffic context = held->work->compute().take_context_parallel_traffic();
+    metrics.cp_bytes += context.bytes;
+    metrics.cp_wait_s += context.wait_seconds;
+  }
   // The objective is the mean over the microbatches: without
   // scale_grads_in_schedule the last stage seeded each with 1, so the
   // accumulated gradients are scaled here.
@@ -144,10 +150,9 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
       for (int64_t i = 0; i < held->local.numel; ++i) held->local.grads[i] *= scale;
     }
   }
-  // Every tp rank of the last stage has the loss: tp rank 0's counts.
   double loss = 0;
   for (auto& held : held_) loss += held->work->take_loss_sum() / double(microbatches_);
-  if (ctx_.computing.tp->rank() != 0) loss = 0;
+  if (!counts_model_result()) loss = 0;
   metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
 }
 
@@ -220,6 +225,13 @@ double PipelineTrainer::forward_for_evaluation(int64_t count) {
   return sum;
 }
 
+// Every tp and cp rank of the last stage has the loss of the same
+// micro-batches (the model sums it over cp): tp and cp rank 0's counts, as
+// do their copies of the stage's weights.
+bool PipelineTrainer::counts_model_result() const {
+  return ctx_.computing.tp->rank() == 0 && ctx_.computing.cp->rank() == 0;
+}
+
 std::optional<double> PipelineTrainer::validate() {
   const int64_t windows = ctx_.data.val_windows();
   if (windows == 0) return std::nullopt;
@@ -233,7 +245,7 @@ std::optional<double> PipelineTrainer::validate() {
     ctx_.data.validation_batch(first, count, tokens_, targets_);
     sum += forward_for_evaluation(count);
   }
-  if (ctx_.computing.tp->rank() != 0) sum = 0;
+  if (!counts_model_result()) sum = 0;
   return all_reduce(sum, ReduceOp::sum, ctx_.world) / double(windows * ctx_.data.seq_len());
 }
 
@@ -321,7 +333,7 @@ void PipelineTrainer::resume(const CheckpointIndex& index) {
 }
 
 // Every stage gathered over dp and tp, copied into the full layout by rank
-// 0 of dp and tp of its pipeline rank, and summed over the world: each
+// 0 of dp, tp and cp of its pipeline rank, and summed over the world: each
 // element has one writer, so the sum is exact.
 void PipelineTrainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
@@ -331,7 +343,7 @@ void PipelineTrainer::export_weights() {
     std::vector<float> stage(size_t(held->parameters.numel()));
     held->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
     gather_tensor_parallel(held->parameters, stage.data(), tensor_parallel(), stage_full.data());
-    if (ctx_.data_parallel.rank() != 0 || ctx_.computing.tp->rank() != 0) continue;
+    if (ctx_.data_parallel.rank() != 0 || !counts_model_result()) continue;
     for (const int64_t p : held->parameters.indices) {
       const ModelParameter& parameter = description.parameters[size_t(p)];
       std::copy_n(stage_full.begin() + parameter.offset, parameter.numel,

@@ -72,6 +72,9 @@ class PipelineTrainer : public TrainingRank {
   void build_stages();
   double forward_for_evaluation(int64_t count);
   double all_reduce(double value, ReduceOp op, Communicator& over);
+  // Whether this rank adds the loss and the weights of its stage (tp and cp
+  // ranks hold the same).
+  bool counts_model_result() const;
   // Elements [begin, end) of the stage's local shard in the full model's
   // flat layout, and the rank's local shards and moments concatenated.
   std::vector<HeldRange> rank_ranges(bool saved) const;

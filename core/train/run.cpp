@@ -48,23 +48,16 @@ void check_batch(const Config& config, int64_t dp) {
   }
 }
 
-// The trainer runs data, tensor and pipeline parallelism: no model computes
-// context or expert parallel yet (the plan shows those layouts; `meshrun
-// plan` prints them).
+// The trainer runs data, tensor, context and pipeline parallelism: no
+// model computes expert parallelism yet (`meshrun plan` prints its layout).
 void check_parallel_sizes(const Config& config) {
   const DistributedConfig& d = config.distributed;
-  for (const auto& [key, size] :
-       {std::pair{"distributed.cp_size", d.cp_size}, {"distributed.ep_size", d.ep_size}}) {
-    if (size != 1) {
-      throw config_error(config, key,
-                         fmt::format("{} > 1: meshrun train runs data, tensor and pipeline "
-                                     "parallelism only so far (ddp; fsdp2 with "
-                                     "dp_replicate_size, dp_shard, tp_size and pp_size); set it "
-                                     "to 1, or see the layout with "
-                                     "`meshrun plan`",
-                                     size));
-    }
-  }
+  if (d.ep_size == 1) return;
+  throw config_error(config, "distributed.ep_size",
+                     fmt::format("{} > 1: meshrun train runs data, tensor, context and pipeline "
+                                 "parallelism only so far; set it to 1, or see the layout with "
+                                 "`meshrun plan`",
+                                 d.ep_size));
 }
 
 // Sequence parallelism shards each sequence's rows over tp ranks: every

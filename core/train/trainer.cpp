@@ -83,6 +83,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   std::fill_n(local_.grads, local_.numel, 0.0f);
   hooks_->take_seconds_in_strategy();   // not this step's: validation's gathers
   stage_.take_tensor_parallel_bytes();  // likewise
+  stage_.take_context_parallel_traffic();
   double loss_sum = 0.0;
   stage_.set_shape(train.micro_batch_size, ctx_.data.seq_len());
   activations_.begin_step();
@@ -99,6 +100,9 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.grad_sync_wait_s = seconds_since(sync_start);
   metrics.comm_wait_s = metrics.grad_sync_wait_s + hooks_->take_seconds_in_strategy();
   metrics.tp_bytes = stage_.take_tensor_parallel_bytes();
+  const CommTraffic context = stage_.take_context_parallel_traffic();
+  metrics.cp_bytes = context.bytes;
+  metrics.cp_wait_s = context.wait_seconds;
   // Each micro-batch's loss is a mean over its tokens, so the accumulated
   // gradient is micro_batches times the mean over this rank's share; the
   // strategy averaged the shares, which makes it the global batch's mean.

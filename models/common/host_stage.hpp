@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/context_parallel.hpp"
 #include "common/description.hpp"
 #include "common/stage.hpp"
 #include "meshrun/model.hpp"
@@ -40,52 +41,22 @@ class HostHooks : public StageHooks {
   plugin::ModelHooks hooks_;
 };
 
-// The stage's tp communicator (meshrun_model_stage_setup.tp) through the
-// comm backend's table; one rank without it. A failed collective (a peer
+// A communicator of the stage (meshrun_model_stage_setup.tp or .cp) through
+// the comm backend's table; one rank without it. A failed operation (a peer
 // gone past the timeout) throws the backend's error object, which the stage
 // hands back to the host unchanged.
-class HostTensorParallelGroup : public TensorParallelGroup {
+class HostCommunicator {
  public:
-  // `async`: start_* return before their collective completes.
-  HostTensorParallelGroup(const meshrun_model_stage_setup& setup, bool async)
-      : api_(setup.comm), comm_(setup.tp), async_(async) {
+  HostCommunicator(const meshrun_comm_api* api, meshrun_communicator* comm)
+      : api_(api), comm_(comm) {
     if (api_ == nullptr || comm_ == nullptr) return;
     check(api_->rank(comm_, &rank_));
     check(api_->size(comm_, &size_));
   }
-  int64_t size() const override { return size_; }
-  int64_t rank() const override { return rank_; }
-  void all_reduce_sum(float* data, int64_t count) override {
-    all_reduce(data, count, MESHRUN_REDUCE_SUM);
-  }
-  void all_reduce_max(float* data, int64_t count) override {
-    all_reduce(data, count, MESHRUN_REDUCE_MAX);
-  }
-  void all_gather(const float* send, float* recv, int64_t count) override {
-    Tensor in(send, count), out(recv, count * size_);
-    meshrun_request* request = nullptr;
-    check(api_->all_gather(comm_, &in.tensor, &out.tensor, &request));
-    finish(request);
-  }
-  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
-    finish(start_reduce_scatter(send, recv, count));
-  }
-  void start_all_reduce_sum(float* data, int64_t count) override {
-    if (!async_) return all_reduce_sum(data, count);
-    started_.push_back(start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
-  }
-  void start_reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
-    if (!async_) return reduce_scatter_sum(send, recv, count);
-    started_.push_back(start_reduce_scatter(send, recv, count));
-  }
-  void wait_started() override {
-    std::vector<meshrun_request*> started;
-    started.swap(started_);
-    for (meshrun_request* request : started) finish(request);
-  }
-
- private:
-  // A float32 vector as DLPack describes it.
+  int64_t size() const { return size_; }
+  int64_t rank() const { return rank_; }
+  // A float32 vector as DLPack describes it; the backend reads the
+  // description when the operation starts.
   struct Tensor {
     Tensor(const float* data, int64_t count)
         : shape{count},
@@ -93,22 +64,16 @@ class HostTensorParallelGroup : public TensorParallelGroup {
     int64_t shape[1];
     DLTensor tensor;
   };
-  void finish(meshrun_request* request) {
-    meshrun_error* error = api_->wait(request, -1.0);
-    api_->request_destroy(request);
-    check(error);
-  }
-  static void check(meshrun_error* error) {
-    if (error != nullptr) throw plugin::HostError(error);
-  }
-  void all_reduce(float* data, int64_t count, int32_t op) {
-    finish(start_all_reduce(data, count, op));
-  }
-  // The backend reads the tensor's description when the collective starts.
   meshrun_request* start_all_reduce(float* data, int64_t count, int32_t op) {
     Tensor tensor(data, count);
     meshrun_request* request = nullptr;
     check(api_->all_reduce(comm_, &tensor.tensor, &tensor.tensor, op, &request));
+    return request;
+  }
+  meshrun_request* start_all_gather(const float* send, float* recv, int64_t count) {
+    Tensor in(send, count), out(recv, count * size_);
+    meshrun_request* request = nullptr;
+    check(api_->all_gather(comm_, &in.tensor, &out.tensor, &request));
     return request;
   }
   meshrun_request* start_reduce_scatter(const float* send, float* recv, int64_t count) {
@@ -117,12 +82,97 @@ class HostTensorParallelGroup : public TensorParallelGroup {
     check(api_->reduce_scatter(comm_, &in.tensor, &out.tensor, MESHRUN_REDUCE_SUM, &request));
     return request;
   }
+  meshrun_request* start_send(const float* data, int64_t count, int64_t peer, int64_t tag) {
+    Tensor tensor(data, count);
+    meshrun_request* request = nullptr;
+    check(api_->send(comm_, &tensor.tensor, peer, tag, &request));
+    return request;
+  }
+  meshrun_request* start_recv(float* data, int64_t count, int64_t peer, int64_t tag) {
+    Tensor tensor(data, count);
+    meshrun_request* request = nullptr;
+    check(api_->recv(comm_, &tensor.tensor, peer, tag, &request));
+    return request;
+  }
+  void finish(meshrun_request* request) {
+    meshrun_error* error = api_->wait(request, -1.0);
+    api_->request_destroy(request);
+    check(error);
+  }
+  // Completes every request in `started`, which it empties.
+  void finish_all(std::vector<meshrun_request*>& started) {
+    std::vector<meshrun_request*> requests;
+    requests.swap(started);
+    for (meshrun_request* request : requests) finish(request);
+  }
+
+ private:
+  static void check(meshrun_error* error) {
+    if (error != nullptr) throw plugin::HostError(error);
+  }
 
   const meshrun_comm_api* api_;
   meshrun_communicator* comm_;
   int64_t rank_ = 0, size_ = 1;
+};
+
+// The stage's tp group.
+class HostTensorParallelGroup : public TensorParallelGroup {
+ public:
+  // `async`: start_* return before their collective completes.
+  HostTensorParallelGroup(const meshrun_model_stage_setup& setup, bool async)
+      : comm_(setup.comm, setup.tp), async_(async) {}
+  int64_t size() const override { return comm_.size(); }
+  int64_t rank() const override { return comm_.rank(); }
+  void all_reduce_sum(float* data, int64_t count) override {
+    comm_.finish(comm_.start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
+  }
+  void all_reduce_max(float* data, int64_t count) override {
+    comm_.finish(comm_.start_all_reduce(data, count, MESHRUN_REDUCE_MAX));
+  }
+  void all_gather(const float* send, float* recv, int64_t count) override {
+    comm_.finish(comm_.start_all_gather(send, recv, count));
+  }
+  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    comm_.finish(comm_.start_reduce_scatter(send, recv, count));
+  }
+  void start_all_reduce_sum(float* data, int64_t count) override {
+    if (!async_) return all_reduce_sum(data, count);
+    started_.push_back(comm_.start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
+  }
+  void start_reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    if (!async_) return reduce_scatter_sum(send, recv, count);
+    started_.push_back(comm_.start_reduce_scatter(send, recv, count));
+  }
+  void wait_started() override { comm_.finish_all(started_); }
+
+ private:
+  HostCommunicator comm_;
   bool async_;
   std::vector<meshrun_request*> started_;  // by start_*, until wait_started
+};
+
+// The stage's cp group.
+class HostContextParallelGroup : public ContextParallelGroup {
+ public:
+  explicit HostContextParallelGroup(const meshrun_model_stage_setup& setup)
+      : comm_(setup.comm, setup.cp) {}
+  int64_t size() const override { return comm_.size(); }
+  int64_t rank() const override { return comm_.rank(); }
+  void all_reduce_sum(float* data, int64_t count) override {
+    comm_.finish(comm_.start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
+  }
+  void start_send(const float* data, int64_t count, int64_t peer, int64_t tag) override {
+    started_.push_back(comm_.start_send(data, count, peer, tag));
+  }
+  void start_recv(float* data, int64_t count, int64_t peer, int64_t tag) override {
+    started_.push_back(comm_.start_recv(data, count, peer, tag));
+  }
+  void wait_started() override { comm_.finish_all(started_); }
+
+ private:
+  HostCommunicator comm_;
+  std::vector<meshrun_request*> started_;
 };
 
 template <class Plugin>
@@ -207,12 +257,15 @@ class HostStage {
             const Placements& placements)
       : hooks_(*setup.hooks),
         tp_(setup, placements.async),
+        cp_group_(setup),
         stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
-               &tp_, placements),
+               &tp_, placements,
+               plan_context_parallel(setup.plan_json, &cp_group_, Plugin::Family::kName)),
         matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)) {}
 
   HostHooks hooks_;
   HostTensorParallelGroup tp_;
+  HostContextParallelGroup cp_group_;
   TransformerStage<typename Plugin::Family> stage_;
   kernels::MatmulPrecision matmul_precision_;
 };

@@ -255,16 +255,30 @@ struct RotaryTable {
   std::vector<Real> cos;  // [seq_len, half_dim]
   std::vector<Real> sin;  // [seq_len, half_dim]
 
+  // Row t turns by the angles of position t.
   RotaryTable(int64_t head_dim, int64_t seq_len, double theta)
-      : half_dim(head_dim / 2), cos(seq_len * half_dim), sin(seq_len * half_dim) {
-    for (int64_t pos = 0; pos < seq_len; ++pos) {
+      : RotaryTable(head_dim, counting(seq_len), theta) {}
+  // Row t turns by the angles of positions[t] (a context-parallel rank's
+  // rows are not contiguous).
+  RotaryTable(int64_t head_dim, const std::vector<int64_t>& positions, double theta)
+      : half_dim(head_dim / 2),
+        cos(positions.size() * size_t(half_dim)),
+        sin(positions.size() * size_t(half_dim)) {
+    for (size_t t = 0; t < positions.size(); ++t) {
       for (int64_t i = 0; i < half_dim; ++i) {
         const double inv_freq = std::pow(theta, -2.0 * double(i) / double(head_dim));
-        const double angle = double(pos) * inv_freq;
-        cos[pos * half_dim + i] = Real(std::cos(angle));
-        sin[pos * half_dim + i] = Real(std::sin(angle));
+        const double angle = double(positions[t]) * inv_freq;
+        cos[t * size_t(half_dim) + size_t(i)] = Real(std::cos(angle));
+        sin[t * size_t(half_dim) + size_t(i)] = Real(std::sin(angle));
       }
     }
+  }
+
+ private:
+  static std::vector<int64_t> counting(int64_t n) {
+    std::vector<int64_t> positions(static_cast<size_t>(n));
+    for (int64_t t = 0; t < n; ++t) positions[size_t(t)] = t;
+    return positions;
   }
 };
 

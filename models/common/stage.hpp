@@ -36,8 +36,11 @@
 //     parameters() say each one's placement (ParameterView::tp)
 //   tensor_parallel_blocks(): its BlockSpecs; tensor_parallel_block(name):
 //     the Block of a parameter it computes over tp
-//   Pass(config, batch, seq_len, tp, sequence_parallel, blocks): what a
-//     forward at one shape shares, with local sizes over the tp group for
+//   Pass(config, batch, seq_len, tp, sequence_parallel, blocks, cp): what a
+//     forward at one shape shares (seq_len: the rank's rows of each
+//     sequence, all of them without context parallelism, whose attention
+//     and positions a SequenceAttention over cp computes), with local sizes
+//     over the tp group for
 //     the parallel blocks (common/tensor_parallel.hpp), stream_numel() (the elements of the
 //     residual stream a rank holds: rows() * hidden, or its rows of them with
 //     sequence parallelism; throws std::invalid_argument for sequence
@@ -67,6 +70,7 @@
 #include <string>
 #include <vector>
 
+#include "common/context_parallel.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -179,10 +183,14 @@ class TransformerStage {
   // layer outside the model (those of other stages are ignored), and, over
   // a tp group of more than one rank, a model check_tensor_parallel refuses
   // or `placements` (the plan's, by name) that differ from the family's.
-  // `hooks` and `tp` (null: one rank) must outlive the stage.
+  // `hooks`, `tp` (null: one rank) and cp's group must outlive the stage.
+  // Over cp ranks every forward gets the whole sequences and computes the
+  // rank's rows of them (common/context_parallel.hpp); its loss is the mean
+  // over all rows, its gradients those of the rank's rows' mean, which the
+  // strategy's average over dp_shard_cp makes the micro-batch's.
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                    const Checkpointing& checkpointing = {}, TensorParallelGroup* tp = nullptr,
-                   const Placements& placements = {});
+                   const Placements& placements = {}, const ContextParallel& cp = {});
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -196,7 +204,7 @@ class TransformerStage {
   // The microbatch shape [batch, seq_len] of the forwards to come; throws
   // std::logic_error to change it while microbatches are in flight.
   void set_shape(int64_t batch, int64_t seq_len);
-  // Elements of the hidden states [batch * seq_len, hidden] entering the
+  // Elements of the hidden states [batch * seq_len / cp, hidden] entering the
   // stage (0 with the embedding) and leaving it (0 with the head).
   int64_t input_numel() const;
   int64_t output_numel() const;
@@ -246,6 +254,8 @@ class TransformerStage {
   void select_parameters();
   // The hooks' pre_ call of `unit`, then its views pointed at its storage.
   void enter(int64_t unit, float* hidden, bool backward);
+  // This rank's rows of `full` [batch, seq_len] tokens, checked, in `local`.
+  void take_rows(const int32_t* full, std::vector<int32_t>& local, const char* what) const;
   std::string microbatch_name(int32_t mb) const;
   Microbatch& forwarded(int32_t mb, const char* action);
   // Stage layer i's activations: the microbatch's own, or the scratch of a
@@ -275,6 +285,7 @@ class TransformerStage {
   SingleRank single_rank_;
   TensorParallelGroup& tp_;
   bool sequence_parallel_;
+  ContextParallel cp_;
   ParallelBlocks blocks_;  // which blocks the plan computes over tp
   std::vector<ParameterView> parameters_;
   int64_t head_index_ = 0;     // into parameters_: the head's first view

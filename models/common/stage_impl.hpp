@@ -169,12 +169,14 @@ struct TransformerStage<Family>::Scratch {
 template <class Family>
 TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                                            const Checkpointing& checkpointing,
-                                           TensorParallelGroup* tp, const Placements& placements)
+                                           TensorParallelGroup* tp, const Placements& placements,
+                                           const ContextParallel& cp)
     : config_(std::move(config)),
       layout_(layout),
       hooks_(hooks),
       tp_(tp != nullptr ? *tp : single_rank_),
-      sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel) {
+      sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel),
+      cp_(cp) {
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -284,6 +286,14 @@ void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward)
 }
 
 template <class Family>
+void TransformerStage<Family>::take_rows(const int32_t* full, std::vector<int32_t>& local,
+                                         const char* what) const {
+  check_tokens(full, batch_ * seq_len_, config_.vocab_size, what);
+  const int64_t rank = cp_.group != nullptr ? cp_.group->rank() : 0;
+  SequenceShard{cp_.size(), rank, seq_len_}.select(full, local.data(), batch_);
+}
+
+template <class Family>
 std::string TransformerStage<Family>::microbatch_name(int32_t mb) const {
   return std::string(Family::kName) + " stage: microbatch " + std::to_string(mb);
 }
@@ -301,8 +311,11 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   spare_.clear();
   scratch_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
-  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len, tp_, sequence_parallel_,
-                                                  blocks_);
+  require(cp_.size() == 1 || seq_len % (2 * cp_.size()) == 0, Family::kName,
+          "context parallelism cuts each sequence into 2 x cp = " + std::to_string(2 * cp_.size()) +
+              " chunks, which do not divide seq_len " + std::to_string(seq_len));
+  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len / cp_.size(), tp_,
+                                                  sequence_parallel_, blocks_, cp_);
   const auto any = [&](Recomputation mode) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };
@@ -341,15 +354,13 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
           layout_.head ? "the last stage's forward needs targets"
                        : "a stage without the head needs an output buffer");
   auto& pass = *pass_;
-  const int64_t N = pass.rows(), stream = pass.stream_numel(), root = root_unit();
-  if (layout_.embedding) check_tokens(tokens, N, config_.vocab_size, "tokens");
-  if (layout_.head) check_tokens(targets, N, config_.vocab_size, "targets");
-
+  const int64_t stream = pass.stream_numel(), root = root_unit();
   auto state = take_state();
   auto& saved = *state->saved;
+  if (layout_.embedding) take_rows(tokens, saved.tokens, "tokens");
+  if (layout_.head) take_rows(targets, saved.targets, "targets");
   if (holds_root()) enter(root, nullptr, false);
   if (layout_.embedding) {
-    std::copy_n(tokens, N, saved.tokens.begin());
     Family::embedding_forward(pass, parameters_.data(), saved.tokens.data(),
                               saved.stream(0, output));
   } else {
@@ -363,10 +374,14 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   }
   double loss = 0;
   if (layout_.head) {
-    std::copy_n(targets, N, saved.targets.begin());
     loss = Family::head_forward(
         pass, &parameters_[size_t(head_index_)], parameters_[size_t(lm_head_index_)],
         saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
+    if (cp_.size() > 1) {
+      auto sum = float(loss);
+      cp_.group->all_reduce_sum(&sum, 1);
+      loss = double(sum) / double(cp_.size());
+    }
   }
   if (holds_root()) hooks_.post_forward(root, nullptr, 0);
   microbatches_.emplace(mb, std::move(state));

@@ -106,6 +106,7 @@ struct Gpt2Plugin {
          {"sequence_parallel", Family::kSequenceParallel},
          {"autocast_dtypes", {"bfloat16"}},
          {"unit_class", "GPT2Block"},
+         {"context_parallel", {{"heads", config.n_head}, {"kv_heads", config.n_head}}},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
         parameters, config.n_layer, modules(config));
   }

@@ -87,7 +87,7 @@ void layernorm_backward_ready(float* dx, const float* dy, const float* x, const 
 
 BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
                      models::TensorParallelGroup& tp, bool /*sequence_parallel*/,
-                     const models::ParallelBlocks& blocks)
+                     const models::ParallelBlocks& blocks, const models::ContextParallel& cp)
     : tp(tp),
       replicated(tp),
       blocks(blocks),
@@ -101,16 +101,18 @@ BlockPass::BlockPass(const Gpt2Config& c, int64_t batch, int64_t seq_len,
       positions(rows()),
       projection(rows() * hidden),
       d_residual(rows() * hidden),
-      scores(attention.scores_size()),
-      d_scores(attention.scores_size()),
+      attend(attention, cp, Gpt2::kName),
       d_norm(rows() * hidden),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
       d_mlp(rows() * inner) {
-  models::require(seq_len <= c.n_positions, Gpt2::kName,
-                  "seq_len " + std::to_string(seq_len) + " is beyond n_positions " +
+  const int64_t sequence = seq_len * cp.size();
+  models::require(sequence <= c.n_positions, Gpt2::kName,
+                  "seq_len " + std::to_string(sequence) + " is beyond n_positions " +
                       std::to_string(c.n_positions) + " (transformer.wpe has a row per position)");
-  for (int64_t r = 0; r < rows(); ++r) positions[size_t(r)] = int32_t(r % seq_len);
+  const std::vector<int64_t>& in_sequence = attend.positions();
+  for (int64_t r = 0; r < rows(); ++r)
+    positions[size_t(r)] = int32_t(in_sequence[size_t(r % seq_len)]);
 }
 
 BlockActivations::BlockActivations(const BlockPass& pass)
@@ -167,8 +169,7 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
   layernorm_out_of_line(saved.ln1.data(), saved.mean1.data(), saved.rstd1.data(), x,
                         &block[kLn1Weight], pass);
   conv1d_bias_forward(saved.qkv.data(), saved.ln1.data(), &block[kAttnWeight], N, E, 3 * Q);
-  attention_forward(saved.attention.data(), saved.lse.data(), pass.scores.data(), saved.qkv.data(),
-                    pass.attention);
+  pass.attend.forward(saved.attention.data(), saved.lse.data(), saved.qkv.data());
   row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
                        pass.group(Block::attention));
   residual_forward(saved.h.data(), x, projection, N * E);
@@ -200,10 +201,13 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
   layernorm_backward_ready(d_residual, d_norm, saved.h.data(), &block[kLn2Weight],
                            saved.mean2.data(), saved.rstd2.data(), N, E, gradients);
 
-  conv1d_bias_backward(pass.d_attention.data(), d_residual, &block[kAttnProjWeight],
-                       saved.attention, N, Q, E, gradients);
-  attention_backward(pass.d_qkv.data(), pass.scores.data(), pass.d_scores.data(),
-                     pass.d_attention.data(), saved.qkv.data(), saved.lse.data(), pass.attention);
+  // Attention's backward reads its output, which the parameters' gradients
+  // may then take.
+  conv1d_backward_input(pass.d_attention.data(), d_residual, block[kAttnProjWeight].data, N, Q, E);
+  pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), saved.qkv.data(),
+                       saved.attention.data(), saved.lse.data());
+  conv1d_parameter_gradients(d_residual, &block[kAttnProjWeight], saved.attention, N, Q, E,
+                             gradients);
   column_parallel_backward(d_norm, pass.d_qkv.data(), &block[kAttnWeight], saved.ln1, N, E, 3 * Q,
                            pass.group(Block::attention), gradients);
   pass.group(Block::attention).wait_started();

@@ -51,7 +51,7 @@ struct BlockPass {
   // Sequence parallelism is refused before (Gpt2::kSequenceParallel).
   BlockPass(const Gpt2Config& config, int64_t batch, int64_t seq_len,
             models::TensorParallelGroup& tp, bool sequence_parallel,
-            const models::ParallelBlocks& blocks);
+            const models::ParallelBlocks& blocks, const models::ContextParallel& cp);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   int64_t stream_numel() const { return rows() * hidden; }
   // What a block's partial sums are summed over: tp, or nothing when the
@@ -67,14 +67,12 @@ struct BlockPass {
   int64_t hidden, inner;
   models::VocabShard embedding_vocab, head_vocab;
   double eps;
-  std::vector<int32_t> positions;  // [N]: row b * T + t is at position t
+  std::vector<int32_t> positions;  // [N]: row b * T + t's in its sequence
   // A c_proj's output before its residual add; the position embeddings.
   std::vector<float> projection;
   // The residual stream's gradient [N, E], from a block's output to its input.
   std::vector<float> d_residual;
-  // A query block's attention scores (probabilities in backward) and their
-  // gradient.
-  std::vector<float> scores, d_scores;
+  models::SequenceAttention attend;  // over the cp ranks, with its scratch
   std::vector<float> d_norm, d_qkv, d_attention, d_mlp;
 };
 

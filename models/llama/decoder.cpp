@@ -96,7 +96,7 @@ void block_input_norm_backward(DecoderPass& pass, TensorParallelGroup& group,
 
 DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
                          TensorParallelGroup& tp, bool sequence_parallel,
-                         const models::ParallelBlocks& blocks)
+                         const models::ParallelBlocks& blocks, const models::ContextParallel& cp)
     : tp(tp),
       replicated(tp),
       blocks(blocks),
@@ -109,11 +109,10 @@ DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
       embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
       head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
       eps(c.rms_norm_eps),
-      rotary(attention.head_dim, seq_len, c.rope_theta),
+      attend(attention, cp, Llama::kName),
+      rotary(attention.head_dim, attend.positions(), c.rope_theta),
       projection(rows() * hidden),
       d_residual(rows() * hidden),
-      scores(attention.scores_size()),
-      d_scores(attention.scores_size()),
       d_norm(rows() * hidden),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
@@ -197,8 +196,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                  shape.heads + shape.kv_heads, shape.qkv_dim());
-  attention_forward(saved.attention.data(), saved.lse.data(), pass.scores.data(), saved.qkv.data(),
-                    shape);
+  pass.attend.forward(saved.attention.data(), saved.lse.data(), saved.qkv.data());
   linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
                  H);
   residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
@@ -234,9 +232,10 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
 
   float* d_h = block_output_gradient(pass);
   linear_backward_input(pass.d_attention.data(), d_h, layer[kO].data, N, Q, H);
+  // Attention's backward reads its output, which o_proj's gradient may take.
+  pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), saved.qkv.data(),
+                       saved.attention.data(), saved.lse.data());
   gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_h, saved.attention);
-  attention_backward(pass.d_qkv.data(), pass.scores.data(), pass.d_scores.data(),
-                     pass.d_attention.data(), saved.qkv.data(), saved.lse.data(), shape);
   rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                   shape.heads + shape.kv_heads, shape.qkv_dim());
   linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,

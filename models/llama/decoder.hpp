@@ -36,7 +36,8 @@ enum LayerTensor { kInputNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown, kTe
 // stream_rows() = N / tp rows only (common/tensor_parallel.hpp).
 struct DecoderPass {
   DecoderPass(const LlamaConfig& config, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
-              bool sequence_parallel, const models::ParallelBlocks& blocks);
+              bool sequence_parallel, const models::ParallelBlocks& blocks,
+              const models::ContextParallel& cp);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   int64_t stream_rows() const { return sequence_parallel ? rows() / tp.size() : rows(); }
   int64_t stream_numel() const { return stream_rows() * hidden; }
@@ -52,13 +53,11 @@ struct DecoderPass {
   int64_t hidden, intermediate;
   VocabShard embedding_vocab, head_vocab;
   double eps;
-  RotaryTable<float> rotary;
-  std::vector<float> projection;  // o_proj / down_proj output before its residual add
+  models::SequenceAttention attend;  // over the cp ranks, with its scratch
+  RotaryTable<float> rotary;         // of the rows' positions in their sequence
+  std::vector<float> projection;     // o_proj / down_proj output before its residual add
   // The residual stream's gradient [N, H], from a layer's output to its input.
   std::vector<float> d_residual;
-  // A query block's attention scores (probabilities in backward) and their
-  // gradient.
-  std::vector<float> scores, d_scores;
   std::vector<float> d_norm, d_qkv, d_attention, d_gate_up, d_mlp;
   // Sequence parallelism's scratch: the rank's rows of a norm's output or
   // of a reduce-scattered sum [n, H], a gathered gradient [N, H], and a

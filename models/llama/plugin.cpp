@@ -93,6 +93,8 @@ struct LlamaPlugin {
          {"sequence_parallel", Family::kSequenceParallel},
          {"autocast_dtypes", {"bfloat16"}},
          {"unit_class", "LlamaDecoderLayer"},
+         {"context_parallel",
+          {{"heads", config.num_attention_heads}, {"kv_heads", config.num_key_value_heads}}},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
         parameters, config.num_hidden_layers, modules(config));
   }

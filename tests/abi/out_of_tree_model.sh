@@ -185,6 +185,8 @@ refused "a bad value, in the plugin's words" \
   "model.num_layers: expected an integer in [1, 1000], got 0" model.num_layers=0
 refused "autocast (the description has no autocast_dtypes)" \
   "distributed.autocast_dtype: model plugin" distributed.autocast_dtype=bfloat16
+refused "context parallelism (the description has no context_parallel)" \
+  "distributed.cp_size: 2 > 1, but model plugin" "${fsdp2[@]}" distributed.cp_size=2
 refused "a zero-bubble schedule (no split backward)" \
   "distributed.pipeline.pp_schedule: schedule zbv_zero_bubble splits the backward into I and W" \
   "${fsdp2[@]}" model.num_layers=4 distributed.pp_size=2 \

@@ -109,6 +109,8 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.tp_size", plan_change("2")},
       {"distributed.pp_size", plan_change("2", with(kPipeline, {"distributed.pp_size=1"}))},
       {"distributed.cp_size", plan_change("2")},
+      {"distributed.cp_ring_degree", plan_change("1", {"distributed.cp_size=2"})},
+      {"distributed.cp_ulysses_degree", plan_change("2", {"distributed.cp_size=2"})},
       {"distributed.ep_size", plan_change("2")},
       {"distributed.sequence_parallel", plan_change("true", {"distributed.tp_size=2"})},
       {"distributed.activation_checkpointing", plan_change("true")},

@@ -66,6 +66,10 @@
  *                 _no_split_modules names it ("LlamaDecoderLayer");
  *                 optional: distributed.megatron_fsdp_unit_modules may name
  *                 it and nothing else
+ *   "context_parallel": {"heads", "kv_heads"}, present when the model
+ *                 computes context parallelism (below): its attention and
+ *                 key/value heads, which cp_ulysses_degree must divide on
+ *                 every tp rank; absent, the host refuses cp_size > 1
  *
  * Units in hook calls are indices into "units"; parameters are indices
  * into "parameters".
@@ -77,6 +81,20 @@
  * gives each placement: the described one, or "replicate" for every
  * parameter of a block the tp_plan replicates, which the stage then
  * computes whole on every rank; a stage refuses any other.
+ *
+ * Context parallelism. With cp_size > 1 the stage computes over setup->cp
+ * (size cp): every forward is handed the whole micro-batch ([batch,
+ * seq_len] tokens and targets, the same on each cp rank), and the stage
+ * computes its own rows of each sequence only. The plan's
+ * "context_parallel" ({"size", "ring_degree", "ulysses_degree",
+ * "chunks"}) says how: each sequence cut into chunks = 2 cp equal pieces,
+ * cp rank i holding pieces i and 2 cp - 1 - i, and attention shared by
+ * ring_degree x ulysses_degree ranks. set_shape still takes the whole
+ * seq_len; the hidden states between stages hold the rank's rows. The loss
+ * forward returns is the mean over all rows of the micro-batch (summed
+ * over cp), while backward accumulates the gradients of the mean over the
+ * rank's own rows: the host averages gradients over dp_shard_cp, which
+ * makes them the micro-batch's.
  *
  * Hooks. During forward, backward, backward_input and backward_weight a
  * stage calls, for every unit u one of whose parameters it holds:
