@@ -6,7 +6,7 @@
   train.skip_nonfinite_steps = N skips N such steps in a row first.
 - A rank that stops (SIGSTOP) ends the job within comm.timeout_minutes plus
   a few seconds, naming the rank that gave up and the operation, with a
-  pipeline (transfers in flight) as without.
+  pipeline or ring attention (transfers in flight) as without.
 - SIGINT ends every rank: status 130, "interrupted"; --timeout ends the job
   with status 124.
 
@@ -180,6 +180,10 @@ class Hangs(TrainTest):
 
     def test_stopped_rank_ends_data_parallel_within_the_timeout(self):
         self.assert_stopped_rank_ends_the_job("fsdp2", *FSDP2)
+
+    def test_stopped_rank_ends_context_parallel_within_the_timeout(self):
+        # Ring attention's transfers are in flight when the peer stops.
+        self.assert_stopped_rank_ends_the_job("cp2", *FSDP2, "distributed.cp_size=2")
 
 
 class Interrupts(TrainTest):
