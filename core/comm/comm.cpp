@@ -167,6 +167,21 @@ Request Communicator::all_gather(const DLTensor& send, DLTensor& recv) {
                [&](meshrun_request** out) { return api().all_gather(handle_, &send, &recv, out); });
 }
 
+Request Communicator::all_to_all(const DLTensor& send, const std::vector<int64_t>& send_counts,
+                                 DLTensor& recv, const std::vector<int64_t>& recv_counts) {
+  if (!MESHRUN_HAS_FIELD(meshrun_comm_api, &api(), all_to_all)) {
+    throw Error(MESHRUN_UNIMPLEMENTED,
+                fmt::format("comm plugin {} has no all_to_all (ABI 1.7)", library_->name()));
+  }
+  if (int64_t(send_counts.size()) != size_ || int64_t(recv_counts.size()) != size_) {
+    throw Error(MESHRUN_INVALID_ARGUMENT,
+                fmt::format("all_to_all on '{}' needs {} counts each way", name_, size_));
+  }
+  return start("all_to_all", [&](meshrun_request** out) {
+    return api().all_to_all(handle_, &send, send_counts.data(), &recv, recv_counts.data(), out);
+  });
+}
+
 Request Communicator::reduce_scatter(const DLTensor& send, DLTensor& recv, ReduceOp op) {
   return start("reduce_scatter", [&](meshrun_request** out) {
     return api().reduce_scatter(handle_, &send, &recv, static_cast<int32_t>(op), out);

@@ -105,6 +105,10 @@ class Communicator {
   Request send(const DLTensor& tensor, int64_t peer, int64_t tag = 0);
   Request recv(DLTensor& tensor, int64_t peer, int64_t tag = 0);
   Request barrier();
+  // ABI 1.7's all-to-all with per-rank counts (meshrun/comm.h); a backend
+  // without it is UNIMPLEMENTED.
+  Request all_to_all(const DLTensor& send, const std::vector<int64_t>& send_counts, DLTensor& recv,
+                     const std::vector<int64_t>& recv_counts);
 
  private:
   const meshrun_comm_api& api() const { return *library_->api().comm; }

@@ -105,11 +105,6 @@ struct Refusal {
   const char* fix;  // what would be valid
 };
 
-// The reason several keys share.
-constexpr const char* kNoExperts =
-    "not implemented yet: no shipped model has experts, so meshrun plans the expert-parallel mesh "
-    "only (`meshrun plan`) and `meshrun train` refuses ep_size > 1";
-
 const Refusal kRefusals[] = {
     {"distributed.activation_checkpointing_scope",
      [](const Config& c) { return c.distributed.activation_checkpointing_scope != "all"; },
@@ -183,16 +178,18 @@ const Refusal kRefusals[] = {
      "so there is no FP8 transpose to cache",
      "remove the key or set it to false"},
     {"distributed.moe.ignore_router_for_ac",
-     [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; }, kNoExperts,
-     "remove the key or set it to false"},
-    {"distributed.moe.reshard_after_forward",
-     [](const Config& c) { return c.distributed.moe.reshard_after_forward; }, kNoExperts,
+     [](const Config& c) { return c.distributed.moe.ignore_router_for_ac; },
+     "not implemented yet: activation checkpointing recomputes a layer's router with the rest "
+     "of it (the routing comes out the same)",
      "remove the key or set it to false"},
     {"distributed.moe.lm_head_precision",
-     [](const Config& c) { return !c.distributed.moe.lm_head_precision.empty(); }, kNoExperts,
+     [](const Config& c) { return !c.distributed.moe.lm_head_precision.empty(); },
+     "not implemented yet: lm_head computes in the model's precision (float32, or "
+     "distributed.autocast_dtype's matmuls)",
      "remove the key"},
     {"distributed.moe.wrap_outer_model",
-     [](const Config& c) { return !c.distributed.moe.wrap_outer_model; }, kNoExperts,
+     [](const Config& c) { return !c.distributed.moe.wrap_outer_model; },
+     "not implemented yet: the root (embeddings, final norm, lm_head) is always one FSDP2 unit",
      "remove the key or set it to true"},
 };
 

@@ -1,6 +1,8 @@
 #include "model/counted_comm.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "comm/comm.hpp"
@@ -16,6 +18,7 @@ struct Counted {
   const meshrun_comm_api* backend;
   meshrun_communicator* real;
   int64_t size = 1;
+  int64_t rank = 0;
   int64_t bytes = 0;
   double wait_seconds = 0;  // the model blocked in `wait` on its requests
 };
@@ -99,6 +102,17 @@ meshrun_error* recv(meshrun_communicator* c, DLTensor* tensor, int64_t peer, int
                     meshrun_request** out) {
   return owned(c, of(c)->backend->recv(of(c)->real, tensor, peer, tag, out), out);
 }
+// What leaves the rank: every block but its own.
+meshrun_error* all_to_all(meshrun_communicator* c, const DLTensor* send, const int64_t* send_counts,
+                          DLTensor* recv, const int64_t* recv_counts, meshrun_request** out) {
+  if (send != nullptr && send_counts != nullptr) {
+    for (int64_t r = 0; r < of(c)->size; ++r) {
+      if (r != of(c)->rank) of(c)->bytes += send_counts[r] * send->dtype.bits / 8;
+    }
+  }
+  return owned(
+      c, of(c)->backend->all_to_all(of(c)->real, send, send_counts, recv, recv_counts, out), out);
+}
 meshrun_error* barrier(meshrun_communicator* c, meshrun_request** out) {
   return owned(c, of(c)->backend->barrier(of(c)->real, out), out);
 }
@@ -138,10 +152,14 @@ CountedCommunicators::CountedCommunicators(const meshrun_comm_api* backend,
   for (auto [counted, real] :
        {std::pair{&tables_->tp, tp}, {&tables_->cp, cp}, {&tables_->ep, ep}}) {
     *counted = {backend, real};
-    if (real != nullptr) throw_if_error(backend->size(real, &counted->size), "comm size");
+    if (real == nullptr) continue;
+    throw_if_error(backend->size(real, &counted->size), "comm size");
+    throw_if_error(backend->rank(real, &counted->rank), "comm rank");
   }
   meshrun_comm_api& api = tables_->api;
-  api = *backend;
+  std::memcpy(&api, backend, std::min(backend->struct_size, sizeof(api)));
+  api.struct_size = sizeof(api);
+  api.all_to_all = MESHRUN_HAS_FIELD(meshrun_comm_api, backend, all_to_all) ? &all_to_all : nullptr;
   api.split = &split;
   api.communicator_destroy = &communicator_destroy;
   api.rank = &rank;
@@ -174,11 +192,15 @@ int64_t CountedCommunicators::take_tp_bytes() {
   return bytes;
 }
 
-CommTraffic CountedCommunicators::take_cp_traffic() {
-  const CommTraffic traffic{tables_->cp.bytes, tables_->cp.wait_seconds};
-  tables_->cp.bytes = 0;
-  tables_->cp.wait_seconds = 0;
-  return traffic;
+namespace {
+
+CommTraffic take_traffic(Counted& counted) {
+  return {std::exchange(counted.bytes, 0), std::exchange(counted.wait_seconds, 0.0)};
 }
+
+}  // namespace
+
+CommTraffic CountedCommunicators::take_cp_traffic() { return take_traffic(tables_->cp); }
+CommTraffic CountedCommunicators::take_ep_traffic() { return take_traffic(tables_->ep); }
 
 }  // namespace meshrun

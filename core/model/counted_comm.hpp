@@ -42,6 +42,9 @@ class CountedCommunicators {
   // time the model blocked waiting for its operations: what the transfers
   // of context parallelism did not hide behind compute.
   CommTraffic take_cp_traffic();
+  // Likewise over the ep communicator: an all-to-all counts the blocks it
+  // sends to other ranks.
+  CommTraffic take_ep_traffic();
 
  private:
   struct Tables;

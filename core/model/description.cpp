@@ -136,6 +136,12 @@ void read_parameters(const ordered_json& json, const std::string& origin, const 
                                             where, parameter.tp, parameter.shape.size()));
       }
     }
+    if (entry.contains("expert")) {
+      if (!entry.at("expert").is_number_integer() || entry.at("expert").get<int64_t>() < 0) {
+        bad_description(origin, fmt::format("{}.expert must be an integer >= 0", where));
+      }
+      parameter.expert = entry.at("expert").get<int64_t>();
+    }
     parameter.offset = d.numel;
     d.numel += parameter.numel;
     if (d.numel > kMaxParameterElements) refuse_unaddressable(origin, "the parameters", d.numel);
@@ -222,6 +228,26 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.context_parallel = ModelDescription::AttentionHeads{cp.at("heads").get<int64_t>(),
                                                           cp.at("kv_heads").get<int64_t>()};
+  }
+  if (json.contains("experts")) {
+    const ordered_json& experts = json.at("experts");
+    const auto positive = [&](const char* key) {
+      return experts.is_object() && experts.contains(key) && experts.at(key).is_number_integer() &&
+             experts.at(key).get<int64_t>() > 0;
+    };
+    if (!positive("count") || !positive("top_k")) {
+      bad_description(origin,
+                      "\"experts\" must be {\"count\": n, \"top_k\": k}, positive integers");
+    }
+    d.experts = ModelDescription::Experts{experts.at("count").get<int64_t>(),
+                                          experts.at("top_k").get<int64_t>()};
+    for (const ModelParameter& parameter : d.parameters) {
+      if (parameter.expert >= d.experts->count) {
+        bad_description(origin,
+                        fmt::format("parameter '{}' is of expert {}, past \"experts\".count {}",
+                                    parameter.name, parameter.expert, d.experts->count));
+      }
+    }
   }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();

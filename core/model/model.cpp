@@ -273,6 +273,11 @@ struct ModelStage::Bridge {
 };
 
 StageContents stage_contents(const Model& model, const std::vector<std::string>& modules) {
+  return stage_contents(model, modules, ExpertPlacement{});
+}
+
+StageContents stage_contents(const Model& model, const std::vector<std::string>& modules,
+                             const ExpertPlacement& experts) {
   const ModelDescription& d = model.description();
   std::vector<bool> held(d.parameters.size(), false);
   for (const std::string& name : modules) {
@@ -288,7 +293,7 @@ StageContents stage_contents(const Model& model, const std::vector<std::string>&
   StageContents contents;
   std::set<int32_t> units;
   for (size_t p = 0; p < held.size(); ++p) {
-    if (!held[p]) continue;
+    if (!held[p] || !experts.holds(d, d.parameters[p])) continue;
     contents.parameters.push_back(int64_t(p));
     units.insert(d.parameters[p].unit);
   }
@@ -300,7 +305,11 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
                        StageHooks& hooks, const StageCommunicators& comms,
                        const std::string& plan_json, const std::string& options_json,
                        const ModelDescription* local)
-    : model_(model), contents_(stage_contents(model, modules)) {
+    : model_(model),
+      contents_(stage_contents(model, modules,
+                               comms.ep != nullptr
+                                   ? ExpertPlacement{comms.ep->rank(), comms.ep->size()}
+                                   : ExpertPlacement{})) {
   std::vector<bool> held(model.description().parameters.size(), false);
   for (const int64_t p : contents_.parameters) held[size_t(p)] = true;
   bridge_ = std::make_unique<Bridge>(hooks, local != nullptr ? *local : model.description(),
@@ -403,6 +412,26 @@ int64_t ModelStage::activation_bytes() {
   int64_t bytes = 0;
   call("activation_bytes", [&] { return model_.api().activation_bytes(stage_, &bytes); });
   return bytes;
+}
+
+std::optional<RouterStatistics> ModelStage::take_router_statistics() {
+  const meshrun_model_api& api = model_.api();
+  if (!MESHRUN_HAS_FIELD(meshrun_model_api, &api, take_statistics) ||
+      api.take_statistics == nullptr) {
+    return std::nullopt;
+  }
+  PluginString text;
+  call("take_statistics", [&] { return api.take_statistics(stage_, text.out()); });
+  const auto json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object() || !json.contains("aux_loss") || !json.at("aux_loss").is_number() ||
+      !json.contains("expert_tokens") || !json.at("expert_tokens").is_array()) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("model plugin {}: take_statistics wrote '{}', not {{\"aux_loss\": x, "
+                            "\"expert_tokens\": [...]}}",
+                            model_.library().path(), text.str()));
+  }
+  return RouterStatistics{json.at("aux_loss").get<double>(),
+                          json.at("expert_tokens").get<std::vector<double>>()};
 }
 
 }  // namespace meshrun

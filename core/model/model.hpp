@@ -28,6 +28,8 @@ struct ModelParameter {
   // How the model computes it over tp ranks: "replicate", "shard(d)" or
   // "shard(d,blocks)" (model/tensor_parallel.hpp).
   std::string tp = "replicate";
+  // The mixture-of-experts expert it belongs to, or -1 (a dense parameter).
+  int64_t expert = -1;
 };
 
 // A module a pipeline split may cut before or after.
@@ -64,6 +66,11 @@ struct ModelDescription {
     int64_t heads = 0, kv_heads = 0;
   };
   std::optional<AttentionHeads> context_parallel;
+  // A mixture of experts: experts per layer and per token; absent: dense.
+  struct Experts {
+    int64_t count = 0, top_k = 0;
+  };
+  std::optional<Experts> experts;
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters
@@ -126,6 +133,18 @@ struct StageContents {
 };
 StageContents stage_contents(const Model& model, const std::vector<std::string>& modules);
 
+// Where a rank's experts are: expert e of E on ep rank e * size / E.
+struct ExpertPlacement {
+  int64_t rank = 0, size = 1;
+  bool holds(const ModelDescription& description, const ModelParameter& parameter) const {
+    return parameter.expert < 0 || !description.experts ||
+           parameter.expert * size / description.experts->count == rank;
+  }
+};
+// The contents without the parameters of other ep ranks' experts.
+StageContents stage_contents(const Model& model, const std::vector<std::string>& modules,
+                             const ExpertPlacement& experts);
+
 // A parameter's storage as the host hands it to a stage.
 struct ParameterStorage {
   float* value = nullptr;
@@ -147,6 +166,14 @@ class StageHooks {
   // Storage of a parameter of a unit between its pre_ and post_ hooks;
   // `backward` says whether the gradient is wanted.
   virtual ParameterStorage parameter(int64_t parameter, bool backward) = 0;
+};
+
+// What a mixture-of-experts stage's routers added up (meshrun/model.h,
+// take_statistics): the micro-batches' load-balancing losses, summed, and
+// the slots routed to each expert.
+struct RouterStatistics {
+  double aux_loss = 0;
+  std::vector<double> expert_tokens;
 };
 
 // The communicators a stage computes over.
@@ -189,6 +216,12 @@ class ModelStage {
   int64_t take_tensor_parallel_bytes() { return comms_->take_tp_bytes(); }
   // The context-parallel traffic and waits since the last call.
   CommTraffic take_context_parallel_traffic() { return comms_->take_cp_traffic(); }
+  // The expert-parallel traffic (dispatch and combine) and waits since the
+  // last call.
+  CommTraffic take_expert_parallel_traffic() { return comms_->take_ep_traffic(); }
+  // The router statistics since the last call; none from a model without
+  // experts.
+  std::optional<RouterStatistics> take_router_statistics();
 
  private:
   struct Bridge;

@@ -177,6 +177,38 @@ void check_context_parallel(const Config& config, const Model& model) {
   }
 }
 
+// Expert parallelism spreads a mixture of experts' experts (its
+// description's "experts") evenly over the ep ranks of a pipeline stage.
+void check_expert_parallel(const Config& config, const Model& model) {
+  const DistributedConfig& d = config.distributed;
+  if (d.ep_size == 1) return;
+  const auto& experts = model.description().experts;
+  if (!experts) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.ep_size",
+                fmt::format("{} > 1, but model plugin {} has no experts (its description has no "
+                            "\"experts\"); set it to 1, or train a mixture of experts "
+                            "(model_type \"mixtral\")",
+                            d.ep_size, model.library().path()));
+  }
+  if (experts->count % d.ep_size != 0) {
+    fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.ep_size",
+                fmt::format("{} does not divide the model's {} experts per layer: each ep rank "
+                            "holds the same number of whole experts",
+                            d.ep_size, experts->count));
+  }
+  const auto refuse_with = [&](const char* key, int64_t value, const char* why) {
+    if (value == 1) return;
+    fail_at_key(
+        config, MESHRUN_INVALID_ARGUMENT, key,
+        fmt::format("{} > 1 with distributed.ep_size {}: {}; set it to 1", value, d.ep_size, why));
+  };
+  refuse_with("distributed.pp_size", d.pp_size,
+              "expert parallelism does not compose with pipeline parallelism yet");
+  refuse_with("distributed.tp_size", d.tp_size,
+              "the experts' ranks would then hold the same tokens twice; expert parallelism "
+              "runs over data-parallel ranks only");
+}
+
 }  // namespace
 
 ContextParallelDegrees context_parallel_degrees(const Config& config) {
@@ -225,6 +257,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   plan.model = make_model(config, loader);
   check_unit_modules(config, *plan.model);
   check_context_parallel(config, *plan.model);
+  check_expert_parallel(config, *plan.model);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
                               "model.model_type");

@@ -75,40 +75,56 @@ ParameterStorage UnitBinding::storage(int64_t parameter, bool backward) const {
   return {values.data + offset, backward ? gradients.data + offset : nullptr};
 }
 
-ShardedHooks::ShardedHooks(Strategy& strategy, const StageUnits& units,
-                           const std::vector<int64_t>& parameters, size_t description_parameters,
+ShardedHooks::ShardedHooks(const std::vector<Part>& parts, size_t description_parameters,
                            const MixedPrecisionConfig& precision)
-    : strategy_(strategy),
-      binding_(strategy, units, parameters, description_parameters),
-      precision_(precision) {}
+    : part_of_(description_parameters, -1), precision_(precision) {
+  for (const Part& part : parts) {
+    for (const int64_t p : part.parameters) part_of_[size_t(p)] = int32_t(parts_.size());
+    parts_.push_back(std::make_unique<Bound>(part, description_parameters));
+  }
+}
+
+template <class Call>
+void ShardedHooks::each_part(int32_t unit, bool bind, Call&& call) {
+  for (auto& part : parts_) {
+    const int32_t strategy_unit = part->binding.units().of_model_unit[size_t(unit)];
+    if (strategy_unit < 0) continue;
+    timed([&] { call(part->strategy, strategy_unit); });
+    if (bind) part->binding.bind(strategy_unit);
+  }
+}
 
 // FSDP2's MixedPrecisionPolicy on a layer unit computed in float32: its
 // inputs are cast to param_dtype (cast_forward_inputs), its outputs carry the
 // compute dtype's precision and are then cast to output_dtype. The root has
 // no hidden states to cast.
 void ShardedHooks::pre_forward(int32_t unit, float* hidden, int64_t numel) {
-  timed([&] { strategy_.pre_forward(strategy_unit(unit)); });
-  binding_.bind(strategy_unit(unit));
+  each_part(unit, true, [](Strategy& strategy, int32_t u) { strategy.pre_forward(u); });
   if (precision_.cast_forward_inputs) round_to(hidden, numel, precision_.param_dtype);
 }
 
 void ShardedHooks::post_forward(int32_t unit, float* hidden, int64_t numel) {
   round_to(hidden, numel, precision_.param_dtype);
   round_to(hidden, numel, precision_.output_dtype);
-  timed([&] { strategy_.post_forward(strategy_unit(unit)); });
+  each_part(unit, false, [](Strategy& strategy, int32_t u) { strategy.post_forward(u); });
 }
 
 void ShardedHooks::pre_backward(int32_t unit) {
-  timed([&] { strategy_.pre_backward(strategy_unit(unit)); });
-  binding_.bind(strategy_unit(unit));
+  each_part(unit, true, [](Strategy& strategy, int32_t u) { strategy.pre_backward(u); });
 }
 
 void ShardedHooks::post_backward(int32_t unit) {
-  timed([&] { strategy_.post_backward(strategy_unit(unit)); });
+  each_part(unit, false, [](Strategy& strategy, int32_t u) { strategy.post_backward(u); });
 }
 
 ParameterStorage ShardedHooks::parameter(int64_t parameter, bool backward) {
-  return binding_.storage(parameter, backward);
+  const int32_t part = part_of_[size_t(parameter)];
+  if (part < 0) {
+    throw Error(
+        MESHRUN_OUT_OF_RANGE,
+        fmt::format("the rank holds no parameter {} (another ep rank's expert?)", parameter));
+  }
+  return parts_[size_t(part)]->binding.storage(parameter, backward);
 }
 
 }  // namespace meshrun::train

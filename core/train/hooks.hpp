@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -86,10 +87,19 @@ class UnitBinding {
   std::vector<int64_t> stage_position_;                 // per description parameter
 };
 
+// One or more sharded strategies, each over its own parameters (a mixture
+// of experts' dense parameters and the rank's experts): around a unit, each
+// strategy holding some of its parameters gathers and frees them, in the
+// order given, the same on every rank.
 class ShardedHooks : public TimedHooks {
  public:
-  ShardedHooks(Strategy& strategy, const StageUnits& units, const std::vector<int64_t>& parameters,
-               size_t description_parameters, const MixedPrecisionConfig& precision);
+  struct Part {
+    Strategy& strategy;
+    const StageUnits& units;
+    const std::vector<int64_t>& parameters;  // description indices
+  };
+  ShardedHooks(const std::vector<Part>& parts, size_t description_parameters,
+               const MixedPrecisionConfig& precision);
 
   void pre_forward(int32_t unit, float* hidden, int64_t numel) override;
   void post_forward(int32_t unit, float* hidden, int64_t numel) override;
@@ -98,10 +108,20 @@ class ShardedHooks : public TimedHooks {
   ParameterStorage parameter(int64_t parameter, bool backward) override;
 
  private:
-  int32_t strategy_unit(int32_t unit) const { return binding_.units().of_model_unit[size_t(unit)]; }
+  struct Bound {
+    Bound(const Part& part, size_t description_parameters)
+        : strategy(part.strategy),
+          binding(part.strategy, part.units, part.parameters, description_parameters) {}
+    Strategy& strategy;
+    UnitBinding binding;
+  };
+  // Calls `call(strategy, strategy unit)` for each part holding parameters
+  // of description unit `unit`, then binds its views when `bind`.
+  template <class Call>
+  void each_part(int32_t unit, bool bind, Call&& call);
 
-  Strategy& strategy_;
-  UnitBinding binding_;
+  std::vector<std::unique_ptr<Bound>> parts_;
+  std::vector<int32_t> part_of_;  // per description parameter, or -1
   MixedPrecisionConfig precision_;
 };
 

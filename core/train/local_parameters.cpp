@@ -226,4 +226,29 @@ std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
   return first;
 }
 
+std::vector<std::vector<float>> concatenated_state(const std::vector<ShardState>& shards) {
+  std::vector<std::vector<float>> state(3);
+  for (const ShardState& shard : shards) {
+    const int64_t n = shard.local->numel;
+    state[0].insert(state[0].end(), shard.local->params, shard.local->params + n);
+    for (size_t k = 1; k < 3; ++k) {
+      const auto& moment = k == 1 ? shard.optimizer->exp_avg() : shard.optimizer->exp_avg_sq();
+      state[k].insert(state[k].end(), moment.begin(), moment.end());
+    }
+  }
+  return state;
+}
+
+void scatter_state(const std::vector<std::vector<float>>& state,
+                   const std::vector<ShardState>& shards) {
+  size_t base = 0;
+  for (const ShardState& shard : shards) {
+    const auto n = size_t(shard.local->numel);
+    std::copy_n(state[0].begin() + long(base), n, shard.local->params);
+    std::copy_n(state[1].begin() + long(base), n, shard.optimizer->exp_avg().begin());
+    std::copy_n(state[2].begin() + long(base), n, shard.optimizer->exp_avg_sq().begin());
+    base += n;
+  }
+}
+
 }  // namespace meshrun::train

@@ -13,6 +13,7 @@
 #include "model/tensor_parallel.hpp"
 #include "strategy/strategy.hpp"
 #include "train/checkpoint.hpp"
+#include "train/optimizer.hpp"
 
 namespace meshrun::train {
 
@@ -119,5 +120,18 @@ std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescrip
 // indices to the description's.
 std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
                                                 const std::vector<int64_t>& parameters);
+
+// A local shard and its optimizer: one of several a rank updates (a
+// pipeline rank's stages, a mixture of experts' dense and expert
+// parameters), whose states one sharded checkpoint holds concatenated.
+struct ShardState {
+  LocalParameters* local;
+  AdamW* optimizer;
+};
+// params, exp_avg and exp_avg_sq of the shards, each concatenated in order.
+std::vector<std::vector<float>> concatenated_state(const std::vector<ShardState>& shards);
+// Back into the shards.
+void scatter_state(const std::vector<std::vector<float>>& state,
+                   const std::vector<ShardState>& shards);
 
 }  // namespace meshrun::train

@@ -68,6 +68,12 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"cp_wait_s", m.cp_wait_s},
                                  {"lr", m.lr},
                                  {"grad_norm", m.grad_norm}};
+  if (m.moe) {
+    line["aux_loss"] = m.moe->aux_loss;
+    line["expert_tokens"] = m.moe->expert_tokens;
+    line["ep_bytes"] = m.moe->ep_bytes;
+    line["ep_wait_s"] = m.moe->ep_wait_s;
+  }
   if (m.skipped) line["skipped"] = true;
   if (m.val_loss) line["val_loss"] = *m.val_loss;
   line["mem"] = {{"params", m.mem.params},
@@ -80,6 +86,10 @@ void MetricsLog::write(const StepMetrics& m) {
                  {"activations_peak", m.mem.activations_peak},
                  {"peak_rss", m.mem.peak_rss},
                  {"peak_rss_at_start", m.mem.peak_rss_at_start}};
+  if (m.mem.experts) {
+    line["mem"]["experts"] = {{"params", m.mem.experts->params},
+                              {"buffers_peak", m.mem.experts->buffers_peak}};
+  }
   out_.write(line.dump() + "\n");
 }
 

@@ -26,6 +26,13 @@ struct MemoryUse {
   int64_t activations_peak = 0;  // the most `activations` has been so far
   int64_t peak_rss = 0;
   int64_t peak_rss_at_start = 0;  // peak_rss when the first step began
+  // A mixture of experts' share (its experts' own strategy): the experts'
+  // shard and the most of them gathered at once; absent for a dense model.
+  struct Experts {
+    int64_t params = 0;
+    int64_t buffers_peak = 0;
+  };
+  std::optional<Experts> experts;
 };
 
 // mem.activations and mem.activations_peak from samples of what the model
@@ -39,6 +46,18 @@ class ActivationMeter {
 
  private:
   int64_t step_ = 0, peak_ = 0;
+};
+
+// A mixture of experts' step: the routers' load-balancing loss (the mean
+// over the global batch and the model's layers, before
+// router_aux_loss_coef), the slots each expert took over all ranks and
+// layers, and what this rank's dispatch and combine sent (all-to-alls over
+// ep) and waited.
+struct ExpertMetrics {
+  double aux_loss = 0;
+  std::vector<int64_t> expert_tokens;
+  int64_t ep_bytes = 0;
+  double ep_wait_s = 0;
 };
 
 struct StepMetrics {
@@ -65,6 +84,7 @@ struct StepMetrics {
   // and the time the model blocked waiting for them; 0 without cp.
   int64_t cp_bytes = 0;
   double cp_wait_s = 0;
+  std::optional<ExpertMetrics> moe;  // with experts only
   std::optional<double> val_loss;
   MemoryUse mem;
 };

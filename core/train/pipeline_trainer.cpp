@@ -287,32 +287,14 @@ std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {
   return ranges;
 }
 
-std::vector<std::vector<float>> PipelineTrainer::concatenated_state() {
-  std::vector<std::vector<float>> state(3);
-  for (auto& held : held_) {
-    const int64_t n = held->local.numel;
-    state[0].insert(state[0].end(), held->local.params, held->local.params + n);
-    for (int k = 1; k < 3; ++k) {
-      auto& moment = k == 1 ? held->optimizer->exp_avg() : held->optimizer->exp_avg_sq();
-      state[size_t(k)].insert(state[size_t(k)].end(), moment.begin(), moment.end());
-    }
-  }
-  return state;
-}
-
-void PipelineTrainer::scatter_state(const std::vector<std::vector<float>>& state) {
-  size_t base = 0;
-  for (auto& held : held_) {
-    const auto n = size_t(held->local.numel);
-    std::copy_n(state[0].begin() + long(base), n, held->local.params);
-    std::copy_n(state[1].begin() + long(base), n, held->optimizer->exp_avg().begin());
-    std::copy_n(state[2].begin() + long(base), n, held->optimizer->exp_avg_sq().begin());
-    base += n;
-  }
+std::vector<ShardState> PipelineTrainer::shard_states() {
+  std::vector<ShardState> shards;
+  for (auto& held : held_) shards.push_back({&held->local, held->optimizer.get()});
+  return shards;
 }
 
 void PipelineTrainer::save_checkpoint(int64_t step) {
-  auto state = concatenated_state();
+  auto state = concatenated_state(shard_states());
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
   save_sharded(
@@ -323,11 +305,11 @@ void PipelineTrainer::save_checkpoint(int64_t step) {
 }
 
 void PipelineTrainer::resume(const CheckpointIndex& index) {
-  auto state = concatenated_state();
+  auto state = concatenated_state(shard_states());
   load_sharded(
       index, rank_ranges(false),
       {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}});
-  scatter_state(state);
+  scatter_state(state, shard_states());
   for (auto& held : held_) held->optimizer->restore(index.step);
   next_step_ = index.step;
 }

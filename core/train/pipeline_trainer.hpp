@@ -81,8 +81,7 @@ class PipelineTrainer : public TrainingRank {
   TensorParallelRank tensor_parallel() const {
     return {*ctx_.plan.tensor_parallel, *ctx_.computing.tp};
   }
-  std::vector<std::vector<float>> concatenated_state();
-  void scatter_state(const std::vector<std::vector<float>>& state);
+  std::vector<ShardState> shard_states();
   // Samples what the rank's stages hold for backward together.
   void sample_activations();
 

@@ -3,6 +3,7 @@
 #include <fmt/chrono.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <ctime>
@@ -46,18 +47,6 @@ void check_batch(const Config& config, int64_t dp) {
                                    "data-parallel size dp ({})",
                                    t.global_batch_size, t.micro_batch_size, dp));
   }
-}
-
-// The trainer runs data, tensor, context and pipeline parallelism: no
-// model computes expert parallelism yet (`meshrun plan` prints its layout).
-void check_parallel_sizes(const Config& config) {
-  const DistributedConfig& d = config.distributed;
-  if (d.ep_size == 1) return;
-  throw config_error(config, "distributed.ep_size",
-                     fmt::format("{} > 1: meshrun train runs data, tensor, context and pipeline "
-                                 "parallelism only so far; set it to 1, or see the layout with "
-                                 "`meshrun plan`",
-                                 d.ep_size));
 }
 
 // Sequence parallelism shards each sequence's rows over tp ranks: every
@@ -182,38 +171,126 @@ StageCommunicators computing_axes(MeshCommunicators& axes, const MeshContext& me
           mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
 }
 
+void run_trainer(const Config& config, const Plan& plan, const TokenData& data, Communicator& world,
+                 MeshCommunicators& axes, const std::string& output_dir,
+                 const std::vector<std::string>& modules, const std::string& options,
+                 std::vector<TrainPart> parts) {
+  Trainer trainer({config, data, *plan.model, modules, std::move(parts), world, axes.axis(Axis::dp),
+                   computing_axes(axes, plan.mesh), *plan.tensor_parallel, plan.model_plan.dump(),
+                   options, output_dir});
+  if (!config.checkpoint.resume_from.empty()) {
+    trainer.resume(read_index(config, plan.model->description()));
+  }
+  trainer.broadcast_parameters();
+  announce(config, world, *plan.model, output_dir);
+  trainer.run();
+}
+
+// One strategy's parameters on this rank: their starting weights, units
+// and strategy, which shards them.
+struct RankPart {
+  RankPart(const Config& config, const Plan& plan, const TensorParallelRank& tp,
+           const StageContents& contents, Communicator& data_parallel, Communicator& shard_group,
+           Communicator& replicate_group, const std::string& options)
+      : parameters(plan.tensor_parallel->local(), contents.parameters,
+                   !config.distributed.init_fsdp_with_meta_device),
+        units(stage_units(plan.tensor_parallel->local(), contents)) {
+    // Megatron-FSDP's meta-device init: the weights go straight into each
+    // rank's shard, and no rank holds the whole model.
+    const bool by_shard = config.distributed.init_fsdp_with_meta_device;
+    if (!by_shard) start_weights(config, *plan.model, tp, parameters);
+    units.strategy.shard_group = &shard_group;
+    units.strategy.replicate_group = &replicate_group;
+    strategy = std::make_unique<Strategy>(
+        plan.strategy, data_parallel, parameters.strategy_buffers(plan.tensor_parallel->local()),
+        options, &units.strategy);
+    // The strategy copied its shard: the full weights are no longer needed.
+    if (strategy->sharded()) parameters.release();
+    if (by_shard) start_shard_weights(config, *plan.model, tp, parameters, *strategy);
+  }
+
+  FlatParameters parameters;
+  StageUnits units;
+  std::unique_ptr<Strategy> strategy;
+};
+
+// The contents' expert parameters, and the rest.
+std::pair<StageContents, StageContents> split_experts(const ModelDescription& description,
+                                                      const StageContents& contents) {
+  StageContents dense, experts;
+  for (const int64_t p : contents.parameters) {
+    const ModelParameter& parameter = description.parameters[size_t(p)];
+    StageContents& part = parameter.expert >= 0 ? experts : dense;
+    part.parameters.push_back(p);
+    if (part.units.empty() || part.units.back() != parameter.unit) {
+      part.units.push_back(parameter.unit);
+    }
+  }
+  std::sort(dense.units.begin(), dense.units.end());
+  dense.units.erase(std::unique(dense.units.begin(), dense.units.end()), dense.units.end());
+  return {dense, experts};
+}
+
+// The experts' FSDP2 over ep_shard: no replicas (ep_shard spans the
+// data-parallel ranks of an ep coordinate), and [distributed.moe]'s
+// reshard_after_forward.
+std::string expert_options(const Config& config, const std::string& options) {
+  auto json = nlohmann::json::parse(options);
+  json["dp_replicate_size"] = 1;
+  json["reshard_after_forward"] = config.distributed.moe.reshard_after_forward;
+  return json.dump();
+}
+
+// A mixture of experts trains its experts with a strategy instance of
+// their own: over ep_shard (no replicas) with expert parallelism, else over
+// the dense parameters' groups.
 void train_data_parallel(const Config& config, const Plan& plan, const TokenData& data,
                          Communicator& world, MeshCommunicators& axes,
                          const std::string& output_dir) {
   const Model& model = *plan.model;
-  const ModelDescription& local = plan.tensor_parallel->local();
   const std::vector<std::string> modules = module_names(model.description());
-  const StageContents contents = stage_contents(model, modules);
   const TensorParallelRank tp{*plan.tensor_parallel, axes.axis(Axis::tp)};
-  // Megatron-FSDP's meta-device init: the weights go straight into each
-  // rank's shard, and no rank holds the whole model.
-  const bool by_shard = config.distributed.init_fsdp_with_meta_device;
-  FlatParameters parameters(local, contents.parameters, !by_shard);
-  if (!by_shard) start_weights(config, model, tp, parameters);
-  StageUnits units = stage_units(local, contents);
-  units.strategy.shard_group = &axes.axis(Axis::dp_shard_cp);
-  units.strategy.replicate_group = &axes.axis(Axis::dp_replicate);
   const std::string options = strategy_options_json(config.distributed);
-  Strategy strategy(plan.strategy, axes.axis(Axis::dp), parameters.strategy_buffers(local), options,
-                    &units.strategy);
-  // The strategy copied its shard: the full weights are no longer needed.
-  if (strategy.sharded()) parameters.release();
-  if (by_shard) start_shard_weights(config, model, tp, parameters, strategy);
-  Trainer trainer({config, data, model, modules, strategy, parameters, units, world,
-                   axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
-                   computing_axes(axes, plan.mesh), *plan.tensor_parallel, plan.model_plan.dump(),
-                   options, output_dir});
-  if (!config.checkpoint.resume_from.empty()) {
-    trainer.resume(read_index(config, model.description()));
+  Communicator& dp = axes.axis(Axis::dp);
+  Communicator& dp_shard_cp = axes.axis(Axis::dp_shard_cp);
+  Communicator& dp_replicate = axes.axis(Axis::dp_replicate);
+  const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
+  if (!model.description().experts || !strategy_shards(*plan.strategy)) {
+    RankPart part(config, plan, tp, stage_contents(model, modules), dp, dp_shard_cp, dp_replicate,
+                  options);
+    run_trainer(
+        config, plan, data, world, axes, output_dir, modules, options,
+        {TrainPart{*part.strategy, part.parameters, part.units, dp_shard_cp, dp_replicate}});
+    return;
   }
-  strategy.broadcast_parameters();
-  announce(config, world, model, output_dir);
-  trainer.run();
+  const ExpertPlacement placement =
+      moe ? ExpertPlacement{axes.axis(Axis::ep).rank(), axes.axis(Axis::ep).size()}
+          : ExpertPlacement{};
+  const auto [dense_contents, expert_contents] =
+      split_experts(model.description(), stage_contents(model, modules, placement));
+  RankPart dense(config, plan, tp, dense_contents, dp, dp_shard_cp, dp_replicate, options);
+  TrainPart dense_part{*dense.strategy, dense.parameters, dense.units, dp_shard_cp, dp_replicate};
+  dense_part.exports = dp.rank() == 0;
+  if (!moe) {
+    RankPart experts(config, plan, tp, expert_contents, dp, dp_shard_cp, dp_replicate, options);
+    TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, dp_shard_cp,
+                          dp_replicate};
+    expert_part.exports = dp.rank() == 0;
+    run_trainer(config, plan, data, world, axes, output_dir, modules, options,
+                {dense_part, expert_part});
+    return;
+  }
+  Communicator& ep = axes.axis(Axis::ep);
+  Communicator& ep_shard = axes.axis(Axis::ep_shard);
+  Communicator alone = world.split(world.rank(), 0, "self");
+  RankPart experts(config, plan, tp, expert_contents, ep_shard, ep_shard, alone,
+                   expert_options(config, options));
+  TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, ep_shard, alone};
+  expert_part.norm_across = &ep;
+  expert_part.gradient_scale = float(1.0 / double(ep.size()));
+  expert_part.exports = ep_shard.rank() == 0;
+  run_trainer(config, plan, data, world, axes, output_dir, modules, options,
+              {dense_part, expert_part});
 }
 
 void train_in_world(const Config& config, const std::optional<std::string>& output,
@@ -244,7 +321,6 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
 void check_training_input(const Config& config, const Plan& plan) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
-  check_parallel_sizes(config);
   check_sequence_parallel(config, plan);
   check_autocast(config, plan);
   check_strategy_trains(config, *plan.strategy);

@@ -24,51 +24,79 @@ MixedPrecisionConfig unit_precision(const DistributedConfig& d) {
 }
 
 std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
-  if (!ctx.strategy.sharded()) {
-    return std::make_unique<ReplicatedHooks>(ctx.strategy, ctx.parameters);
+  const TrainPart& dense = ctx.parts.front();
+  if (!dense.strategy.sharded()) {
+    return std::make_unique<ReplicatedHooks>(dense.strategy, dense.parameters);
   }
-  return std::make_unique<ShardedHooks>(ctx.strategy, ctx.units, ctx.parameters.indices,
-                                        ctx.model.description().parameters.size(),
+  std::vector<ShardedHooks::Part> parts;
+  for (const TrainPart& part : ctx.parts) {
+    parts.push_back({part.strategy, part.units, part.parameters.indices});
+  }
+  return std::make_unique<ShardedHooks>(parts, ctx.model.description().parameters.size(),
                                         unit_precision(ctx.config.distributed));
 }
 
-LocalParameters local_parameters(const TrainContext& ctx) {
-  if (!ctx.strategy.sharded()) {
-    FlatParameters& p = ctx.parameters;
+LocalParameters local_parameters(const TrainContext& ctx, const TrainPart& part) {
+  if (!part.strategy.sharded()) {
+    FlatParameters& p = part.parameters;
     return replicated_parameters(p.values.data(), p.gradients.data(), p.offsets, ctx.data_parallel);
   }
-  return sharded_parameters(ctx.strategy, ctx.shard_group, ctx.replicate_group);
+  return sharded_parameters(part.strategy, part.shard_group, part.replicate_group);
 }
 
 }  // namespace
+
+Trainer::Part::Part(const TrainPart& spec, LocalParameters local, const Trainer& trainer)
+    : spec(spec),
+      local(std::move(local)),
+      held(model_ranges(this->local.held, spec.parameters, trainer.tensor_parallel(), false)),
+      saved(model_ranges(this->local.saved, spec.parameters, trainer.tensor_parallel(), true)),
+      optimizer(trainer.ctx_.config.train, decay_mask(this->local, trainer.ctx_.model.description(),
+                                                      spec.parameters.indices)) {}
 
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
       hooks_(make_hooks(ctx_)),
       stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json,
-             &ctx_.tensor_parallel.local()),
-      local_(local_parameters(ctx_)),
-      model_held_(model_ranges(local_.held, ctx_.parameters, tensor_parallel(), false)),
-      model_saved_(model_ranges(local_.saved, ctx_.parameters, tensor_parallel(), true)),
-      optimizer_(ctx_.config.train,
-                 decay_mask(local_, ctx_.model.description(), ctx_.parameters.indices)) {}
+             &ctx_.tensor_parallel.local()) {
+  for (const TrainPart& part : ctx_.parts) {
+    parts_.push_back(std::make_unique<Part>(part, local_parameters(ctx_, part), *this));
+  }
+}
+
+std::vector<ShardState> Trainer::shard_states() {
+  std::vector<ShardState> shards;
+  for (auto& part : parts_) shards.push_back({&part->local, &part->optimizer});
+  return shards;
+}
+
+std::vector<HeldRange> Trainer::checkpoint_ranges(bool saved) const {
+  std::vector<HeldRange> ranges;
+  int64_t base = 0;
+  for (const auto& part : parts_) {
+    for (HeldRange range : saved ? part->saved : part->held) {
+      range.local_begin += base;
+      ranges.push_back(range);
+    }
+    base += part->local.numel;
+  }
+  return ranges;
+}
 
 void Trainer::resume(const CheckpointIndex& index) {
-  load_sharded(index, model_held_, checkpoint_buffers());
-  optimizer_.restore(index.step);
+  auto state = concatenated_state(shard_states());
+  load_sharded(
+      index, checkpoint_ranges(false),
+      {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}});
+  scatter_state(state, shard_states());
+  for (auto& part : parts_) part->optimizer.restore(index.step);
   next_step_ = index.step;
 }
 
-std::vector<FlatBuffer> Trainer::checkpoint_buffers() {
-  return {{"params", local_.params},
-          {"exp_avg", optimizer_.exp_avg().data()},
-          {"exp_avg_sq", optimizer_.exp_avg_sq().data()}};
-}
-
-double Trainer::all_reduce(double value, ReduceOp op) {
+double Trainer::all_reduce(double value, ReduceOp op, Communicator& over) {
   auto single = float(value);
   FlatTensor tensor(&single, dtype_float32(), 1);
-  ctx_.data_parallel.all_reduce(tensor.get(), op).wait();
+  over.all_reduce(tensor.get(), op).wait();
   return single;
 }
 
@@ -80,15 +108,16 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
   const int64_t micro_batches = share / train.micro_batch_size;
   const int64_t first = ctx_.data_parallel.rank() * share;
-  std::fill_n(local_.grads, local_.numel, 0.0f);
+  for (auto& part : parts_) std::fill_n(part->local.grads, part->local.numel, 0.0f);
   hooks_->take_seconds_in_strategy();   // not this step's: validation's gathers
   stage_.take_tensor_parallel_bytes();  // likewise
   stage_.take_context_parallel_traffic();
+  stage_.take_expert_parallel_traffic();
   double loss_sum = 0.0;
   stage_.set_shape(train.micro_batch_size, ctx_.data.seq_len());
   activations_.begin_step();
   for (int64_t k = 0; k < micro_batches; ++k) {
-    ctx_.strategy.begin_micro_batch(k == micro_batches - 1);
+    for (auto& part : parts_) part->spec.strategy.begin_micro_batch(k == micro_batches - 1);
     ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
                              train.micro_batch_size, tokens_, targets_);
     loss_sum += stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
@@ -96,7 +125,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
-  ctx_.strategy.finish_gradients();
+  for (auto& part : parts_) part->spec.strategy.finish_gradients();
   metrics.grad_sync_wait_s = seconds_since(sync_start);
   metrics.comm_wait_s = metrics.grad_sync_wait_s + hooks_->take_seconds_in_strategy();
   metrics.tp_bytes = stage_.take_tensor_parallel_bytes();
@@ -106,37 +135,73 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   // Each micro-batch's loss is a mean over its tokens, so the accumulated
   // gradient is micro_batches times the mean over this rank's share; the
   // strategy averaged the shares, which makes it the global batch's mean.
-  if (micro_batches > 1) {
-    const auto scale = float(1.0 / double(micro_batches));
-    for (int64_t i = 0; i < local_.numel; ++i) local_.grads[i] *= scale;
+  for (auto& part : parts_) {
+    const auto scale = float(double(part->spec.gradient_scale) / double(micro_batches));
+    if (scale == 1.0f) continue;
+    for (int64_t i = 0; i < part->local.numel; ++i) part->local.grads[i] *= scale;
   }
-  metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg);
+  metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg, ctx_.data_parallel);
+  take_expert_metrics(metrics, micro_batches);
+}
+
+// The routers' load-balancing loss, a mean over the global batch as the
+// loss is, and the slots each expert took over every rank.
+void Trainer::take_expert_metrics(StepMetrics& metrics, int64_t micro_batches) {
+  std::optional<RouterStatistics> statistics = stage_.take_router_statistics();
+  if (!statistics || !ctx_.model.description().experts) return;
+  const int64_t experts = ctx_.model.description().experts->count;
+  std::vector<float> sums(size_t(experts) + 1, 0.0f);
+  sums[0] = float(statistics->aux_loss / double(micro_batches));
+  for (size_t e = 0; e < statistics->expert_tokens.size() && e < size_t(experts); ++e) {
+    sums[e + 1] = float(statistics->expert_tokens[e]);
+  }
+  FlatTensor tensor(sums.data(), dtype_float32(), int64_t(sums.size()));
+  ctx_.data_parallel.all_reduce(tensor.get(), ReduceOp::sum).wait();
+  ExpertMetrics& moe = metrics.moe.emplace();
+  moe.aux_loss = double(sums[0]) / double(ctx_.data_parallel.size());
+  for (int64_t e = 0; e < experts; ++e) moe.expert_tokens.push_back(int64_t(sums[size_t(e) + 1]));
+  const CommTraffic traffic = stage_.take_expert_parallel_traffic();
+  moe.ep_bytes = traffic.bytes;
+  moe.ep_wait_s = traffic.wait_seconds;
 }
 
 double Trainer::gradient_norm() {
   // A replicated strategy leaves the whole averaged gradient on every rank;
   // the shards of a sharded one partition it over the shard group (replicas
-  // hold equal shards, so the replicate group adds nothing); tp ranks hold
-  // pieces of the sharded parameters.
-  double squared = tensor_parallel_squared_norm(local_, ctx_.parameters.indices, tensor_parallel());
-  for (Communicator* group : {local_.norm_group, ctx_.computing.tp}) {
-    if (group == nullptr || group->size() == 1) continue;
-    auto share = float(squared);
-    FlatTensor tensor(&share, dtype_float32(), 1);
-    group->all_reduce(tensor.get(), ReduceOp::sum).wait();
-    squared = share;
+  // hold equal shards, so the replicate group adds nothing), the ep ranks
+  // hold different experts, and tp ranks hold pieces of the sharded
+  // parameters.
+  double squared = 0;
+  for (auto& part : parts_) {
+    double share =
+        tensor_parallel_squared_norm(part->local, part->spec.parameters.indices, tensor_parallel());
+    for (Communicator* group : {part->local.norm_group, part->spec.norm_across}) {
+      if (group != nullptr && group->size() > 1) share = all_reduce(share, ReduceOp::sum, *group);
+    }
+    squared += share;
+  }
+  if (ctx_.computing.tp->size() > 1) {
+    squared = all_reduce(squared, ReduceOp::sum, *ctx_.computing.tp);
   }
   return std::sqrt(squared);
 }
 
 void Trainer::optimizer_step(const StepMetrics& metrics) {
-  clip_gradients(local_.grads, local_.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
-  optimizer_.step(local_.params, local_.grads, metrics.lr);
-  round_to(local_.params, local_.numel, ctx_.config.model.torch_dtype);
+  for (auto& part : parts_) {
+    LocalParameters& local = part->local;
+    clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
+    part->optimizer.step(local.params, local.grads, metrics.lr);
+    round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
+  }
 }
 
 std::optional<int64_t> Trainer::first_nonfinite_gradient() {
-  return train::first_nonfinite_gradient(local_, ctx_.parameters.indices);
+  std::optional<int64_t> first;
+  for (auto& part : parts_) {
+    const auto found = train::first_nonfinite_gradient(part->local, part->spec.parameters.indices);
+    if (found && (!first || *found < *first)) first = found;
+  }
+  return first;
 }
 
 // docs/design.md's val_loss: the windows are shared out over the data-parallel
@@ -151,7 +216,7 @@ std::optional<double> Trainer::validate() {
   const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
   const int64_t seq_len = ctx_.data.seq_len(), micro = ctx_.config.train.micro_batch_size;
   const int64_t most_windows = (windows + ranks - 1) / ranks;
-  const int64_t forwards = ctx_.strategy.sharded() ? (most_windows + micro - 1) / micro : 0;
+  const int64_t forwards = sharded() ? (most_windows + micro - 1) / micro : 0;
   double sum = 0.0;
   int64_t done = 0;
   for (int64_t first = begin; first < end; first += micro, ++done) {
@@ -163,7 +228,7 @@ std::optional<double> Trainer::validate() {
     ctx_.data.validation_batch(0, 1, tokens_, targets_);
     evaluate(1);
   }
-  return all_reduce(sum, ReduceOp::sum) / double(windows * seq_len);
+  return all_reduce(sum, ReduceOp::sum, ctx_.data_parallel) / double(windows * seq_len);
 }
 
 // A forward of `count` sequences in tokens_/targets_ that keeps nothing.
@@ -175,42 +240,75 @@ double Trainer::evaluate(int64_t count) {
 }
 
 void Trainer::save_checkpoint(int64_t step) {
+  auto state = concatenated_state(shard_states());
   const auto dir =
       std::filesystem::path(ctx_.output_dir) / "checkpoints" / fmt::format("step_{}", step);
-  save_sharded(dir.string(), checkpoint_layout(ctx_.config.model, ctx_.model.description()),
-               ctx_.config.train.seed, step, model_saved_, checkpoint_buffers(), ctx_.world);
+  save_sharded(
+      dir.string(), checkpoint_layout(ctx_.config.model, ctx_.model.description()),
+      ctx_.config.train.seed, step, checkpoint_ranges(true),
+      {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}},
+      ctx_.world);
 }
 
 MemoryUse Trainer::memory_use() {
-  const int64_t bytes = local_.numel * int64_t(sizeof(float));
-  const StrategyMemory strategy = ctx_.strategy.memory();
-  MemoryUse use{bytes,
-                bytes,
-                optimizer_.state_bytes(),
-                strategy.buffers,
-                strategy.buffers_peak,
-                strategy.buffers_reserved};
+  MemoryUse use;
+  for (auto& part : parts_) {
+    const int64_t bytes = part->local.numel * int64_t(sizeof(float));
+    const StrategyMemory strategy = part->spec.strategy.memory();
+    use.params += bytes;
+    use.grads += bytes;
+    use.optimizer += part->optimizer.state_bytes();
+    use.buffers += strategy.buffers;
+    use.buffers_peak += strategy.buffers_peak;
+    use.buffers_reserved += strategy.buffers_reserved;
+  }
+  if (parts_.size() > 1) {
+    const Part& experts = *parts_.back();
+    use.experts = MemoryUse::Experts{experts.local.numel * int64_t(sizeof(float)),
+                                     experts.spec.strategy.memory().buffers_peak};
+  }
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
   return use;
 }
 
-// The consolidated weights on rank 0; a sharded strategy gathers them first
-// (collective over the shard group), then the tp ranks their pieces
-// (collective over tp), so every rank comes here.
+// The consolidated weights on rank 0: a sharded strategy gathers each part
+// (collective over its shard group), then the tp ranks their pieces
+// (collective over tp), so every rank comes here. With several parts each
+// element has one writer (TrainPart::exports), and a sum over the world
+// brings them to rank 0.
 void Trainer::export_weights() {
   if (!ctx_.config.checkpoint.export_consolidated) return;
-  const float* local = ctx_.parameters.values.data();
-  std::vector<float> gathered, full(size_t(ctx_.model.description().numel));
-  if (ctx_.strategy.sharded()) {
-    gathered.resize(size_t(ctx_.parameters.numel()));
-    ctx_.strategy.gather_parameters(gathered.data(), ctx_.parameters.numel());
-    local = gathered.data();
+  const ModelDescription& description = ctx_.model.description();
+  std::vector<float> full(size_t(description.numel), 0.0f), part_full(full.size());
+  for (auto& part : parts_) {
+    const FlatParameters& parameters = part->spec.parameters;
+    const float* local = parameters.values.data();
+    std::vector<float> gathered;
+    if (part->spec.strategy.sharded()) {
+      gathered.resize(size_t(parameters.numel()));
+      part->spec.strategy.gather_parameters(gathered.data(), parameters.numel());
+      local = gathered.data();
+    }
+    gather_tensor_parallel(parameters, local, tensor_parallel(), part_full.data());
+    if (!part->spec.exports) continue;
+    for (const int64_t p : parameters.indices) {
+      const ModelParameter& parameter = description.parameters[size_t(p)];
+      std::copy_n(part_full.begin() + parameter.offset, parameter.numel,
+                  full.begin() + parameter.offset);
+    }
   }
-  gather_tensor_parallel(ctx_.parameters, local, tensor_parallel(), full.data());
+  if (parts_.size() > 1) {
+    FlatTensor tensor(full.data(), dtype_float32(), int64_t(full.size()));
+    ctx_.world.all_reduce(tensor.get(), ReduceOp::sum).wait();
+  }
   if (ctx_.world.rank() == 0) {
-    export_consolidated(ctx_.output_dir, ctx_.config.model, ctx_.model.description(), full.data());
+    export_consolidated(ctx_.output_dir, ctx_.config.model, description, full.data());
   }
+}
+
+void Trainer::broadcast_parameters() {
+  for (auto& part : parts_) part->spec.strategy.broadcast_parameters();
 }
 
 void Trainer::run() {

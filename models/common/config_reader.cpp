@@ -54,6 +54,15 @@ double ConfigReader::positive_number(const char* key, double fallback) const {
   return value.get<double>();
 }
 
+double ConfigReader::non_negative_number(const char* key, double fallback) const {
+  if (!has(key)) return fallback;
+  const auto& value = config_.at(key);
+  if (!value.is_number() || !std::isfinite(value.get<double>()) || value.get<double>() < 0) {
+    fail(key, "a finite number >= 0");
+  }
+  return value.get<double>();
+}
+
 double ConfigReader::fraction(const char* key, double fallback) const {
   if (!has(key)) return fallback;
   const auto& value = config_.at(key);

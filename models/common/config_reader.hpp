@@ -31,6 +31,7 @@ class ConfigReader {
   // defaults as null, "n_inner": null).
   int64_t nullable_integer(const char* key, int64_t fallback, int64_t min = 1) const;
   double positive_number(const char* key, double fallback) const;
+  double non_negative_number(const char* key, double fallback) const;
   double fraction(const char* key, double fallback) const;  // in [0, 1)
   bool boolean(const char* key, bool fallback) const;
   std::string choice(const char* key, const std::string& fallback,

@@ -51,6 +51,7 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
   for (const ParameterView& p : parameters) {
     described.push_back({{"name", p.name}, {"shape", p.shape}, {"unit", unit_name(p.unit)}});
     if (p.tp != "replicate") described.back()["tp"] = p.tp;
+    if (p.expert >= 0) described.back()["expert"] = p.expert;
     if (p.unit == num_layers) continue;
     if (module_list.back()["name"] != unit_name(p.unit)) {
       module_list.push_back({{"name", unit_name(p.unit)}, {"parameters", ordered_json::array()}});

@@ -8,11 +8,15 @@
 // ABI headers.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/context_parallel.hpp"
 #include "common/description.hpp"
+#include "common/expert_parallel.hpp"
 #include "common/stage.hpp"
 #include "meshrun/model.hpp"
 
@@ -92,6 +96,22 @@ class HostCommunicator {
     Tensor tensor(data, count);
     meshrun_request* request = nullptr;
     check(api_->recv(comm_, &tensor.tensor, peer, tag, &request));
+    return request;
+  }
+  // Only with an ABI 1.7 backend; UNIMPLEMENTED with an older one.
+  meshrun_request* start_all_to_all(const float* send, const std::vector<int64_t>& send_counts,
+                                    float* recv, const std::vector<int64_t>& recv_counts) {
+    if (!MESHRUN_HAS_FIELD(meshrun_comm_api, api_, all_to_all) || api_->all_to_all == nullptr) {
+      throw plugin::Error(MESHRUN_UNIMPLEMENTED,
+                          "expert parallelism needs the comm backend's all_to_all (ABI 1.7)");
+    }
+    int64_t sent = 0, received = 0;
+    for (const int64_t count : send_counts) sent += count;
+    for (const int64_t count : recv_counts) received += count;
+    Tensor in(send, sent), out(recv, received);
+    meshrun_request* request = nullptr;
+    check(api_->all_to_all(comm_, &in.tensor, send_counts.data(), &out.tensor, recv_counts.data(),
+                           &request));
     return request;
   }
   void finish(meshrun_request* request) {
@@ -175,6 +195,22 @@ class HostContextParallelGroup : public ContextParallelGroup {
   std::vector<meshrun_request*> started_;
 };
 
+// The stage's ep group.
+class HostExpertParallelGroup : public ExpertParallelGroup {
+ public:
+  explicit HostExpertParallelGroup(const meshrun_model_stage_setup& setup)
+      : comm_(setup.comm, setup.ep) {}
+  int64_t size() const override { return comm_.size(); }
+  int64_t rank() const override { return comm_.rank(); }
+  void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
+                  const std::vector<int64_t>& recv_counts) override {
+    comm_.finish(comm_.start_all_to_all(send, send_counts, recv, recv_counts));
+  }
+
+ private:
+  HostCommunicator comm_;
+};
+
 template <class Plugin>
 class HostModel {
  public:
@@ -251,21 +287,35 @@ class HostStage {
   }
   void discard(int32_t mb) { stage_.discard(mb); }
   int64_t activation_bytes() const { return stage_.activation_bytes(); }
+  // A mixture of experts' router statistics (meshrun/model.h), which start
+  // again.
+  std::string take_statistics() requires(requires { Plugin::Family::kExperts; }) {
+    const ExpertStatistics taken = std::exchange(statistics_, {});
+    return nlohmann::json{{"aux_loss", taken.aux_loss}, {"expert_tokens", taken.expert_tokens}}
+        .dump();
+  }
+  const meshrun_host_services& host() const { return host_; }
 
  private:
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup,
             const Placements& placements)
-      : hooks_(*setup.hooks),
+      : host_(model.host()),
+        hooks_(*setup.hooks),
         tp_(setup, placements.async),
         cp_group_(setup),
+        ep_group_(setup),
         stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
                &tp_, placements,
-               plan_context_parallel(setup.plan_json, &cp_group_, Plugin::Family::kName)),
+               plan_context_parallel(setup.plan_json, &cp_group_, Plugin::Family::kName),
+               ExpertParallel{setup.ep != nullptr ? &ep_group_ : nullptr, &statistics_}),
         matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)) {}
 
+  const meshrun_host_services& host_;
   HostHooks hooks_;
   HostTensorParallelGroup tp_;
   HostContextParallelGroup cp_group_;
+  HostExpertParallelGroup ep_group_;
+  ExpertStatistics statistics_;
   TransformerStage<typename Plugin::Family> stage_;
   kernels::MatmulPrecision matmul_precision_;
 };

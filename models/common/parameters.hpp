@@ -26,6 +26,9 @@ struct ParameterView {
   // "replicate", "shard(d)": the rank's 1/tp of dimension d, or
   // "shard(d,blocks)": of each of `blocks` equal blocks of d (docs/plan.md).
   std::string tp = "replicate";
+  // The mixture-of-experts expert it belongs to, or -1: a stage over ep
+  // ranks holds the parameters of its own experts only.
+  int64_t expert = -1;
 };
 
 // Appends the parameter `name` with the next index, without storage. A

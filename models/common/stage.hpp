@@ -27,8 +27,10 @@
 //     0..L-1, the rest in the root unit L;
 //   init_parameter(config, parameters, seed, index, values): one's initial
 //     values, independent of the others'
-//   kEmbeddingTensors, kLayerTensors: the views of the embedding (the first
-//     root parameters; a tied lm_head is the first of them) and of a layer
+//   kEmbeddingTensors: the views of the embedding (the first root
+//     parameters; a tied lm_head is the first of them); a layer's views are
+//     those of its unit the stage holds (all, or with expert parallelism
+//     its own experts' only)
 //   check_layer_storage(layer views, backward): the host's storage is fit
 //   kSequenceParallel: whether it computes sequence parallelism
 //   check_tensor_parallel(config, tp_size, blocks): the model splits its
@@ -36,7 +38,7 @@
 //     parameters() say each one's placement (ParameterView::tp)
 //   tensor_parallel_blocks(): its BlockSpecs; tensor_parallel_block(name):
 //     the Block of a parameter it computes over tp
-//   Pass(config, batch, seq_len, tp, sequence_parallel, blocks, cp): what a
+//   Pass(config, batch, seq_len, tp, sequence_parallel, blocks, cp[, ep]): what a
 //     forward at one shape shares (seq_len: the rank's rows of each
 //     sequence, all of them without context parallelism, whose attention
 //     and positions a SequenceAttention over cp computes), with local sizes
@@ -61,6 +63,10 @@
 //   head_forward(pass, head views, lm_head, x, targets, saved): the mean loss;
 //   head_backward(pass, head views, lm_head, x, targets, loss_scale, saved,
 //     gradients): pass.d_residual = d(loss_scale * loss)/dx
+// and optionally
+//   kExperts: its layers are mixtures of experts: Pass takes the stage's
+//     ExpertParallel (common/expert_parallel.hpp) last, and has loss_scale,
+//     set before each backward (the layers' auxiliary losses need it)
 #pragma once
 
 #include <cstdint>
@@ -71,6 +77,7 @@
 #include <vector>
 
 #include "common/context_parallel.hpp"
+#include "common/expert_parallel.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -184,13 +191,16 @@ class TransformerStage {
   // a tp group of more than one rank, a model check_tensor_parallel refuses
   // or `placements` (the plan's, by name) that differ from the family's.
   // `hooks`, `tp` (null: one rank) and cp's group must outlive the stage.
+  // Over ep ranks (a family with kExperts) the stage holds its own experts'
+  // parameters only.
   // Over cp ranks every forward gets the whole sequences and computes the
   // rank's rows of them (common/context_parallel.hpp); its loss is the mean
   // over all rows, its gradients those of the rank's rows' mean, which the
   // strategy's average over dp_shard_cp makes the micro-batch's.
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                    const Checkpointing& checkpointing = {}, TensorParallelGroup* tp = nullptr,
-                   const Placements& placements = {}, const ContextParallel& cp = {});
+                   const Placements& placements = {}, const ContextParallel& cp = {},
+                   const ExpertParallel& ep = {});
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -286,10 +296,12 @@ class TransformerStage {
   TensorParallelGroup& tp_;
   bool sequence_parallel_;
   ContextParallel cp_;
+  ExpertParallel ep_;
   ParallelBlocks blocks_;  // which blocks the plan computes over tp
   std::vector<ParameterView> parameters_;
-  int64_t head_index_ = 0;     // into parameters_: the head's first view
-  int64_t lm_head_index_ = 0;  // the embedding's first view when tied
+  std::vector<int64_t> layer_first_view_;  // per stage layer, into parameters_
+  int64_t head_index_ = 0;                 // into parameters_: the head's first view
+  int64_t lm_head_index_ = 0;              // the embedding's first view when tied
   int64_t batch_ = 0, seq_len_ = 0;
   std::unique_ptr<typename Family::Pass> pass_;
   std::vector<std::optional<Recomputation>> checkpointed_;  // per stage layer

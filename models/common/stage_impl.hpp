@@ -170,13 +170,14 @@ template <class Family>
 TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                                            const Checkpointing& checkpointing,
                                            TensorParallelGroup* tp, const Placements& placements,
-                                           const ContextParallel& cp)
+                                           const ContextParallel& cp, const ExpertParallel& ep)
     : config_(std::move(config)),
       layout_(layout),
       hooks_(hooks),
       tp_(tp != nullptr ? *tp : single_rank_),
       sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel),
-      cp_(cp) {
+      cp_(cp),
+      ep_(ep) {
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -248,13 +249,21 @@ void TransformerStage<Family>::check_checkpointing(const Checkpointing& checkpoi
   }
 }
 
-// The embedding's views come first in model order, the head's last.
+// The embedding's views come first in model order, the head's last; of
+// the experts' only those the rank holds.
 template <class Family>
 void TransformerStage<Family>::select_parameters() {
   const int64_t root = root_unit();
   int64_t root_views = 0, head_views = 0;
-  for (ParameterView& view : Family::parameters(config_)) {
+  std::vector<ParameterView> all = Family::parameters(config_);
+  int64_t experts = 0;
+  for (const ParameterView& view : all) experts = std::max(experts, view.expert + 1);
+  for (ParameterView& view : all) {
+    if (!ep_.holds(view.expert, experts)) continue;
     const bool in_layers = view.unit >= layout_.first_layer && view.unit < layout_.end_layer;
+    if (in_layers && (parameters_.empty() || parameters_.back().unit != view.unit)) {
+      layer_first_view_.push_back(int64_t(parameters_.size()));
+    }
     const bool in_embedding = view.unit == root && root_views++ < Family::kEmbeddingTensors;
     const bool in_head = view.unit == root && !in_embedding && layout_.head;
     head_views += in_head ? 1 : 0;
@@ -268,8 +277,7 @@ void TransformerStage<Family>::select_parameters() {
 
 template <class Family>
 ParameterView* TransformerStage<Family>::layer_views(int64_t layer) {
-  const int64_t first = layout_.embedding ? Family::kEmbeddingTensors : 0;
-  return &parameters_[size_t(first + (layer - layout_.first_layer) * Family::kLayerTensors)];
+  return &parameters_[size_t(layer_first_view_.at(size_t(layer - layout_.first_layer)))];
 }
 
 template <class Family>
@@ -314,8 +322,13 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   require(cp_.size() == 1 || seq_len % (2 * cp_.size()) == 0, Family::kName,
           "context parallelism cuts each sequence into 2 x cp = " + std::to_string(2 * cp_.size()) +
               " chunks, which do not divide seq_len " + std::to_string(seq_len));
-  pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len / cp_.size(), tp_,
-                                                  sequence_parallel_, blocks_, cp_);
+  if constexpr (requires { Family::kExperts; }) {
+    pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len / cp_.size(), tp_,
+                                                    sequence_parallel_, blocks_, cp_, ep_);
+  } else {
+    pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len / cp_.size(), tp_,
+                                                    sequence_parallel_, blocks_, cp_);
+  }
   const auto any = [&](Recomputation mode) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };
@@ -572,6 +585,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   auto& pass = *pass_;
   auto& saved = *state.saved;
   const int64_t stream = pass.stream_numel(), layers = layer_count();
+  if constexpr (requires { Family::kExperts; }) pass.loss_scale = loss_scale;
   if (holds_root()) enter(root_unit(), nullptr, true);
   if (layout_.head) {
     Family::head_backward(pass, &parameters_[size_t(head_index_)],

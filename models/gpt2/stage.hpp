@@ -108,7 +108,6 @@ struct Gpt2 {
   using HeadActivations = gpt2::HeadActivations;
   static constexpr const char* kName = "gpt2";
   static constexpr int64_t kEmbeddingTensors = 2;
-  static constexpr int64_t kLayerTensors = kTensorsPerBlock;
 
   static void check_config(const Config& config) { gpt2::check_config(config); }
   static int64_t num_layers(const Config& config) { return config.n_layer; }

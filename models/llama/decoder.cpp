@@ -127,20 +127,27 @@ DecoderPass::DecoderPass(const LlamaConfig& c, int64_t batch, int64_t seq_len,
                       " tp ranks, which do not divide them");
 }
 
-LayerActivations::LayerActivations(const DecoderPass& pass)
+AttentionActivations::AttentionActivations(const DecoderPass& pass)
     : norm1(pass.rows() * pass.hidden),
       rstd1(pass.stream_rows()),
       qkv(pass.rows() * pass.attention.qkv_dim()),
       lse(pass.attention.lse_size()),
       attention(pass.rows() * pass.attention.q_dim()),
-      h(pass.stream_numel()),
+      h(pass.stream_numel()) {}
+
+int64_t AttentionActivations::bytes() const {
+  return bytes_of(norm1, rstd1, qkv, lse, attention, h);
+}
+
+LayerActivations::LayerActivations(const DecoderPass& pass)
+    : AttentionActivations(pass),
       norm2(pass.rows() * pass.hidden),
       rstd2(pass.stream_rows()),
       gate_up(pass.rows() * 2 * pass.intermediate),
       mlp(pass.rows() * pass.intermediate) {}
 
 int64_t LayerActivations::bytes() const {
-  return bytes_of(norm1, rstd1, qkv, lse, attention, h, norm2, rstd2, gate_up, mlp);
+  return AttentionActivations::bytes() + bytes_of(norm2, rstd2, gate_up, mlp);
 }
 
 HeadActivations::HeadActivations(const DecoderPass& pass)
@@ -150,21 +157,36 @@ HeadActivations::HeadActivations(const DecoderPass& pass)
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
 
+namespace {
+
+// Whether views [first, last] lie one after another in the host's storage.
+bool adjacent(const ParameterView* first, const ParameterView* last, bool backward) {
+  for (const ParameterView* view = first; view < last; ++view) {
+    if (view->data + view->numel != view[1].data ||
+        (backward && view->grad + view->numel != view[1].grad)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_attention_storage(const ParameterView* layer, bool backward) {
+  if (!adjacent(&layer[kQ], &layer[kV], backward)) {
+    throw std::invalid_argument("the host gave " +
+                                layer[kQ].name.substr(0, layer[kQ].name.rfind(".self_attn")) +
+                                " storage that is not one block in parameter order");
+  }
+}
+
 // q, k, v and gate, up act as one fused projection each: the host lays a
 // unit's parameters out one after another (meshrun/model.h).
 void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
-  const auto adjacent = [&](LayerTensor first, LayerTensor last) {
-    for (int t = first; t < last; ++t) {
-      if (layer[t].data + layer[t].numel != layer[t + 1].data ||
-          (backward && layer[t].grad + layer[t].numel != layer[t + 1].grad)) {
-        return false;
-      }
-    }
-    return true;
-  };
-  if (!adjacent(kQ, kV) || !adjacent(kGate, kUp)) {
+  check_attention_storage(layer, backward);
+  if (!adjacent(&layer[kGate], &layer[kUp], backward)) {
     throw std::invalid_argument("llama: the host gave " +
-                                layer[kQ].name.substr(0, layer[kQ].name.rfind(".self_attn")) +
+                                layer[kGate].name.substr(0, layer[kGate].name.rfind(".mlp")) +
                                 " storage that is not one block in parameter order");
   }
 }
@@ -187,11 +209,15 @@ void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const
                                             pass.rows(), pass.hidden, pass.embedding_vocab);
 }
 
-void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
-                          LayerActivations& saved, float* out) {
-  const AttentionShape& shape = pass.attention;
-  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, n = pass.stream_rows();
+void attention_norm(DecoderPass& pass, const ParameterView* layer, const float* x,
+                    AttentionActivations& saved) {
+  block_input_norm(pass, saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm]);
+}
 
+void attention_forward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                       AttentionActivations& saved) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden, n = pass.stream_rows();
   block_input_norm(pass, saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm]);
   linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
@@ -201,7 +227,12 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
                  H);
   residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
                    n * H);
+}
 
+void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                          LayerActivations& saved, float* out) {
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, n = pass.stream_rows();
+  attention_forward(pass, layer, x, saved);
   block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
@@ -215,9 +246,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
 // a block's input gradient is summed over tp meanwhile.
 void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                            LayerActivations& saved, WeightGradients& gradients) {
-  const AttentionShape& shape = pass.attention;
-  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, Q = shape.q_dim();
-
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   float* d_out = block_output_gradient(pass);
   linear_backward_input(pass.d_mlp.data(), d_out, layer[kDown].data, N, I, H);
   gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_out, saved.mlp);
@@ -229,7 +258,13 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
   block_input_norm_backward(pass, pass.group(Block::mlp), layer[kPostNorm], saved.h.data(),
                             saved.rstd2.data());
   gradients.vector_ready(layer[kPostNorm]);
+  attention_backward(pass, layer, x, saved, gradients);
+}
 
+void attention_backward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                        AttentionActivations& saved, WeightGradients& gradients) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   float* d_h = block_output_gradient(pass);
   linear_backward_input(pass.d_attention.data(), d_h, layer[kO].data, N, Q, H);
   // Attention's backward reads its output, which o_proj's gradient may take.

@@ -65,9 +65,9 @@ struct DecoderPass {
   std::vector<float> stream, d_gathered, d_norm_weight;
 };
 
-// What one decoder layer's forward keeps for its backward.
-struct LayerActivations {
-  explicit LayerActivations(const DecoderPass& pass);
+// What a decoder layer's attention half keeps for its backward.
+struct AttentionActivations {
+  explicit AttentionActivations(const DecoderPass& pass);
   int64_t bytes() const;
 
   std::vector<float> norm1, rstd1;  // rmsnorm(x) [N, H], its 1/rms [N]
@@ -75,10 +75,33 @@ struct LayerActivations {
   std::vector<float> lse;           // attention's log-sum-exps [batch, heads, T]
   std::vector<float> attention;     // attention output [N, q]
   std::vector<float> h;             // x + o_proj(attention) [N, H]
+};
+
+// What one decoder layer's forward keeps for its backward.
+struct LayerActivations : AttentionActivations {
+  explicit LayerActivations(const DecoderPass& pass);
+  int64_t bytes() const;
+
   std::vector<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
   std::vector<float> gate_up;       // [N, 2I]
   std::vector<float> mlp;           // silu(gate) * up [N, I]
 };
+
+// The attention half of a decoder layer, which a layer's first views
+// (LayerTensor kInputNorm to kO) compute and the mixture-of-experts family
+// shares: saved.h = x + o_proj(attention(rotary(qkv_proj(rmsnorm(x))))).
+void attention_forward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                       AttentionActivations& saved);
+// Its norm again (saved.norm1, rstd1), as attention_forward computes it:
+// what selective checkpointing recomputes.
+void attention_norm(DecoderPass& pass, const ParameterView* layer, const float* x,
+                    AttentionActivations& saved);
+// On entry pass.d_residual holds dL/dh; on exit dL/dx.
+void attention_backward(DecoderPass& pass, const ParameterView* layer, const float* x,
+                        AttentionActivations& saved, WeightGradients& gradients);
+// Throws std::invalid_argument unless q, k, v are adjacent in the host's
+// storage (they act as one fused projection).
+void check_attention_storage(const ParameterView* layer, bool backward);
 
 // What the head's forward keeps.
 struct HeadActivations {
@@ -97,7 +120,6 @@ struct Llama {
   using HeadActivations = llama::HeadActivations;
   static constexpr const char* kName = "llama";
   static constexpr int64_t kEmbeddingTensors = 1;
-  static constexpr int64_t kLayerTensors = kTensorsPerLayer;
 
   static void check_config(const Config& config) { llama::check_config(config); }
   static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }

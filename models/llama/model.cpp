@@ -76,22 +76,54 @@ void check_tensor_parallel(const LlamaConfig& c, int64_t tp, const models::Paral
       tp);
 }
 
-std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
-  const int64_t H = config.hidden_size, I = config.intermediate_size;
+void add_attention_parameters(std::vector<ParameterView>& views, const LlamaConfig& config,
+                              int64_t layer) {
+  const int64_t H = config.hidden_size;
   const int64_t head_dim = H / config.num_attention_heads;
   const int64_t q_dim = config.num_attention_heads * head_dim;
   const int64_t kv_dim = config.num_key_value_heads * head_dim;
+  const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+  add_parameter(views, prefix + "input_layernorm.weight", {H}, layer);
+  add_parameter(views, prefix + "self_attn.q_proj.weight", {q_dim, H}, layer);
+  add_parameter(views, prefix + "self_attn.k_proj.weight", {kv_dim, H}, layer);
+  add_parameter(views, prefix + "self_attn.v_proj.weight", {kv_dim, H}, layer);
+  add_parameter(views, prefix + "self_attn.o_proj.weight", {H, q_dim}, layer);
+  add_parameter(views, prefix + "post_attention_layernorm.weight", {H}, layer);
+}
+
+LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig c) {
+  c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
+  c.hidden_size = reader.dimension("hidden_size", c.hidden_size);
+  c.intermediate_size = reader.dimension("intermediate_size", c.intermediate_size);
+  c.num_hidden_layers =
+      reader.integer("num_hidden_layers", c.num_hidden_layers, 1, models::kMaxLayers);
+  c.num_attention_heads = reader.integer("num_attention_heads", c.num_attention_heads);
+  // Hugging Face's default: one key/value head per attention head.
+  c.num_key_value_heads = reader.integer("num_key_value_heads", c.num_attention_heads);
+  c.max_position_embeddings = reader.integer("max_position_embeddings", c.max_position_embeddings);
+  c.rms_norm_eps = reader.positive_number("rms_norm_eps", c.rms_norm_eps);
+  c.rope_theta = reader.positive_number("rope_theta", c.rope_theta);
+  c.tie_word_embeddings = reader.boolean("tie_word_embeddings", c.tie_word_embeddings);
+  check_config(c);
+  return c;
+}
+
+models::ModelModules decoder_modules(bool tie_word_embeddings) {
+  const std::string embedding = "model.embed_tokens.weight";
+  return {{{"model.embed_tokens", {embedding}, ""}},
+          "model.layers.",
+          {{"model.norm", {"model.norm.weight"}, "head"},
+           {"lm_head", {tie_word_embeddings ? embedding : "lm_head.weight"}, "head"}}};
+}
+
+std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
+  const int64_t H = config.hidden_size, I = config.intermediate_size;
   const int64_t root = root_unit(config);
   std::vector<ParameterView> views;
   add_parameter(views, "model.embed_tokens.weight", {config.vocab_size, H}, root);
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
-    add_parameter(views, prefix + "input_layernorm.weight", {H}, layer);
-    add_parameter(views, prefix + "self_attn.q_proj.weight", {q_dim, H}, layer);
-    add_parameter(views, prefix + "self_attn.k_proj.weight", {kv_dim, H}, layer);
-    add_parameter(views, prefix + "self_attn.v_proj.weight", {kv_dim, H}, layer);
-    add_parameter(views, prefix + "self_attn.o_proj.weight", {H, q_dim}, layer);
-    add_parameter(views, prefix + "post_attention_layernorm.weight", {H}, layer);
+    add_attention_parameters(views, config, layer);
     add_parameter(views, prefix + "mlp.gate_proj.weight", {I, H}, layer);
     add_parameter(views, prefix + "mlp.up_proj.weight", {I, H}, layer);
     add_parameter(views, prefix + "mlp.down_proj.weight", {H, I}, layer);

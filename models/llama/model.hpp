@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "common/config_reader.hpp"
+#include "common/description.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -44,6 +46,19 @@ inline int64_t root_unit(const LlamaConfig& config) { return config.num_hidden_l
 // post_attention_layernorm, mlp.{gate,up,down}_proj}.weight;
 // model.norm.weight; lm_head.weight unless tied. Without storage.
 std::vector<ParameterView> model_parameters(const LlamaConfig& config);
+
+// A decoder layer's attention half in Hugging Face's names, appended to
+// `views`: model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
+// post_attention_layernorm}.weight (the Mixtral family shares it).
+void add_attention_parameters(std::vector<ParameterView>& views, const LlamaConfig& config,
+                              int64_t layer);
+
+// The [model] keys of the decoder's sizes (Hugging Face's names), over
+// `defaults`, checked; and the modules a pipeline may cut between: the
+// embedding, the layers, the head (final norm and lm_head, inseparable: the
+// loss needs both; a tied lm_head uses the embedding).
+LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig defaults);
+models::ModelModules decoder_modules(bool tie_word_embeddings);
 
 // Megatron-LM's tensor parallelism as AutoModel's Llama plan places it:
 // q, k, v, gate and up column-wise ("shard(0)": the rank's output rows), o

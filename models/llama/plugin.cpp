@@ -35,23 +35,7 @@ struct LlamaPlugin {
   using Family = meshrun::llama::Llama;
 
   static LlamaConfig read_config(const char* config_json) {
-    const meshrun::models::ConfigReader reader(config_json);
-    LlamaConfig c;
-    c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
-    c.hidden_size = reader.dimension("hidden_size", c.hidden_size);
-    c.intermediate_size = reader.dimension("intermediate_size", c.intermediate_size);
-    c.num_hidden_layers =
-        reader.integer("num_hidden_layers", c.num_hidden_layers, 1, meshrun::models::kMaxLayers);
-    c.num_attention_heads = reader.integer("num_attention_heads", c.num_attention_heads);
-    // Hugging Face's default: one key/value head per attention head.
-    c.num_key_value_heads = reader.integer("num_key_value_heads", c.num_attention_heads);
-    c.max_position_embeddings =
-        reader.integer("max_position_embeddings", c.max_position_embeddings);
-    c.rms_norm_eps = reader.positive_number("rms_norm_eps", c.rms_norm_eps);
-    c.rope_theta = reader.positive_number("rope_theta", c.rope_theta);
-    c.tie_word_embeddings = reader.boolean("tie_word_embeddings", c.tie_word_embeddings);
-    meshrun::llama::check_config(c);
-    return c;
+    return meshrun::llama::read_decoder_config(meshrun::models::ConfigReader(config_json), {});
   }
 
   static ordered_json hf_config(const LlamaConfig& c) {
@@ -73,14 +57,8 @@ struct LlamaPlugin {
             {"mlp_bias", false}};
   }
 
-  // The embedding, the layers, and the head (final norm and lm_head,
-  // inseparable: the loss needs both); a tied lm_head uses the embedding.
   static ModelModules modules(const LlamaConfig& config) {
-    const std::string embedding = "model.embed_tokens.weight";
-    return {{{"model.embed_tokens", {embedding}, ""}},
-            "model.layers.",
-            {{"model.norm", {"model.norm.weight"}, "head"},
-             {"lm_head", {config.tie_word_embeddings ? embedding : "lm_head.weight"}, "head"}}};
+    return meshrun::llama::decoder_modules(config.tie_word_embeddings);
   }
 
   static std::string describe(const LlamaConfig& config,

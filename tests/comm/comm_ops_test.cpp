@@ -269,6 +269,44 @@ void broadcast(Checks& checks, const Case& c) {
   checks.compare(what, tensor, 0, c.numel, [&](int64_t i) { return input(c, root, i); });
 }
 
+// Rank q sends rank r block_count(q, r) elements, from none to 3/4 of
+// numel / ranks, varying with the pair and the salt; element j of that
+// block is input(q, r * numel + j).
+int64_t block_count(const Case& c, int64_t q, int64_t r) {
+  return ((q * 3 + r * 5 + c.salt) % 4) * (c.numel / (4 * c.ranks()));
+}
+
+void all_to_all(Checks& checks, const Case& c) {
+  const std::string what = c.describe("all_to_all");
+  std::vector<int64_t> send_counts, recv_counts;
+  int64_t sent = 0, received = 0;
+  for (int64_t r = 0; r < c.ranks(); ++r) {
+    send_counts.push_back(block_count(c, c.rank(), r));
+    recv_counts.push_back(block_count(c, r, c.rank()));
+    sent += send_counts.back();
+    received += recv_counts.back();
+  }
+  Buffer send(c.dtype.type, std::max<int64_t>(sent, 1));
+  Buffer recv(c.dtype.type, std::max<int64_t>(received, 1));
+  int64_t at = 0;
+  for (int64_t r = 0; r < c.ranks(); ++r) {
+    send.fill(at, send_counts[size_t(r)],
+              [&](int64_t j) { return input(c, c.rank(), r * c.numel + j); });
+    at += send_counts[size_t(r)];
+  }
+  FlatTensor in_view = send.view(0, sent);
+  FlatTensor out_view = recv.view(0, received);
+  checks.run(what, [&] {
+    c.group.comm->all_to_all(in_view.get(), send_counts, out_view.get(), recv_counts).wait();
+  });
+  at = 0;
+  for (int64_t q = 0; q < c.ranks(); ++q) {
+    checks.compare(what, recv, at, recv_counts[size_t(q)],
+                   [&](int64_t i) { return input(c, q, c.rank() * c.numel + i); });
+    at += recv_counts[size_t(q)];
+  }
+}
+
 struct OpCase {
   const char* name;
   std::function<void(Checks&, const Case&)> run;
@@ -289,6 +327,7 @@ std::vector<OpCase> op_cases() {
       {"reduce_scatter(avg)", reduce(reduce_scatter, ReduceOp::avg, "avg"), true, false},
       {"reduce_scatter(max)", reduce(reduce_scatter, ReduceOp::max, "max"), true, false},
       {"broadcast", broadcast, false, false},
+      {"all_to_all", all_to_all, false, false},
   };
 }
 

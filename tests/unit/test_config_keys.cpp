@@ -41,7 +41,7 @@ struct Verdict {
 
 const std::vector<std::string> kDdp = {"distributed.strategy=ddp"};
 const std::vector<std::string> kMegatron = {"distributed.strategy=megatron_fsdp"};
-const std::vector<std::string> kMoe = {"distributed.ep_size=2"};
+const std::vector<std::string> kMoe = {"distributed.ep_size=2", "model.model_type=\"mixtral\""};
 const std::vector<std::string> kPipeline = {"model.num_hidden_layers=4", "distributed.pp_size=2",
                                             "distributed.pipeline.pp_schedule=1f1b"};
 
@@ -111,7 +111,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.cp_size", plan_change("2")},
       {"distributed.cp_ring_degree", plan_change("1", {"distributed.cp_size=2"})},
       {"distributed.cp_ulysses_degree", plan_change("2", {"distributed.cp_size=2"})},
-      {"distributed.ep_size", plan_change("2")},
+      {"distributed.ep_size", plan_change("2", {"model.model_type=\"mixtral\""})},
       {"distributed.sequence_parallel", plan_change("true", {"distributed.tp_size=2"})},
       {"distributed.activation_checkpointing", plan_change("true")},
       {"distributed.activation_checkpointing_scope", refused("\"layers\"", "\"all\"")},
@@ -135,7 +135,8 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.pipeline.pp_recv_buffer_pool",
        trainer("true", "received activations pooled, the same losses (test_pipeline.py)")},
       {"distributed.moe.ignore_router_for_ac", refused("true", "false", kMoe)},
-      {"distributed.moe.reshard_after_forward", refused("true", "false", kMoe)},
+      {"distributed.moe.reshard_after_forward",
+       trainer("true", "the experts' FSDP2 reshards after forward (test_moe.py)", kMoe)},
       {"distributed.moe.lm_head_precision", refused("\"float32\"", "", kMoe)},
       {"distributed.moe.wrap_outer_model", refused("false", "true", kMoe)},
       {"distributed.broadcast_buffers", options_change("true", kDdp)},

@@ -141,11 +141,30 @@ struct meshrun_comm_api {
    * still in flight (a request that then never completes is leaked rather
    * than freed under the engine); NULL accepted. */
   void (*request_destroy)(meshrun_request* request);
+
+  /* ---- ABI 1.7 (test with MESHRUN_HAS_FIELD) ---- */
+
+  /* All-to-all with per-rank counts (MPI_Alltoallv with packed blocks):
+   * each rank sends send_counts[r] elements of `send` to rank r, the blocks
+   * one after another in rank order, and receives recv_counts[r] elements
+   * from rank r into `recv`, likewise. Both arrays have size() entries and
+   * are read during the call; recv_counts[r] must equal rank r's
+   * send_counts[me] (the callers exchange counts first, e.g. with an
+   * all_to_all of one count per rank). send and recv are contiguous, of
+   * one dtype, and do not overlap. Mixture-of-experts dispatch and combine
+   * use it. Errors: INVALID_ARGUMENT (NULL, a negative count, counts past
+   * the tensors, dtypes that differ, overlapping buffers, a backend's size
+   * limit: the MPI backend's 2^31 - 1 bytes per operation). */
+  meshrun_error* (*all_to_all)(meshrun_communicator* communicator, const DLTensor* send,
+                               const int64_t* send_counts, DLTensor* recv,
+                               const int64_t* recv_counts, meshrun_request** out_request);
 };
 
 /* The size of the ABI 1.0 and 1.1 comm tables. */
 #define MESHRUN_COMM_API_SIZE_1_0 MESHRUN_STRUCT_SIZE(meshrun_comm_api, extensions)
 #define MESHRUN_COMM_API_SIZE_1_1 MESHRUN_STRUCT_SIZE(meshrun_comm_api, request_destroy)
+/* The size of the ABI 1.7 comm table, with all_to_all. */
+#define MESHRUN_COMM_API_SIZE_1_7 MESHRUN_STRUCT_SIZE(meshrun_comm_api, all_to_all)
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,5 +1,5 @@
 /*
- * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5).
+ * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts).
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -66,6 +66,11 @@
  *                 _no_split_modules names it ("LlamaDecoderLayer");
  *                 optional: distributed.megatron_fsdp_unit_modules may name
  *                 it and nothing else
+ *   "experts":    {"count", "top_k"}, present in a mixture-of-experts
+ *                 model: its experts per layer and experts per token. Each
+ *                 expert's parameters say "expert": their expert's number;
+ *                 with ep_size > 1 a stage holds its own experts' only
+ *                 (below), and the host refuses ep_size > 1 without it
  *   "context_parallel": {"heads", "kv_heads"}, present when the model
  *                 computes context parallelism (below): its attention and
  *                 key/value heads, which cp_ulysses_degree must divide on
@@ -95,6 +100,16 @@
  * over cp), while backward accumulates the gradients of the mean over the
  * rank's own rows: the host averages gradients over dp_shard_cp, which
  * makes them the micro-batch's.
+ *
+ * Expert parallelism. With ep_size > 1 the stage computes over setup->ep
+ * (size ep): expert e of the description's "experts" count E lives on ep
+ * rank e * ep / E, and the host hands out (and the `parameter` hook
+ * serves) the parameters of this rank's experts only. Each rank routes its
+ * own tokens; the stage sends them to their experts' ranks and gets the
+ * outputs back (the comm table's all_to_all). The gradients an expert
+ * accumulates are those of every token it computed, each of the mean over
+ * its own rank's rows: the host averages them over ep_shard and divides by
+ * ep, which makes them the step's.
  *
  * Hooks. During forward, backward, backward_input and backward_weight a
  * stage calls, for every unit u one of whose parameters it holds:
@@ -276,10 +291,23 @@ struct meshrun_model_api {
   meshrun_error* (*discard)(meshrun_model_stage* stage, int32_t microbatch);
   /* Bytes the stage keeps for the microbatches in flight now. */
   meshrun_error* (*activation_bytes)(meshrun_model_stage* stage, int64_t* out_bytes);
+
+  /* ---- ABI 1.7 (test with MESHRUN_HAS_FIELD) ---- */
+
+  /* A mixture-of-experts stage's router statistics since the last call,
+   * which then start again: a JSON object {"aux_loss": the sum over the
+   * backwards of each micro-batch's load-balancing loss (the mean over the
+   * model's layers: a stage adds its own layers' share), "expert_tokens":
+   * [per expert, the slots of this rank's tokens routed to it, summed over
+   * the stage's layers]}, allocated with the host's `allocate`. NULL in a
+   * model without experts. */
+  meshrun_error* (*take_statistics)(meshrun_model_stage* stage, char** out_json);
 };
 
 /* The size of the ABI 1.5 model table, the first: the least a host reads. */
 #define MESHRUN_MODEL_API_SIZE_1_5 MESHRUN_STRUCT_SIZE(meshrun_model_api, activation_bytes)
+/* The size of the ABI 1.7 model table, with take_statistics. */
+#define MESHRUN_MODEL_API_SIZE_1_7 MESHRUN_STRUCT_SIZE(meshrun_model_api, take_statistics)
 /* The size of the ABI 1.5 hooks and stage setup. */
 #define MESHRUN_MODEL_HOOKS_SIZE_1_5 MESHRUN_STRUCT_SIZE(meshrun_model_hooks, extensions)
 #define MESHRUN_MODEL_STAGE_SETUP_SIZE_1_5 \

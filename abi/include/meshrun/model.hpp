@@ -24,6 +24,8 @@
 //     void backward_input(...);  void backward_weight(int32_t mb);  // optional
 //     void discard(int32_t mb);
 //     int64_t activation_bytes() const;
+//     std::string take_statistics();   // optional: a mixture of experts' (model.h)
+//     const meshrun_host_services& host() const;  // with take_statistics
 //   };
 //   static const meshrun_model_api model_api =
 //       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys);
@@ -106,6 +108,11 @@ template <class Stage>
 struct SplitsBackward<
     Stage, std::void_t<decltype(std::declval<Stage&>().backward_input(0, 1.0f, nullptr, nullptr)),
                        decltype(std::declval<Stage&>().backward_weight(0))>> : std::true_type {};
+template <class Stage, class = void>
+struct ReportsStatistics : std::false_type {};
+template <class Stage>
+struct ReportsStatistics<Stage, std::void_t<decltype(std::declval<Stage&>().take_statistics())>>
+    : std::true_type {};
 }  // namespace detail
 
 // The model table for the classes Model and Stage described at the top;
@@ -133,11 +140,13 @@ class ModelTable {
     }
     api.discard = &discard;
     api.activation_bytes = &activation_bytes;
+    if constexpr (kReportsStatistics) api.take_statistics = &take_statistics;
     return api;
   }
 
  private:
   static constexpr bool kSplitsBackward = detail::SplitsBackward<Stage>::value;
+  static constexpr bool kReportsStatistics = detail::ReportsStatistics<Stage>::value;
 
   template <class Body>
   static meshrun_error* guard(Body&& body) noexcept {
@@ -244,6 +253,13 @@ class ModelTable {
     return guard([&] {
       require(out_bytes != nullptr, "activation_bytes: out_bytes");
       *out_bytes = stage_of(stage).activation_bytes();
+    });
+  }
+  static meshrun_error* take_statistics(meshrun_model_stage* stage, char** out_json) {
+    return guard([&] {
+      require(out_json != nullptr, "take_statistics: out_json");
+      Stage& s = stage_of(stage);
+      *out_json = host_string(s.host(), s.take_statistics());
     });
   }
 };

@@ -109,4 +109,17 @@ void broadcast(const Comm& comm, const Buffers& buffers, int root) {
 
 void barrier(const Comm& comm) { check_mpi(MPI_Barrier(comm.comm), "MPI_Barrier"); }
 
+void all_to_all(const Comm& comm, const AllToAllBuffers& buffers) {
+  const auto ranks = static_cast<size_t>(comm.size);
+  std::vector<int> send_at(ranks, 0), recv_at(ranks, 0);
+  for (size_t r = 1; r < ranks; ++r) {
+    send_at[r] = send_at[r - 1] + buffers.send_bytes[r - 1];
+    recv_at[r] = recv_at[r - 1] + buffers.recv_bytes[r - 1];
+  }
+  check_mpi(
+      MPI_Alltoallv(buffers.send, buffers.send_bytes.data(), send_at.data(), MPI_BYTE, buffers.recv,
+                    buffers.recv_bytes.data(), recv_at.data(), MPI_BYTE, comm.comm),
+      "MPI_Alltoallv");
+}
+
 }  // namespace meshrun::mpi

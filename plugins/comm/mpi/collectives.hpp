@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "communicator.hpp"
 #include "dtype.hpp"
@@ -48,6 +49,16 @@ void all_gather(const Comm& comm, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void broadcast(const Comm& comm, const Buffers& buffers, int root);
 void barrier(const Comm& comm);
+
+// An all-to-all's memory: the bytes this rank sends to and receives from
+// each rank, the blocks packed in rank order.
+struct AllToAllBuffers {
+  const std::byte* send;
+  std::byte* recv;
+  std::vector<int> send_bytes, recv_bytes;
+};
+// Over MPI_Alltoallv (every path: its traffic has no reduction to fuse).
+void all_to_all(const Comm& comm, const AllToAllBuffers& buffers);
 
 // The environment variable `name` as a decimal number of bytes; `fallback`
 // when it is unset or not a number.

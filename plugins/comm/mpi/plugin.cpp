@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "arguments.hpp"
 #include "collectives.hpp"
@@ -265,6 +266,55 @@ meshrun_error* reduce_scatter(meshrun_communicator* handle, const DLTensor* send
   });
 }
 
+// Per-rank element counts as the byte counts MPI takes, the packed total
+// within int.
+std::vector<int> byte_counts(const int64_t* counts, int ranks, const View& tensor, const char* role,
+                             const std::string& what) {
+  if (counts == nullptr) invalid(what, std::string(role) + "_counts is NULL");
+  const auto element = static_cast<int64_t>(element_bytes(tensor.dtype));
+  std::vector<int> bytes(static_cast<size_t>(ranks));
+  int64_t total = 0;
+  for (int r = 0; r < ranks; ++r) {
+    if (counts[r] < 0) {
+      invalid(what, std::string(role) + "_counts[" + std::to_string(r) + "] is negative (" +
+                        std::to_string(counts[r]) + ")");
+    }
+    total += counts[r];
+    if (total * element > INT_MAX) {
+      invalid(what, std::string(role) +
+                        "_counts add up to more than 2^31 - 1 bytes, the most one all_to_all of "
+                        "this backend moves");
+    }
+    bytes[static_cast<size_t>(r)] = static_cast<int>(counts[r] * element);
+  }
+  require_numel(tensor, role, static_cast<size_t>(total), "numel = the sum of its counts", what);
+  return bytes;
+}
+
+meshrun_error* all_to_all(meshrun_communicator* handle, const DLTensor* send,
+                          const int64_t* send_counts, DLTensor* recv, const int64_t* recv_counts,
+                          meshrun_request** out_request) {
+  return guard([&] {
+    const Communicator& communicator = communicator_of(handle, "all_to_all");
+    const std::string what = describe("all_to_all", *communicator.comm);
+    const View in = view_of(send, what, "send");
+    const View out = view_of(recv, what, "recv");
+    require_same_dtype(in, out, what);
+    if (overlaps(in.data, in.bytes(), out.data, out.bytes())) {
+      invalid(what, "send and recv overlap");
+    }
+    const int ranks = communicator.comm->size;
+    AllToAllBuffers buffers{in.data, out.data, byte_counts(send_counts, ranks, in, "send", what),
+                            byte_counts(recv_counts, ranks, out, "recv", what)};
+    start_collective(
+        communicator, what,
+        [comm = communicator.comm, buffers = std::move(buffers)](Scratch&) {
+          mpi::all_to_all(*comm, buffers);
+        },
+        out_request);
+  });
+}
+
 meshrun_error* broadcast(meshrun_communicator* handle, DLTensor* tensor, int64_t root,
                          meshrun_request** out_request) {
   return guard([&] {
@@ -362,6 +412,7 @@ const meshrun_comm_api kCommApi = {
     &wait,
     &test,
     &request_destroy,
+    &all_to_all,
 };
 
 const meshrun_plugin_api kApi = {

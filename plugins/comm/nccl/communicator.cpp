@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "meshrun/plugin.hpp"
 
@@ -611,6 +612,56 @@ std::unique_ptr<Request> Communicator::recv(DLTensor* tensor, int64_t peer, int6
   return launch(name, [&](const std::string& where) {
     check_nccl(ncclRecv(data.data, data.count, data.type, static_cast<int>(peer), comm_, stream_),
                where, "ncclRecv", comm_);
+  });
+}
+
+std::unique_ptr<Request> Communicator::all_to_all(const DLTensor* send, const int64_t* send_counts,
+                                                  DLTensor* recv, const int64_t* recv_counts) {
+  const char* name = "all_to_all";
+  const Buffer in = buffer(send, "send", name);
+  const Buffer out = buffer(recv, "recv", name);
+  const std::string context = describe(name);
+  require_same_dtype(in, out, context);
+  if (overlap(in, out)) throw Error(MESHRUN_INVALID_ARGUMENT, context + ": send and recv overlap");
+  const auto offsets = [&](const int64_t* counts, const Buffer& tensor, const char* role) {
+    if (counts == nullptr) {
+      throw Error(MESHRUN_INVALID_ARGUMENT, context + ": " + role + "_counts is NULL");
+    }
+    std::vector<size_t> at(static_cast<size_t>(size_) + 1, 0);
+    for (int64_t r = 0; r < size_; ++r) {
+      if (counts[r] < 0) {
+        throw Error(MESHRUN_INVALID_ARGUMENT,
+                    context + ": " + role + "_counts[" + std::to_string(r) + "] is negative");
+      }
+      at[static_cast<size_t>(r) + 1] = at[static_cast<size_t>(r)] + static_cast<size_t>(counts[r]);
+    }
+    if (at.back() != tensor.count) {
+      throw Error(MESHRUN_INVALID_ARGUMENT,
+                  context + ": " + role + " has " + std::to_string(tensor.count) +
+                      " elements, its counts add up to " + std::to_string(at.back()));
+    }
+    return at;
+  };
+  const std::vector<size_t> send_at = offsets(send_counts, in, "send");
+  const std::vector<size_t> recv_at = offsets(recv_counts, out, "recv");
+  return launch(name, [&](const std::string& where) {
+    check_nccl(ncclGroupStart(), where, "ncclGroupStart", comm_);
+    for (int64_t r = 0; r < size_; ++r) {
+      const auto peer = static_cast<size_t>(r);
+      const size_t sending = send_at[peer + 1] - send_at[peer];
+      const size_t receiving = recv_at[peer + 1] - recv_at[peer];
+      if (sending > 0) {
+        check_nccl(ncclSend(in.data + send_at[peer] * in.element_bytes, sending, in.type,
+                            static_cast<int>(r), comm_, stream_),
+                   where, "ncclSend", comm_);
+      }
+      if (receiving > 0) {
+        check_nccl(ncclRecv(out.data + recv_at[peer] * out.element_bytes, receiving, out.type,
+                            static_cast<int>(r), comm_, stream_),
+                   where, "ncclRecv", comm_);
+      }
+    }
+    check_nccl(ncclGroupEnd(), where, "ncclGroupEnd", comm_);
   });
 }
 

@@ -125,6 +125,9 @@ class Communicator {
   std::unique_ptr<Request> send(const DLTensor* tensor, int64_t peer, int64_t tag);
   std::unique_ptr<Request> recv(DLTensor* tensor, int64_t peer, int64_t tag);
   std::unique_ptr<Request> barrier();
+  // One ncclSend and one ncclRecv per peer with a count, in one group.
+  std::unique_ptr<Request> all_to_all(const DLTensor* send, const int64_t* send_counts,
+                                      DLTensor* recv, const int64_t* recv_counts);
 
   // "nccl all_reduce on communicator 'dp' (rank 1 of 4)": how every message
   // about an operation begins.

@@ -136,6 +136,16 @@ meshrun_error* reduce_scatter(meshrun_communicator* communicator, const DLTensor
   });
 }
 
+meshrun_error* all_to_all(meshrun_communicator* communicator, const DLTensor* send,
+                          const int64_t* send_counts, DLTensor* recv, const int64_t* recv_counts,
+                          meshrun_request** out_request) {
+  return guard([&] {
+    finish(communicator_of(communicator, "all_to_all")
+               .all_to_all(send, send_counts, recv, recv_counts),
+           out_request);
+  });
+}
+
 meshrun_error* broadcast(meshrun_communicator* communicator, DLTensor* tensor, int64_t root,
                          meshrun_request** out_request) {
   return guard([&] {
@@ -200,6 +210,7 @@ const meshrun_comm_api kCommApi = {
     .wait = &wait,
     .test = &test,
     .request_destroy = &request_destroy,
+    .all_to_all = &all_to_all,
 };
 
 const meshrun_plugin_api kApi = {

@@ -1,0 +1,51 @@
+#include "mixtral/model.hpp"
+
+#include <stdexcept>
+
+namespace meshrun::mixtral {
+
+using models::add_parameter;
+
+void check_config(const MixtralConfig& c) {
+  llama::check_config(c);
+  if (c.num_experts_per_tok > c.num_local_experts) {
+    throw std::invalid_argument(
+        "model.num_experts_per_tok: " + std::to_string(c.num_experts_per_tok) +
+        " experts per token cannot be more than model.num_local_experts (" +
+        std::to_string(c.num_local_experts) + ")");
+  }
+}
+
+std::vector<ParameterView> model_parameters(const MixtralConfig& config) {
+  const llama::LlamaConfig& d = config;
+  const int64_t H = d.hidden_size, I = d.intermediate_size, E = config.num_local_experts;
+  const int64_t root = d.num_hidden_layers;
+  std::vector<ParameterView> views;
+  add_parameter(views, "model.embed_tokens.weight", {d.vocab_size, H}, root);
+  for (int64_t layer = 0; layer < d.num_hidden_layers; ++layer) {
+    const std::string prefix = "model.layers." + std::to_string(layer) + ".";
+    llama::add_attention_parameters(views, d, layer);
+    add_parameter(views, prefix + "block_sparse_moe.gate.weight", {E, H}, layer);
+    for (int64_t expert = 0; expert < E; ++expert) {
+      const std::string name = prefix + "block_sparse_moe.experts." + std::to_string(expert) + ".";
+      add_parameter(views, name + "w1.weight", {I, H}, layer);
+      add_parameter(views, name + "w3.weight", {I, H}, layer);
+      add_parameter(views, name + "w2.weight", {H, I}, layer);
+      for (int k = 1; k <= 3; ++k) views[views.size() - size_t(k)].expert = expert;
+    }
+  }
+  add_parameter(views, "model.norm.weight", {H}, root);
+  if (!d.tie_word_embeddings) add_parameter(views, "lm_head.weight", {d.vocab_size, H}, root);
+  models::require_addressable(views, {{"vocab_size", d.vocab_size},
+                                      {"hidden_size", H},
+                                      {"intermediate_size", I},
+                                      {"num_local_experts", E}});
+  return views;
+}
+
+void init_parameter(const std::vector<ParameterView>& parameters, uint64_t seed, int64_t index,
+                    float* values) {
+  llama::init_parameter(parameters, seed, index, values);
+}
+
+}  // namespace meshrun::mixtral

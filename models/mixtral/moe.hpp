@@ -1,0 +1,132 @@
+// The Mixtral family of models::TransformerStage (common/stage.hpp): Llama's
+// embedding, attention half and head (llama/decoder.hpp), and the sparse
+// mixture-of-experts block in place of the MLP, its experts over the
+// stage's ep ranks (common/expert_parallel.hpp). Internal to the model
+// library.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/expert_parallel.hpp"
+#include "llama/decoder.hpp"
+#include "mixtral/model.hpp"
+
+namespace meshrun::mixtral {
+
+using models::WeightGradients;
+
+// A layer's views: Llama's attention half (llama::LayerTensor kInputNorm
+// to kO), then these, then w1, w3, w2 of each expert the rank holds.
+enum MoeTensor { kPostNorm = llama::kPostNorm, kRouter, kFirstExpert };
+inline constexpr int64_t kTensorsPerExpert = 3;
+
+// What every layer of a pass shares: Llama's pass, the routing's sizes, the
+// ep group and the scratch of dispatch and combine. N = rows() tokens.
+struct MoePass : llama::DecoderPass {
+  MoePass(const MixtralConfig& config, int64_t batch, int64_t seq_len,
+          models::TensorParallelGroup& tp, bool sequence_parallel,
+          const models::ParallelBlocks& blocks, const models::ContextParallel& cp,
+          const models::ExpertParallel& ep);
+
+  models::SingleExpertRank single;
+  models::ExpertParallelGroup& ep;
+  models::ExpertStatistics* statistics;
+  int64_t experts, top_k, local_experts, first_expert;
+  int64_t model_layers;
+  double aux_coef;
+  float loss_scale = 1.0f;  // d objective / d loss of the backward running now
+  // [N * top_k, H]: rows in dispatch order (sent, or their gradients).
+  std::vector<float> slots, d_slots;
+  // Rows as the experts receive them, and what they send back.
+  std::vector<float> received, returned;
+  std::vector<float> d_probs, d_router_input;                           // [N, E], [N, H]
+  std::vector<float> expert_out, d_expert_in, d_act, d_gate_up_expert;  // one expert's rows
+};
+
+// What one layer's forward keeps for its backward.
+struct MoeActivations : llama::AttentionActivations {
+  explicit MoeActivations(const MoePass& pass);
+  int64_t bytes() const;
+
+  std::vector<float> norm2, rstd2;     // rmsnorm(h) [N, H], [N]
+  std::vector<float> probs;            // the router's softmax [N, E]
+  std::vector<int32_t> selected;       // the experts picked [N, top_k], in descending probability
+  std::vector<float> weights;          // their renormalized probabilities [N, top_k]
+  std::vector<int64_t> slot_position;  // of token n's k-th slot in dispatch order [N * top_k]
+  std::vector<int64_t> tokens_per_expert;  // this rank's tokens routed to each expert [E]
+  // Floats sent to / received from each ep rank, and rows each source rank
+  // sent to each local expert [ep * local_experts].
+  std::vector<int64_t> send_counts, recv_counts, rows_from;
+  std::vector<float> expert_outputs;  // the experts' outputs in dispatch order [N * top_k, H]
+  // Per local expert: its input rows, w1 and w3's output, silu(w1 x) * w3 x.
+  std::vector<std::vector<float>> expert_in, gate_up, act;
+  double aux_loss = 0;  // this layer's load-balancing loss
+};
+
+struct Mixtral {
+  using Config = MixtralConfig;
+  using Pass = MoePass;
+  using LayerActivations = MoeActivations;
+  using HeadActivations = llama::HeadActivations;
+  static constexpr const char* kName = "mixtral";
+  static constexpr int64_t kEmbeddingTensors = 1;
+  static constexpr bool kSequenceParallel = false;
+  static constexpr bool kExperts = true;
+
+  static void check_config(const Config& config) { mixtral::check_config(config); }
+  static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
+  static std::vector<ParameterView> parameters(const Config& config) {
+    return model_parameters(config);
+  }
+  static void init_parameter(const Config& /*config*/, const std::vector<ParameterView>& parameters,
+                             uint64_t seed, int64_t index, float* values) {
+    mixtral::init_parameter(parameters, seed, index, values);
+  }
+  static void check_layer_storage(const ParameterView* layer, bool backward);
+  // Experts compute whole on every rank: tp > 1 is refused.
+  static void check_tensor_parallel(const Config& config, int64_t tp,
+                                    const models::ParallelBlocks& blocks);
+  static std::optional<models::Block> tensor_parallel_block(const std::string& /*parameter*/) {
+    return std::nullopt;
+  }
+
+  static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                                float* out) {
+    llama::Llama::embedding_forward(pass, embedding, tokens, out);
+  }
+  static void embedding_backward(Pass& pass, const ParameterView* embedding,
+                                 const int32_t* tokens) {
+    llama::Llama::embedding_backward(pass, embedding, tokens);
+  }
+  // h = x + attention half (Llama's); out = h + moe(rmsnorm(h)) with
+  //   probs = softmax(rmsnorm(h) gate^T), S = the top_k experts of probs
+  //   (ties to the lower expert), moe(y) = sum over e in S of
+  //   probs_e / sum_S probs * w2_e(silu(w1_e y) * w3_e y)
+  // the rows dispatched to their experts' ranks and combined back.
+  static void layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                            LayerActivations& saved, float* out);
+  // pass.d_residual from dL/d(out) to dL/dx, with the load-balancing
+  // loss's gradient (router_aux_loss_coef / layers * its gradient) through
+  // the router; adds the layer's statistics.
+  static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
+                             LayerActivations& saved, WeightGradients& gradients);
+  // The norms: what selective checkpointing recomputes.
+  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+    return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2};
+  }
+  static void recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
+                                    LayerActivations& saved);
+  static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                             const float* x, const int32_t* targets, HeadActivations& saved) {
+    return llama::Llama::head_forward(pass, head, lm_head, x, targets, saved);
+  }
+  static void head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                            const float* x, const int32_t* targets, float loss_scale,
+                            HeadActivations& saved, WeightGradients& gradients) {
+    llama::Llama::head_backward(pass, head, lm_head, x, targets, loss_scale, saved, gradients);
+  }
+};
+
+}  // namespace meshrun::mixtral
