@@ -202,8 +202,6 @@ void check_expert_parallel(const Config& config, const Model& model) {
         config, MESHRUN_INVALID_ARGUMENT, key,
         fmt::format("{} > 1 with distributed.ep_size {}: {}; set it to 1", value, d.ep_size, why));
   };
-  refuse_with("distributed.pp_size", d.pp_size,
-              "expert parallelism does not compose with pipeline parallelism yet");
   refuse_with("distributed.tp_size", d.tp_size,
               "the experts' ranks would then hold the same tokens twice; expert parallelism "
               "runs over data-parallel ranks only");

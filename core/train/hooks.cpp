@@ -75,18 +75,31 @@ ParameterStorage UnitBinding::storage(int64_t parameter, bool backward) const {
   return {values.data + offset, backward ? gradients.data + offset : nullptr};
 }
 
-ShardedHooks::ShardedHooks(const std::vector<Part>& parts, size_t description_parameters,
-                           const MixedPrecisionConfig& precision)
-    : part_of_(description_parameters, -1), precision_(precision) {
-  for (const Part& part : parts) {
+PartBindings::PartBindings(const std::vector<StrategyPart>& parts, size_t description_parameters)
+    : part_of_(description_parameters, -1) {
+  for (const StrategyPart& part : parts) {
     for (const int64_t p : part.parameters) part_of_[size_t(p)] = int32_t(parts_.size());
     parts_.push_back(std::make_unique<Bound>(part, description_parameters));
   }
 }
 
+ParameterStorage PartBindings::storage(int64_t parameter, bool backward) const {
+  const int32_t part = part_of_[size_t(parameter)];
+  if (part < 0) {
+    throw Error(
+        MESHRUN_OUT_OF_RANGE,
+        fmt::format("this rank holds no parameter {} (another ep rank's expert?)", parameter));
+  }
+  return parts_[size_t(part)]->binding.storage(parameter, backward);
+}
+
+ShardedHooks::ShardedHooks(const std::vector<StrategyPart>& parts, size_t description_parameters,
+                           const MixedPrecisionConfig& precision)
+    : bindings_(parts, description_parameters), precision_(precision) {}
+
 template <class Call>
 void ShardedHooks::each_part(int32_t unit, bool bind, Call&& call) {
-  for (auto& part : parts_) {
+  for (auto& part : bindings_.parts()) {
     const int32_t strategy_unit = part->binding.units().of_model_unit[size_t(unit)];
     if (strategy_unit < 0) continue;
     timed([&] { call(part->strategy, strategy_unit); });
@@ -118,13 +131,7 @@ void ShardedHooks::post_backward(int32_t unit) {
 }
 
 ParameterStorage ShardedHooks::parameter(int64_t parameter, bool backward) {
-  const int32_t part = part_of_[size_t(parameter)];
-  if (part < 0) {
-    throw Error(
-        MESHRUN_OUT_OF_RANGE,
-        fmt::format("the rank holds no parameter {} (another ep rank's expert?)", parameter));
-  }
-  return parts_[size_t(part)]->binding.storage(parameter, backward);
+  return bindings_.storage(parameter, backward);
 }
 
 }  // namespace meshrun::train

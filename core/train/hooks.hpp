@@ -87,18 +87,43 @@ class UnitBinding {
   std::vector<int64_t> stage_position_;                 // per description parameter
 };
 
-// One or more sharded strategies, each over its own parameters (a mixture
-// of experts' dense parameters and the rank's experts): around a unit, each
-// strategy holding some of its parameters gathers and frees them, in the
-// order given, the same on every rank.
+// A sharded strategy over some of a stage's parameters (description
+// indices): a mixture of experts has two, its dense parameters' and its
+// experts'.
+struct StrategyPart {
+  Strategy& strategy;
+  const StageUnits& units;
+  const std::vector<int64_t>& parameters;
+};
+
+// Several sharded strategies' units bound to one stage, and which of them
+// holds each parameter.
+class PartBindings {
+ public:
+  struct Bound {
+    Bound(const StrategyPart& part, size_t description_parameters)
+        : strategy(part.strategy),
+          binding(part.strategy, part.units, part.parameters, description_parameters) {}
+    Strategy& strategy;
+    UnitBinding binding;
+  };
+
+  PartBindings(const std::vector<StrategyPart>& parts, size_t description_parameters);
+  std::vector<std::unique_ptr<Bound>>& parts() { return parts_; }
+  // OUT_OF_RANGE for a parameter no part holds (another ep rank's expert).
+  ParameterStorage storage(int64_t parameter, bool backward) const;
+
+ private:
+  std::vector<std::unique_ptr<Bound>> parts_;
+  std::vector<int32_t> part_of_;  // per description parameter, or -1
+};
+
+// Sharded strategies around the units: each strategy holding some of a
+// unit's parameters gathers and frees them, in the parts' order, the same
+// on every rank.
 class ShardedHooks : public TimedHooks {
  public:
-  struct Part {
-    Strategy& strategy;
-    const StageUnits& units;
-    const std::vector<int64_t>& parameters;  // description indices
-  };
-  ShardedHooks(const std::vector<Part>& parts, size_t description_parameters,
+  ShardedHooks(const std::vector<StrategyPart>& parts, size_t description_parameters,
                const MixedPrecisionConfig& precision);
 
   void pre_forward(int32_t unit, float* hidden, int64_t numel) override;
@@ -108,20 +133,12 @@ class ShardedHooks : public TimedHooks {
   ParameterStorage parameter(int64_t parameter, bool backward) override;
 
  private:
-  struct Bound {
-    Bound(const Part& part, size_t description_parameters)
-        : strategy(part.strategy),
-          binding(part.strategy, part.units, part.parameters, description_parameters) {}
-    Strategy& strategy;
-    UnitBinding binding;
-  };
   // Calls `call(strategy, strategy unit)` for each part holding parameters
   // of description unit `unit`, then binds its views when `bind`.
   template <class Call>
   void each_part(int32_t unit, bool bind, Call&& call);
 
-  std::vector<std::unique_ptr<Bound>> parts_;
-  std::vector<int32_t> part_of_;  // per description parameter, or -1
+  PartBindings bindings_;
   MixedPrecisionConfig precision_;
 };
 

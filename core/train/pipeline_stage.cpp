@@ -5,13 +5,12 @@
 namespace meshrun::train {
 
 PipelineStage::PipelineStage(const Model& model, const ModelDescription& local,
-                             const std::vector<std::string>& modules, Strategy& strategy,
-                             const StageUnits& units, const StageCommunicators& computing,
-                             const std::string& plan_json, const std::string& options_json,
-                             float loss_scale, std::function<void()> after_forward)
-    : strategy_(strategy),
-      binding_(strategy, units, stage_contents(model, modules).parameters,
-               model.description().parameters.size()),
+                             const std::vector<std::string>& modules,
+                             const std::vector<StrategyPart>& parts,
+                             const StageCommunicators& computing, const std::string& plan_json,
+                             const std::string& options_json, float loss_scale,
+                             std::function<void()> after_forward)
+    : bindings_(parts, model.description().parameters.size()),
       stage_(model, modules, *this, computing, plan_json, options_json, &local),
       loss_scale_(loss_scale),
       after_forward_(std::move(after_forward)) {}
@@ -25,10 +24,12 @@ void PipelineStage::set_batch(const int32_t* tokens, const int32_t* targets, int
 double PipelineStage::take_loss_sum() { return std::exchange(loss_sum_, 0.0); }
 
 void PipelineStage::gather_for_evaluation() {
-  for (int32_t unit = 0; unit < binding_.units().strategy.num_units; ++unit) {
-    strategy_.pre_forward(unit);
-    binding_.bind(unit);
-    strategy_.post_forward(unit);
+  for (auto& part : bindings_.parts()) {
+    for (int32_t unit = 0; unit < part->binding.units().strategy.num_units; ++unit) {
+      part->strategy.pre_forward(unit);
+      part->binding.bind(unit);
+      part->strategy.post_forward(unit);
+    }
   }
 }
 
@@ -53,23 +54,27 @@ void PipelineStage::backward_weight(int32_t microbatch) { stage_.backward_weight
 // (forward hooks; with pp nothing reshards after forward) and given its
 // gradient buffer (backward hooks) for all the schedule's microbatches.
 void PipelineStage::unshard() {
-  strategy_.begin_micro_batch(true);
-  for (int32_t unit = 0; unit < binding_.units().strategy.num_units; ++unit) {
-    strategy_.pre_forward(unit);
-    strategy_.post_forward(unit);
-    strategy_.pre_backward(unit);
-    binding_.bind(unit);
+  for (auto& part : bindings_.parts()) {
+    part->strategy.begin_micro_batch(true);
+    for (int32_t unit = 0; unit < part->binding.units().strategy.num_units; ++unit) {
+      part->strategy.pre_forward(unit);
+      part->strategy.post_forward(unit);
+      part->strategy.pre_backward(unit);
+      part->binding.bind(unit);
+    }
   }
 }
 
 void PipelineStage::reduce_grad() {
-  for (int32_t unit = binding_.units().strategy.num_units - 1; unit >= 0; --unit) {
-    strategy_.post_backward(unit);
+  for (auto& part : bindings_.parts()) {
+    for (int32_t unit = part->binding.units().strategy.num_units - 1; unit >= 0; --unit) {
+      part->strategy.post_backward(unit);
+    }
   }
 }
 
 ParameterStorage PipelineStage::parameter(int64_t parameter, bool backward) {
-  return binding_.storage(parameter, backward);
+  return bindings_.storage(parameter, backward);
 }
 
 }  // namespace meshrun::train

@@ -29,10 +29,12 @@ class PipelineStage : public pipeline::StageWork,
   // is called after each forward; `local`: the tp-local shapes
   // (model/tensor_parallel.hpp). Everything passed in must outlive the
   // stage.
+  // `parts`: the strategies of the stage's parameters (a mixture of
+  // experts' dense ones and its experts), each sharding its own.
   PipelineStage(const Model& model, const ModelDescription& local,
-                const std::vector<std::string>& modules, Strategy& strategy,
-                const StageUnits& units, const StageCommunicators& computing,
-                const std::string& plan_json, const std::string& options_json, float loss_scale,
+                const std::vector<std::string>& modules, const std::vector<StrategyPart>& parts,
+                const StageCommunicators& computing, const std::string& plan_json,
+                const std::string& options_json, float loss_scale,
                 std::function<void()> after_forward);
 
   ModelStage& compute() { return stage_; }
@@ -60,8 +62,7 @@ class PipelineStage : public pipeline::StageWork,
   ParameterStorage parameter(int64_t parameter, bool backward) override;
 
  private:
-  Strategy& strategy_;
-  UnitBinding binding_;
+  PartBindings bindings_;
   ModelStage stage_;
   float loss_scale_;
   std::function<void()> after_forward_;

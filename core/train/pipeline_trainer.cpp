@@ -8,27 +8,34 @@
 #include <map>
 
 #include "errors.hpp"
+#include "train/experts.hpp"
 
 namespace meshrun::train {
 
-// A stage this rank holds: its parameters in the stage's own flat layout
-// (the description's order, restricted to the stage), their strategy, the
-// compute, and AdamW on the local shard.
-struct PipelineTrainer::Held {
-  Held(const Model& model, const ModelDescription& local, int64_t index,
-       std::vector<std::string> modules)
-      : index(index),
-        modules(std::move(modules)),
-        parameters(local, stage_contents(model, this->modules).parameters) {}
+// Parameters of a held stage with a strategy of their own: the stage's
+// (its dense ones in a mixture of experts), or its experts over ep_shard.
+struct PipelineTrainer::HeldPart {
+  HeldPart(const ModelDescription& local, const StageContents& contents)
+      : parameters(local, contents.parameters) {}
 
-  int64_t index = 0;  // the global stage
-  std::vector<std::string> modules;
   FlatParameters parameters;
   StageUnits units;
   std::unique_ptr<Strategy> strategy;
-  std::unique_ptr<PipelineStage> work;
   LocalParameters local;
   std::unique_ptr<AdamW> optimizer;
+  bool experts = false;  // its norm sums over ep_shard and ep, its gradients / ep
+};
+
+// A stage this rank holds: its parts, each in the stage's own flat layout
+// (the description's order, restricted to the part), and the compute.
+struct PipelineTrainer::Held {
+  Held(int64_t index, std::vector<std::string> modules)
+      : index(index), modules(std::move(modules)) {}
+
+  int64_t index = 0;  // the global stage
+  std::vector<std::string> modules;
+  std::vector<std::unique_ptr<HeldPart>> parts;
+  std::unique_ptr<PipelineStage> work;
 };
 
 int64_t pipeline_microbatches(const Config& config, int64_t dp) {
@@ -71,37 +78,72 @@ PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(conte
 
 PipelineTrainer::~PipelineTrainer() = default;
 
+PipelineTrainer::HeldPart& PipelineTrainer::add_part(Held& held, const StageContents& contents,
+                                                     Communicator& data_parallel,
+                                                     Communicator& shard_group,
+                                                     Communicator& replicate_group,
+                                                     const std::string& options) {
+  const Model& model = *ctx_.plan.model;
+  const ModelDescription& local = ctx_.plan.tensor_parallel->local();
+  auto part = std::make_unique<HeldPart>(local, contents);
+  start_weights(ctx_.config, model, tensor_parallel(), part->parameters);
+  part->units = stage_units(local, contents);
+  part->units.strategy.shard_group = &shard_group;
+  part->units.strategy.replicate_group = &replicate_group;
+  part->strategy = std::make_unique<Strategy>(ctx_.plan.strategy, data_parallel,
+                                              part->parameters.strategy_buffers(local), options,
+                                              &part->units.strategy);
+  if (!part->strategy->sharded()) {
+    throw invalid_argument(
+        fmt::format("strategy {} does not shard; pipeline training needs "
+                    "fsdp2 on the data-parallel axis",
+                    part->strategy->library().name()));
+  }
+  part->parameters.release();
+  part->local = sharded_parameters(*part->strategy, shard_group, replicate_group);
+  part->optimizer = std::make_unique<AdamW>(
+      ctx_.config.train, decay_mask(part->local, model.description(), part->parameters.indices));
+  held.parts.push_back(std::move(part));
+  return *held.parts.back();
+}
+
 // The stages of this rank: their starting weights, handed to a strategy
-// instance each, which shards them.
+// instance each (two with expert parallelism: the experts' over ep_shard),
+// which shards them.
 void PipelineTrainer::build_stages() {
   const Model& model = *ctx_.plan.model;
   const ModelDescription& local = ctx_.plan.tensor_parallel->local();
   const std::string plan_json = ctx_.plan.model_plan.dump();
   const bool scale_in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
+  Communicator* ep = ctx_.expert_shard_group != nullptr ? ctx_.computing.ep : nullptr;
+  if (ep != nullptr) alone_.emplace(ctx_.world.split(ctx_.world.rank(), 0, "self"));
+  const ExpertPlacement placement =
+      ep != nullptr ? ExpertPlacement{ep->rank(), ep->size()} : ExpertPlacement{};
   for (const auto& split : ctx_.plan.model_plan.at("pipeline")) {
     if (split.at("rank").get<int64_t>() != ctx_.pipeline.rank()) continue;
-    auto held = std::make_unique<Held>(model, local, split.at("stage").get<int64_t>(),
+    auto held = std::make_unique<Held>(split.at("stage").get<int64_t>(),
                                        split.at("modules").get<std::vector<std::string>>());
-    start_weights(ctx_.config, model, tensor_parallel(), held->parameters);
-    held->units = stage_units(local, stage_contents(model, held->modules));
-    held->units.strategy.shard_group = &ctx_.shard_group;
-    held->units.strategy.replicate_group = &ctx_.replicate_group;
-    held->strategy = std::make_unique<Strategy>(ctx_.plan.strategy, ctx_.data_parallel,
-                                                held->parameters.strategy_buffers(local),
-                                                ctx_.strategy_options, &held->units.strategy);
-    if (!held->strategy->sharded()) {
-      throw invalid_argument(
-          fmt::format("strategy {} does not shard; pipeline training needs "
-                      "fsdp2 on the data-parallel axis",
-                      held->strategy->library().name()));
+    const StageContents contents = stage_contents(model, held->modules, placement);
+    if (ep == nullptr) {
+      add_part(*held, contents, ctx_.data_parallel, ctx_.shard_group, ctx_.replicate_group,
+               ctx_.strategy_options);
+    } else {
+      const auto [dense, experts] = split_experts(model.description(), contents);
+      add_part(*held, dense, ctx_.data_parallel, ctx_.shard_group, ctx_.replicate_group,
+               ctx_.strategy_options);
+      if (!experts.parameters.empty()) {
+        add_part(*held, experts, *ctx_.expert_shard_group, *ctx_.expert_shard_group, *alone_,
+                 expert_options(ctx_.config, ctx_.strategy_options))
+            .experts = true;
+      }
     }
-    held->parameters.release();
-    held->local = sharded_parameters(*held->strategy, ctx_.shard_group, ctx_.replicate_group);
-    held->optimizer = std::make_unique<AdamW>(
-        ctx_.config.train, decay_mask(held->local, model.description(), held->parameters.indices));
+    std::vector<StrategyPart> parts;
+    for (const auto& part : held->parts) {
+      parts.push_back({*part->strategy, part->units, part->parameters.indices});
+    }
     held->work = std::make_unique<PipelineStage>(
-        model, local, held->modules, *held->strategy, held->units, ctx_.computing, plan_json,
-        ctx_.strategy_options, scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f,
+        model, local, held->modules, parts, ctx_.computing, plan_json, ctx_.strategy_options,
+        scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f,
         [this] { sample_activations(); });
     held_.push_back(std::move(held));
   }
@@ -124,14 +166,17 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   for (auto& held : held_) {
     held->work->compute().set_shape(micro, seq_len);
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
-    std::fill_n(held->local.grads, held->local.numel, 0.0f);
+    for (auto& part : held->parts) std::fill_n(part->local.grads, part->local.numel, 0.0f);
     held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
     held->work->compute().take_context_parallel_traffic();
+    held->work->compute().take_expert_parallel_traffic();
   }
   activations_.begin_step();
   const pipeline::StepTimes times = executor_->run_step();
   const auto sync_start = std::chrono::steady_clock::now();
-  for (auto& held : held_) held->strategy->finish_gradients();
+  for (auto& held : held_) {
+    for (auto& part : held->parts) part->strategy->finish_gradients();
+  }
   metrics.grad_sync_wait_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - sync_start).count();
   metrics.comm_wait_s = metrics.grad_sync_wait_s + times.wait_s + times.sharding_s;
@@ -143,29 +188,63 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   }
   // The objective is the mean over the microbatches: without
   // scale_grads_in_schedule the last stage seeded each with 1, so the
-  // accumulated gradients are scaled here.
-  if (!ctx_.config.distributed.pipeline.scale_grads_in_schedule) {
-    const auto scale = float(1.0 / double(microbatches_));
-    for (auto& held : held_) {
-      for (int64_t i = 0; i < held->local.numel; ++i) held->local.grads[i] *= scale;
+  // accumulated gradients are scaled here. An expert's gradient sums its
+  // ep group's ranks' tokens: the strategy averaged it over ep_shard, / ep
+  // makes it the global batch's.
+  const bool in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
+  for (auto& held : held_) {
+    for (auto& part : held->parts) {
+      double scale = in_schedule ? 1.0 : 1.0 / double(microbatches_);
+      if (part->experts) scale /= double(ctx_.computing.ep->size());
+      if (scale == 1.0) continue;
+      for (int64_t i = 0; i < part->local.numel; ++i) part->local.grads[i] *= float(scale);
     }
   }
   double loss = 0;
-  for (auto& held : held_) loss += held->work->take_loss_sum() / double(microbatches_);
+  std::optional<RouterStatistics> routers;
+  CommTraffic experts;
+  for (auto& held : held_) {
+    loss += held->work->take_loss_sum() / double(microbatches_);
+    const auto stage = held->work->compute().take_router_statistics();
+    const CommTraffic traffic = held->work->compute().take_expert_parallel_traffic();
+    experts.bytes += traffic.bytes;
+    experts.wait_seconds += traffic.wait_seconds;
+    if (!stage) continue;
+    if (!routers) routers.emplace();
+    routers->aux_loss += stage->aux_loss;
+    routers->expert_tokens.resize(
+        std::max(routers->expert_tokens.size(), stage->expert_tokens.size()));
+    for (size_t e = 0; e < stage->expert_tokens.size(); ++e) {
+      routers->expert_tokens[e] += stage->expert_tokens[e];
+    }
+  }
   if (!counts_model_result()) loss = 0;
   metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
+  // Each pipeline stage adds its layers' share of the routers' statistics.
+  if (!counts_model_result()) routers.reset();
+  metrics.moe =
+      gather_expert_metrics(routers, ctx_.plan.model->description(),
+                            double(microbatches_ * ctx_.data_parallel.size()), experts, ctx_.world);
 }
 
 double PipelineTrainer::gradient_norm() {
   // The shards of a stage partition it over the shard group, the stages
   // partition the model over the pipeline, and tp ranks hold pieces of the
   // sharded parameters; replicas hold equal shards.
-  double squared = 0;
+  // The experts' shards partition them over ep_shard, and the ep ranks hold
+  // different experts.
+  double squared = 0, experts = 0;
   for (auto& held : held_) {
-    squared +=
-        tensor_parallel_squared_norm(held->local, held->parameters.indices, tensor_parallel());
+    for (auto& part : held->parts) {
+      (part->experts ? experts : squared) +=
+          tensor_parallel_squared_norm(part->local, part->parameters.indices, tensor_parallel());
+    }
   }
   squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
+  if (ctx_.expert_shard_group != nullptr) {
+    experts = all_reduce(experts, ReduceOp::sum, *ctx_.expert_shard_group);
+    squared += all_reduce(experts, ReduceOp::sum, *ctx_.computing.ep);
+  }
   squared = all_reduce(squared, ReduceOp::sum, ctx_.pipeline);
   if (ctx_.computing.tp->size() > 1)
     squared = all_reduce(squared, ReduceOp::sum, *ctx_.computing.tp);
@@ -174,18 +253,22 @@ double PipelineTrainer::gradient_norm() {
 
 void PipelineTrainer::optimizer_step(const StepMetrics& metrics) {
   for (auto& held : held_) {
-    LocalParameters& local = held->local;
-    clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
-    held->optimizer->step(local.params, local.grads, metrics.lr);
-    round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
+    for (auto& part : held->parts) {
+      LocalParameters& local = part->local;
+      clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
+      part->optimizer->step(local.params, local.grads, metrics.lr);
+      round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
+    }
   }
 }
 
 std::optional<int64_t> PipelineTrainer::first_nonfinite_gradient() {
   std::optional<int64_t> first;
   for (auto& held : held_) {
-    const auto found = train::first_nonfinite_gradient(held->local, held->parameters.indices);
-    if (found && (!first || *found < *first)) first = found;
+    for (auto& part : held->parts) {
+      const auto found = train::first_nonfinite_gradient(part->local, part->parameters.indices);
+      if (found && (!first || *found < *first)) first = found;
+    }
   }
   return first;
 }
@@ -232,18 +315,30 @@ bool PipelineTrainer::counts_model_result() const {
   return ctx_.computing.tp->rank() == 0 && ctx_.computing.cp->rank() == 0;
 }
 
+// The windows shared out over the data-parallel ranks, as Trainer does.
+// With expert parallelism a forward is collective over the ep ranks (its
+// all-to-alls), so a rank with fewer windows runs forwards of window 0
+// whose loss it drops, until it has run as many as the rank with the most.
 std::optional<double> PipelineTrainer::validate() {
   const int64_t windows = ctx_.data.val_windows();
   if (windows == 0) return std::nullopt;
   const int64_t ranks = ctx_.data_parallel.size(), rank = ctx_.data_parallel.rank();
   const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
   const int64_t micro = ctx_.config.distributed.pipeline.pp_microbatch_size;
+  const int64_t most_windows = (windows + ranks - 1) / ranks;
+  const int64_t forwards =
+      ctx_.expert_shard_group != nullptr ? (most_windows + micro - 1) / micro : 0;
   for (auto& held : held_) held->work->gather_for_evaluation();
   double sum = 0;
-  for (int64_t first = begin; first < end; first += micro) {
+  int64_t done = 0;
+  for (int64_t first = begin; first < end; first += micro, ++done) {
     const int64_t count = std::min(micro, end - first);
     ctx_.data.validation_batch(first, count, tokens_, targets_);
     sum += forward_for_evaluation(count);
+  }
+  for (; done < forwards; ++done) {
+    ctx_.data.validation_batch(0, 1, tokens_, targets_);
+    forward_for_evaluation(1);
   }
   if (!counts_model_result()) sum = 0;
   return all_reduce(sum, ReduceOp::sum, ctx_.world) / double(windows * ctx_.data.seq_len());
@@ -252,14 +347,20 @@ std::optional<double> PipelineTrainer::validate() {
 MemoryUse PipelineTrainer::memory_use() {
   MemoryUse use;
   for (auto& held : held_) {
-    const int64_t bytes = held->local.numel * int64_t(sizeof(float));
-    const StrategyMemory strategy = held->strategy->memory();
-    use.params += bytes;
-    use.grads += bytes;
-    use.optimizer += held->optimizer->state_bytes();
-    use.buffers += strategy.buffers;
-    use.buffers_peak += strategy.buffers_peak;
-    use.buffers_reserved += strategy.buffers_reserved;
+    for (auto& part : held->parts) {
+      const int64_t bytes = part->local.numel * int64_t(sizeof(float));
+      const StrategyMemory strategy = part->strategy->memory();
+      use.params += bytes;
+      use.grads += bytes;
+      use.optimizer += part->optimizer->state_bytes();
+      use.buffers += strategy.buffers;
+      use.buffers_peak += strategy.buffers_peak;
+      use.buffers_reserved += strategy.buffers_reserved;
+      if (!part->experts) continue;
+      if (!use.experts) use.experts.emplace();
+      use.experts->params += bytes;
+      use.experts->buffers_peak += strategy.buffers_peak;
+    }
   }
   use.buffers_peak += executor_->peak_buffer_bytes();
   use.buffers_reserved += executor_->pooled_buffer_bytes();
@@ -274,22 +375,26 @@ void PipelineTrainer::sample_activations() {
   activations_.sample(bytes);
 }
 
+// A shard's saved ranges are its replica 0's only (sharded_parameters).
 std::vector<HeldRange> PipelineTrainer::rank_ranges(bool saved) const {
   std::vector<HeldRange> ranges;
-  if (saved && ctx_.replicate_group.rank() != 0) return ranges;
   int64_t base = 0;
   for (const auto& held : held_) {
-    const auto stage =
-        model_ranges(held->local.held, held->parameters, tensor_parallel(), saved, base);
-    ranges.insert(ranges.end(), stage.begin(), stage.end());
-    base += held->local.numel;
+    for (const auto& part : held->parts) {
+      const auto stage = model_ranges(saved ? part->local.saved : part->local.held,
+                                      part->parameters, tensor_parallel(), saved, base);
+      ranges.insert(ranges.end(), stage.begin(), stage.end());
+      base += part->local.numel;
+    }
   }
   return ranges;
 }
 
 std::vector<ShardState> PipelineTrainer::shard_states() {
   std::vector<ShardState> shards;
-  for (auto& held : held_) shards.push_back({&held->local, held->optimizer.get()});
+  for (auto& held : held_) {
+    for (auto& part : held->parts) shards.push_back({&part->local, part->optimizer.get()});
+  }
   return shards;
 }
 
@@ -310,7 +415,9 @@ void PipelineTrainer::resume(const CheckpointIndex& index) {
       index, rank_ranges(false),
       {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}});
   scatter_state(state, shard_states());
-  for (auto& held : held_) held->optimizer->restore(index.step);
+  for (auto& held : held_) {
+    for (auto& part : held->parts) part->optimizer->restore(index.step);
+  }
   next_step_ = index.step;
 }
 
@@ -322,14 +429,18 @@ void PipelineTrainer::export_weights() {
   const ModelDescription& description = ctx_.plan.model->description();
   std::vector<float> full(size_t(description.numel), 0.0f), stage_full(full.size());
   for (auto& held : held_) {
-    std::vector<float> stage(size_t(held->parameters.numel()));
-    held->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
-    gather_tensor_parallel(held->parameters, stage.data(), tensor_parallel(), stage_full.data());
-    if (ctx_.data_parallel.rank() != 0 || !counts_model_result()) continue;
-    for (const int64_t p : held->parameters.indices) {
-      const ModelParameter& parameter = description.parameters[size_t(p)];
-      std::copy_n(stage_full.begin() + parameter.offset, parameter.numel,
-                  full.begin() + parameter.offset);
+    for (auto& part : held->parts) {
+      std::vector<float> stage(size_t(part->parameters.numel()));
+      part->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
+      gather_tensor_parallel(part->parameters, stage.data(), tensor_parallel(), stage_full.data());
+      const bool writes = part->experts ? ctx_.expert_shard_group->rank() == 0
+                                        : ctx_.data_parallel.rank() == 0 && counts_model_result();
+      if (!writes) continue;
+      for (const int64_t p : part->parameters.indices) {
+        const ModelParameter& parameter = description.parameters[size_t(p)];
+        std::copy_n(stage_full.begin() + parameter.offset, parameter.numel,
+                    full.begin() + parameter.offset);
+      }
     }
   }
   FlatTensor tensor(full.data(), dtype_float32(), int64_t(full.size()));
@@ -340,7 +451,9 @@ void PipelineTrainer::export_weights() {
 }
 
 void PipelineTrainer::run() {
-  for (auto& held : held_) held->strategy->broadcast_parameters();
+  for (auto& held : held_) {
+    for (auto& part : held->parts) part->strategy->broadcast_parameters();
+  }
   run_training(ctx_.config, ctx_.plan.model->description(),
                ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
                ctx_.output_dir, next_step_, *this);

@@ -35,8 +35,10 @@ struct PipelineContext {
   Communicator& data_parallel;    // dp
   Communicator& shard_group;      // dp_shard_cp
   Communicator& replicate_group;  // dp_replicate
-  StageCommunicators computing;   // the axes the model computes over
-  std::string strategy_options;   // the strategy's JSON options
+  // ep_shard with expert parallelism (the experts' FSDP2), else null.
+  Communicator* expert_shard_group = nullptr;
+  StageCommunicators computing;  // the axes the model computes over
+  std::string strategy_options;  // the strategy's JSON options
   std::string output_dir;
 };
 
@@ -69,6 +71,11 @@ class PipelineTrainer : public TrainingRank {
 
  private:
   struct Held;
+  struct HeldPart;
+  // A strategy over `contents` of `held`'s stage, its shard and its AdamW.
+  HeldPart& add_part(Held& held, const StageContents& contents, Communicator& data_parallel,
+                     Communicator& shard_group, Communicator& replicate_group,
+                     const std::string& options);
   void build_stages();
   double forward_for_evaluation(int64_t count);
   double all_reduce(double value, ReduceOp op, Communicator& over);
@@ -86,6 +93,7 @@ class PipelineTrainer : public TrainingRank {
   void sample_activations();
 
   PipelineContext ctx_;
+  std::optional<Communicator> alone_;  // the experts' replicate group: this rank
   int64_t microbatches_ = 0;
   std::vector<std::unique_ptr<Held>> held_;
   std::optional<pipeline::Executor> executor_;

@@ -13,6 +13,7 @@
 #include "comm/comm.hpp"
 #include "launch/launch.hpp"
 #include "strategy/strategy.hpp"
+#include "train/experts.hpp"
 #include "train/hooks.hpp"
 #include "train/input_error.hpp"
 #include "train/pipeline_trainer.hpp"
@@ -214,33 +215,6 @@ struct RankPart {
   std::unique_ptr<Strategy> strategy;
 };
 
-// The contents' expert parameters, and the rest.
-std::pair<StageContents, StageContents> split_experts(const ModelDescription& description,
-                                                      const StageContents& contents) {
-  StageContents dense, experts;
-  for (const int64_t p : contents.parameters) {
-    const ModelParameter& parameter = description.parameters[size_t(p)];
-    StageContents& part = parameter.expert >= 0 ? experts : dense;
-    part.parameters.push_back(p);
-    if (part.units.empty() || part.units.back() != parameter.unit) {
-      part.units.push_back(parameter.unit);
-    }
-  }
-  std::sort(dense.units.begin(), dense.units.end());
-  dense.units.erase(std::unique(dense.units.begin(), dense.units.end()), dense.units.end());
-  return {dense, experts};
-}
-
-// The experts' FSDP2 over ep_shard: no replicas (ep_shard spans the
-// data-parallel ranks of an ep coordinate), and [distributed.moe]'s
-// reshard_after_forward.
-std::string expert_options(const Config& config, const std::string& options) {
-  auto json = nlohmann::json::parse(options);
-  json["dp_replicate_size"] = 1;
-  json["reshard_after_forward"] = config.distributed.moe.reshard_after_forward;
-  return json.dump();
-}
-
 // A mixture of experts trains its experts with a strategy instance of
 // their own: over ep_shard (no replicas) with expert parallelism, else over
 // the dense parameters' groups.
@@ -305,8 +279,10 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
     train_data_parallel(config, plan, data, world, axes, output_dir);
     return;
   }
+  const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
   PipelineTrainer trainer({config, data, plan, world, axes.axis(Axis::pp), axes.axis(Axis::dp),
                            axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
+                           moe ? &axes.axis(Axis::ep_shard) : nullptr,
                            computing_axes(axes, plan.mesh),
                            strategy_options_json(config.distributed), output_dir});
   if (!config.checkpoint.resume_from.empty()) {

@@ -1,5 +1,7 @@
 #include "train/trainer.hpp"
 
+#include "train/experts.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -28,7 +30,7 @@ std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
   if (!dense.strategy.sharded()) {
     return std::make_unique<ReplicatedHooks>(dense.strategy, dense.parameters);
   }
-  std::vector<ShardedHooks::Part> parts;
+  std::vector<StrategyPart> parts;
   for (const TrainPart& part : ctx.parts) {
     parts.push_back({part.strategy, part.units, part.parameters.indices});
   }
@@ -141,28 +143,11 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     for (int64_t i = 0; i < part->local.numel; ++i) part->local.grads[i] *= scale;
   }
   metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg, ctx_.data_parallel);
-  take_expert_metrics(metrics, micro_batches);
-}
-
-// The routers' load-balancing loss, a mean over the global batch as the
-// loss is, and the slots each expert took over every rank.
-void Trainer::take_expert_metrics(StepMetrics& metrics, int64_t micro_batches) {
-  std::optional<RouterStatistics> statistics = stage_.take_router_statistics();
-  if (!statistics || !ctx_.model.description().experts) return;
-  const int64_t experts = ctx_.model.description().experts->count;
-  std::vector<float> sums(size_t(experts) + 1, 0.0f);
-  sums[0] = float(statistics->aux_loss / double(micro_batches));
-  for (size_t e = 0; e < statistics->expert_tokens.size() && e < size_t(experts); ++e) {
-    sums[e + 1] = float(statistics->expert_tokens[e]);
-  }
-  FlatTensor tensor(sums.data(), dtype_float32(), int64_t(sums.size()));
-  ctx_.data_parallel.all_reduce(tensor.get(), ReduceOp::sum).wait();
-  ExpertMetrics& moe = metrics.moe.emplace();
-  moe.aux_loss = double(sums[0]) / double(ctx_.data_parallel.size());
-  for (int64_t e = 0; e < experts; ++e) moe.expert_tokens.push_back(int64_t(sums[size_t(e) + 1]));
-  const CommTraffic traffic = stage_.take_expert_parallel_traffic();
-  moe.ep_bytes = traffic.bytes;
-  moe.ep_wait_s = traffic.wait_seconds;
+  // The routers' load-balancing loss, a mean over the global batch as the
+  // loss is, and the slots each expert took over every rank.
+  metrics.moe = gather_expert_metrics(stage_.take_router_statistics(), ctx_.model.description(),
+                                      double(micro_batches * ctx_.data_parallel.size()),
+                                      stage_.take_expert_parallel_traffic(), ctx_.data_parallel);
 }
 
 double Trainer::gradient_norm() {

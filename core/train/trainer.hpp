@@ -101,7 +101,6 @@ class Trainer : public TrainingRank {
   // The parts' ranges in the full model's layout, one after another as
   // their concatenated state lies.
   std::vector<HeldRange> checkpoint_ranges(bool saved) const;
-  void take_expert_metrics(StepMetrics& metrics, int64_t micro_batches);
   TensorParallelRank tensor_parallel() const { return {ctx_.tensor_parallel, *ctx_.computing.tp}; }
 
   TrainContext ctx_;

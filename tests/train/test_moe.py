@@ -13,8 +13,9 @@ the load-balancing loss) and the load-balancing loss itself. Measured:
 within 2e-7 (loss) and 6e-7 (gradient norm, aux loss) relative; held to
 1e-5, float32 against float64 over a few hundred terms.
 
-Expert parallelism: ep = 2 and 4 on 4 ranks against 1 rank on the same
-global batch, every step: losses, validation losses and gradient norms
+Expert parallelism: ep = 2 and 4 on 4 ranks (alone, with activation
+checkpointing, HSDP, and pp = 2 under 1F1B and interleaved zero bubble)
+against 1 rank on the same global batch, every step: losses, validation losses and gradient norms
 within test_train.py's 1e-4 relative, exported weights within 2e-5
 absolute (measured: 1.2e-7 for ep = 1 on 4 ranks, 3.9e-7 for ep = 2, 8.3e-7
 for ep = 4: the experts see their rows in another order, so the weight
@@ -74,6 +75,10 @@ def ep(size):
     return (f"distributed.ep_size={size}",)
 
 
+PP2 = ("distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2",
+       "distributed.pipeline.pp_batch_size=4")
+
+
 class MoeTest(TrainTest):
     @classmethod
     def setUpClass(cls):
@@ -106,6 +111,17 @@ class Equivalence(MoeTest):
                                          f"distributed.activation_checkpointing={mode}")
                 self.assert_trains_as_one_rank(output)
 
+    def test_ep2_with_pp2(self):
+        schedules = (("1f1b", ()), ("interleaved_zero_bubble",
+                                    ("distributed.pipeline.layers_per_stage=1",)))
+        for schedule, keys in schedules:
+            with self.subTest(schedule=schedule):
+                output = self.runs.train(f"ep2-pp2-{schedule}", 4, *ep(2), *PP2,
+                                         f"distributed.pipeline.pp_schedule={schedule}", *keys)
+                self.assert_trains_as_one_rank(output)
+                expected = [m["expert_tokens"] for m in metrics(self.reference)]
+                self.assertEqual(expected, [m["expert_tokens"] for m in metrics(output)])
+
     def test_ep2_with_hsdp_and_reshard_after_forward(self):
         output = self.runs.train("ep2-hsdp", 4, *ep(2), "distributed.dp_replicate_size=2",
                                  "distributed.moe.reshard_after_forward=true")
@@ -123,9 +139,9 @@ class Checkpoints(MoeTest):
     def test_a_checkpoint_resumes_over_other_ep_sizes(self):
         saved = self.runs.train("save-ep4", 4, *ep(4), "checkpoint.save_every=2")
         step2 = os.path.join(saved, "checkpoints", "step_2")
-        for nproc, size in ((4, 2), (2, 1)):
-            with self.subTest(ep=size):
-                resumed = self.runs.train(f"resume-ep{size}", nproc, *ep(size),
+        for nproc, size, more in ((4, 2, ()), (2, 1, ()), (4, 2, PP2)):
+            with self.subTest(ep=size, pp=2 if more else 1):
+                resumed = self.runs.train(f"resume-ep{size}-{len(more)}", nproc, *ep(size), *more,
                                           f"checkpoint.resume_from={step2}")
                 self.assert_close(losses(self.reference)[2:], losses(resumed))
                 self.assertLessEqual(largest_weight_difference(self.reference, resumed),
