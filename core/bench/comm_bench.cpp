@@ -20,10 +20,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::pair<BenchOp, const char*> kOps[] = {
-    {BenchOp::all_reduce, "all_reduce"},
-    {BenchOp::all_gather, "all_gather"},
-    {BenchOp::reduce_scatter, "reduce_scatter"},
-    {BenchOp::sendrecv, "sendrecv"},
+    {BenchOp::all_reduce, "all_reduce"},         {BenchOp::all_gather, "all_gather"},
+    {BenchOp::reduce_scatter, "reduce_scatter"}, {BenchOp::sendrecv, "sendrecv"},
+    {BenchOp::all_to_all, "all_to_all"},
 };
 
 // Rank r's input element i: small integers, exact in every dtype, so the
@@ -98,6 +97,9 @@ BenchCase make_case(BenchOp op, DLDataType dtype, int64_t bytes, int64_t nproc, 
       c.send_count = per_rank * nproc;
       c.recv_count = per_rank;
       break;
+    case BenchOp::all_to_all:  // a block of per_rank elements to every rank
+      c.send_count = c.recv_count = per_rank * nproc;
+      break;
   }
   c.send = LineAlignedBytes(c.send_count * dtype_bytes(dtype));
   c.recv = LineAlignedBytes(c.recv_count * dtype_bytes(dtype));
@@ -118,6 +120,10 @@ double expected_value(const BenchCase& c, int64_t nproc, int64_t rank, int64_t i
       return static_cast<double>(all_ranks_sum * (((rank * c.recv_count + index) % 7) + 1));
     case BenchOp::sendrecv:
       return input_value((rank + nproc - 1) % nproc, index);
+    case BenchOp::all_to_all: {
+      const int64_t block = c.recv_count / nproc;
+      return input_value(index / block, rank * block + index % block);
+    }
   }
   return 0;
 }
@@ -152,6 +158,11 @@ void run_once(Communicator& comm, BenchCase& c) {
       Request outgoing = comm.send(send.get(), (comm.rank() + 1) % n);
       outgoing.wait();
       incoming.wait();
+      return;
+    }
+    case BenchOp::all_to_all: {
+      const std::vector<int64_t> blocks(size_t(comm.size()), c.send_count / comm.size());
+      comm.all_to_all(send.get(), blocks, recv.get(), blocks).wait();
       return;
     }
   }
@@ -243,6 +254,7 @@ double bus_bandwidth(BenchOp op, int64_t nproc, double algbw) {
       return algbw * 2 * (n - 1) / n;
     case BenchOp::all_gather:
     case BenchOp::reduce_scatter:
+    case BenchOp::all_to_all:
       return algbw * (n - 1) / n;
     case BenchOp::sendrecv:
       return algbw;

@@ -14,7 +14,7 @@
 
 namespace meshrun {
 
-enum class BenchOp { all_reduce, all_gather, reduce_scatter, sendrecv };
+enum class BenchOp { all_reduce, all_gather, reduce_scatter, sendrecv, all_to_all };
 
 struct CommBenchOptions {
   std::vector<BenchOp> ops;

@@ -17,7 +17,8 @@ namespace meshrun::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: meshrun bench comm [--nproc N] [--ops all_reduce,all_gather,reduce_scatter,sendrecv]\n"
+    "usage: meshrun bench comm [--nproc N]\n"
+    "                          [--ops all_reduce,all_gather,reduce_scatter,sendrecv,all_to_all]\n"
     "                          [--sizes 64K,1M,16M,64M,256M] [--dtype float32|bfloat16|float16]\n"
     "                          [--backend mpi] [--seconds S] [--timeout-minutes M] [--json]\n"
     "       meshrun bench memcpy [--sizes 1M,16M,64M,256M] [--seconds S] [--json]";

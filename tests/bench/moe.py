@@ -11,6 +11,12 @@ layer, 2 per token, hidden 256, 4 layers), 4 ranks, FSDP2.
           against the analytic count: tokens x top-k x hidden x 4 bytes x 2
           directions, forward and backward, of which (ep - 1) / ep leave the
           rank when the router balances its load.
+  peer    `meshrun bench comm --ops all_to_all` in the same run, at the size
+          of one dispatch (a rank's slots, float32): the time that many
+          equal all-to-alls take with nothing else running, against
+          ep_wait_s, which also holds the waits for ranks with more tokens
+          routed to their experts and the compute those all-to-alls sit
+          between.
   memory  the expert weights a rank materializes: mem.experts.buffers_peak
           (the most of the experts' own FSDP2 held gathered at once) at ep =
           4 against ep = 1 (at ep = 1 every rank gathers all 8 experts of a
@@ -94,6 +100,16 @@ def main():
         ratio = f"{sent / analytic:6.3f}" if analytic else "     -"
         print(f"{ep:>3} {speed:>10.0f} {speed / peer:>8.2f} {wait:>11.4f} {sent / 1e6:>8.2f} "
               f"{analytic / 1e6:>12.2f} {ratio} {gathered / 1e6:>12.2f}")
+    dispatch = int(tokens / NPROC * TOP_K * HIDDEN * 4)
+    peer = subprocess.run([args.meshrun, "bench", "comm", "--nproc", str(NPROC), "--ops",
+                           "all_to_all", "--sizes", str(dispatch), "--seconds",
+                           "0.05" if args.smoke else "0.5", "--json"],
+                          check=True, capture_output=True, text=True).stdout
+    a2a = [json.loads(line) for line in peer.splitlines() if line.startswith("{")][0]
+    calls = 4 * LAYERS  # dispatch and combine, forward and backward, per layer
+    print(f"all_to_all alone ({dispatch} B per rank, {NPROC} ranks): {a2a['time_us']:.0f} us, "
+          f"{calls} per step = {a2a['time_us'] * calls / 1e6:.4f} s")
+
     def experts(ep, key):
         return max(m["mem"]["experts"][key] for m in best[ep][1])
 
