@@ -95,6 +95,13 @@ void exchange_counts(MoeActivations& saved, MoePass& pass) {
   }
 }
 
+// The floats a dispatch brings this rank.
+int64_t received_floats(const MoeActivations& saved) {
+  int64_t received = 0;
+  for (const int64_t count : saved.recv_counts) received += count;
+  return received;
+}
+
 // Visits the received rows of local expert j: (offset in the received
 // buffer, offset in the expert's rows, rows), source rank by source rank.
 template <class Visit>
@@ -248,6 +255,7 @@ MoePass::MoePass(const MixtralConfig& c, int64_t batch, int64_t seq_len,
       aux_coef(c.router_aux_loss_coef),
       slots(rows() * top_k * hidden),
       d_slots(rows() * top_k * hidden),
+      d_weights(rows() * top_k),
       d_probs(rows() * experts),
       d_router_input(rows() * hidden) {
   models::require(experts % ep.size() == 0, Mixtral::kName,
@@ -314,9 +322,7 @@ void Mixtral::layer_forward(Pass& pass, const ParameterView* layer, const float*
                 pass.slots.begin() + saved.slot_position[size_t(slot)] * H);
   }
   exchange_counts(saved, pass);
-  int64_t received = 0;
-  for (const int64_t count : saved.recv_counts) received += count;
-  pass.received.resize(size_t(received));
+  pass.received.resize(size_t(received_floats(saved)));
   pass.ep.all_to_all(pass.slots.data(), saved.send_counts, pass.received.data(), saved.recv_counts);
   experts_forward(layer, saved, pass);
   pass.ep.all_to_all(pass.returned.data(), saved.recv_counts, saved.expert_outputs.data(),
@@ -335,7 +341,7 @@ void Mixtral::layer_backward(Pass& pass, const ParameterView* layer, const float
                              LayerActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, K = pass.top_k, E = pass.experts;
   const float* d_out = pass.d_residual.data();
-  std::vector<float> d_weights(size_t(N * K));
+  std::vector<float>& d_weights = pass.d_weights;
   for (int64_t slot = 0; slot < N * K; ++slot) {
     const int64_t at = saved.slot_position[size_t(slot)] * H;
     const float* dy = d_out + (slot / K) * H;
@@ -348,9 +354,7 @@ void Mixtral::layer_backward(Pass& pass, const ParameterView* layer, const float
     }
     d_weights[size_t(slot)] = dot;
   }
-  int64_t received = 0;
-  for (const int64_t count : saved.recv_counts) received += count;
-  pass.received.resize(size_t(received));
+  pass.received.resize(size_t(received_floats(saved)));
   pass.ep.all_to_all(pass.d_slots.data(), saved.send_counts, pass.received.data(),
                      saved.recv_counts);
   experts_backward(layer, saved, pass, gradients);

@@ -41,7 +41,8 @@ struct MoePass : llama::DecoderPass {
   std::vector<float> slots, d_slots;
   // Rows as the experts receive them, and what they send back.
   std::vector<float> received, returned;
-  std::vector<float> d_probs, d_router_input;                           // [N, E], [N, H]
+  std::vector<float> d_weights;                // the routing weights' gradients [N, top_k]
+  std::vector<float> d_probs, d_router_input;  // [N, E], [N, H]
   std::vector<float> expert_out, d_expert_in, d_act, d_gate_up_expert;  // one expert's rows
 };
 
