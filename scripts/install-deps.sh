@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ pkg-config python3
   libfmt-dev libtomlplusplus-dev libdlpack-dev nlohmann-json3-dev catch2
-  libopenmpi-dev openmpi-bin libopenblas-dev libxxhash-dev abigail-tools clang-format
+  libopenmpi-dev openmpi-bin libopenblas-dev libdnnl-dev libxxhash-dev abigail-tools clang-format
   clang libclang-rt-dev
   python3-numpy python3-torch
 )

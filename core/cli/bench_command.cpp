@@ -1,13 +1,16 @@
 // meshrun bench comm [--nproc N] [--ops ...] [--sizes ...] [--dtype D] [--backend B] [--json]
 // meshrun bench memcpy [--sizes ...] [--json]
+// meshrun bench peak [--threads N] [--dtype float32,bfloat16] [--seconds S] [--json]
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "bench/comm_bench.hpp"
+#include "bench/peak.hpp"
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "errors.hpp"
@@ -21,7 +24,8 @@ constexpr const char* kUsage =
     "                          [--ops all_reduce,all_gather,reduce_scatter,sendrecv,all_to_all]\n"
     "                          [--sizes 64K,1M,16M,64M,256M] [--dtype float32|bfloat16|float16]\n"
     "                          [--backend mpi] [--seconds S] [--timeout-minutes M] [--json]\n"
-    "       meshrun bench memcpy [--sizes 1M,16M,64M,256M] [--seconds S] [--json]";
+    "       meshrun bench memcpy [--sizes 1M,16M,64M,256M] [--seconds S] [--json]\n"
+    "       meshrun bench peak [--threads N] [--dtype float32,bfloat16] [--seconds S] [--json]";
 
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;
@@ -135,12 +139,44 @@ int run_memcpy(const ParsedArgs& parsed) {
   return 0;
 }
 
+// The GEMM peak MFU is measured against: one thread per core by default,
+// as training runs one rank per core.
+int run_peak(const ParsedArgs& parsed) {
+  const auto cores = int64_t(std::max(1u, std::thread::hardware_concurrency()));
+  const int64_t threads =
+      parse_int_option("threads", parsed.value("threads").value_or(std::to_string(cores)), 1, 4096);
+  const auto dtypes = split_list(parsed.value("dtype").value_or("float32,bfloat16"));
+  for (const std::string& dtype : dtypes) {
+    if (dtype != "float32" && dtype != "bfloat16") {
+      throw invalid_argument(
+          fmt::format("--dtype: '{}' has no GEMM peak here; valid: float32, bfloat16", dtype));
+    }
+  }
+  if (dtypes.empty()) throw invalid_argument("--dtype: give float32, bfloat16 or both");
+  for (const auto& r : run_peak_bench(dtypes, threads, parse_seconds(parsed, "seconds", 1.0))) {
+    if (parsed.has_flag("json")) {
+      nlohmann::ordered_json json = {{"op", "gemm_peak"},
+                                     {"dtype", r.dtype},
+                                     {"threads", r.threads},
+                                     {"flops_per_s", r.flops_per_s},
+                                     {"flops_per_s_per_thread", r.flops_per_s_per_thread}};
+      std::puts(json.dump().c_str());
+    } else {
+      std::printf("gemm peak %-8s %3lld threads %9.1f GFLOP/s (%.1f per thread)\n", r.dtype.c_str(),
+                  static_cast<long long>(r.threads), r.flops_per_s / 1e9,
+                  r.flops_per_s_per_thread / 1e9);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run_bench(const Args& args) {
   try {
     const ParsedArgs parsed = parse_args(args,
                                          {{"nproc", true},
+                                          {"threads", true},
                                           {"ops", true},
                                           {"sizes", true},
                                           {"dtype", true},
@@ -155,9 +191,11 @@ int run_bench(const Args& args) {
       return 0;
     }
     const std::string what = parsed.positionals.empty() ? "" : parsed.positionals[0];
-    if (parsed.positionals.size() != 1 || (what != "comm" && what != "memcpy")) {
-      throw invalid_argument("meshrun bench: expected 'comm' or 'memcpy' (meshrun bench --help)");
+    if (parsed.positionals.size() != 1 || (what != "comm" && what != "memcpy" && what != "peak")) {
+      throw invalid_argument(
+          "meshrun bench: expected 'comm', 'memcpy' or 'peak' (meshrun bench --help)");
     }
+    if (what == "peak") return run_peak(parsed);
     return what == "comm" ? run_comm(args, parsed) : run_memcpy(parsed);
   } catch (const std::exception& error) {
     return report_error(error);

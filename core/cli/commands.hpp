@@ -16,5 +16,6 @@ int run_bench(const Args& args);
 int run_launch(const Args& args);
 int run_train(const Args& args);
 int run_schedule(const Args& args);
+int run_trace(const Args& args);
 
 }  // namespace meshrun::cli

@@ -22,6 +22,7 @@ const std::map<std::string, Command>& commands() {
       {"plan", meshrun::cli::run_plan},   {"plugins", meshrun::cli::run_plugins},
       {"bench", meshrun::cli::run_bench}, {"launch", meshrun::cli::run_launch},
       {"train", meshrun::cli::run_train}, {"schedule", meshrun::cli::run_schedule},
+      {"trace", meshrun::cli::run_trace},
   };
   return table;
 }
@@ -51,6 +52,10 @@ void print_usage() {
       "                   collective bandwidth, checked against a local reference\n"
       "  bench memcpy [--sizes ...] [--json]\n"
       "                   single-core memcpy bandwidth, the ceiling for shared memory\n"
+      "  bench peak [--threads N] [--dtype float32,bfloat16] [--json]\n"
+      "                   GEMM FLOP/s on one thread per core, what metrics' mfu divides by\n"
+      "  trace summary DIR [--json]\n"
+      "                   per rank: compute, exposed comm and idle shares of a profiled run\n"
       "  --version        library and ABI version");
 }
 

@@ -65,6 +65,8 @@ struct TrainConfig {
   // Steps in a row whose loss or gradient norm is not finite that are
   // skipped (no update) before the run stops; 0 stops at the first.
   int64_t skip_nonfinite_steps = 0;
+  // Write a timeline of every rank to OUTPUT/trace.json (train/trace.hpp).
+  bool profile = false;
 };
 
 // [checkpoint]

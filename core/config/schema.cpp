@@ -112,6 +112,7 @@ std::vector<Field> train_fields() {
       .integer("val_every", &TrainConfig::val_every, 0)
       .integer("log_every", &TrainConfig::log_every, 1)
       .integer("skip_nonfinite_steps", &TrainConfig::skip_nonfinite_steps, 0)
+      .boolean("profile", &TrainConfig::profile)
       .build();
 }
 

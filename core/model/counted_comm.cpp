@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #include "comm/comm.hpp"
 #include "meshrun/host.h"
 #include "plugin/loader.hpp"
+#include "trace/trace.hpp"
 
 namespace meshrun {
 namespace {
@@ -17,6 +19,7 @@ namespace {
 struct Counted {
   const meshrun_comm_api* backend;
   meshrun_communicator* real;
+  const char* traced_as = "";  // the trace's name of its waits
   int64_t size = 1;
   int64_t rank = 0;
   int64_t bytes = 0;
@@ -121,8 +124,10 @@ meshrun_error* wait(meshrun_request* request, double timeout_seconds) {
   const auto start = std::chrono::steady_clock::now();
   CountedRequest* counted = of(request);
   meshrun_error* error = counted->owner->backend->wait(counted->real, timeout_seconds);
-  counted->owner->wait_seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto end = std::chrono::steady_clock::now();
+  counted->owner->wait_seconds += std::chrono::duration<double>(end - start).count();
+  trace::Trace& trace = trace::Trace::process();
+  if (trace.on()) trace.span(counted->owner->traced_as, trace::kCommSpan, start, end);
   return error;
 }
 meshrun_error* test(meshrun_request* request, int32_t* out_done) {
@@ -149,9 +154,10 @@ CountedCommunicators::CountedCommunicators(const meshrun_comm_api* backend,
                                            meshrun_communicator* ep)
     : tables_(std::make_unique<Tables>()) {
   if (backend == nullptr) return;
-  for (auto [counted, real] :
-       {std::pair{&tables_->tp, tp}, {&tables_->cp, cp}, {&tables_->ep, ep}}) {
-    *counted = {backend, real};
+  for (auto [counted, real, traced_as] : {std::tuple{&tables_->tp, tp, "tp wait"},
+                                          {&tables_->cp, cp, "cp wait"},
+                                          {&tables_->ep, ep, "ep wait"}}) {
+    *counted = {backend, real, traced_as};
     if (real == nullptr) continue;
     throw_if_error(backend->size(real, &counted->size), "comm size");
     throw_if_error(backend->rank(real, &counted->rank), "comm rank");

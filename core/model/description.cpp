@@ -182,6 +182,28 @@ void read_modules(const ordered_json& json, const std::string& origin, ModelDesc
   }
 }
 
+// "flops": {"matmul_parameters": n, "attention": {"layers": l, "width": w}},
+// non-negative integers.
+ModelDescription::Flops parse_flops(const ordered_json& flops, const std::string& origin) {
+  const auto count = [](const ordered_json& object, const char* key) -> std::optional<int64_t> {
+    if (!object.is_object() || !object.contains(key) || !object.at(key).is_number_integer() ||
+        object.at(key).get<int64_t>() < 0) {
+      return std::nullopt;
+    }
+    return object.at(key).get<int64_t>();
+  };
+  const ordered_json attention =
+      flops.is_object() ? flops.value("attention", ordered_json()) : ordered_json();
+  const auto matmul = count(flops, "matmul_parameters");
+  const auto layers = count(attention, "layers"), width = count(attention, "width");
+  if (!matmul || !layers || !width) {
+    bad_description(origin,
+                    "\"flops\" must be {\"matmul_parameters\": n, \"attention\": {\"layers\": l, "
+                    "\"width\": w}}, non-negative integers");
+  }
+  return {*matmul, *layers, *width};
+}
+
 void read_limits(const ordered_json& json, const std::string& origin, ModelDescription& d) {
   const ordered_json& vocab = field(json, "vocab_size", "the description", origin);
   if (!vocab.is_number_integer() || vocab.get<int64_t>() <= 0) {
@@ -249,6 +271,7 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
       }
     }
   }
+  if (json.contains("flops")) d.flops = parse_flops(json.at("flops"), origin);
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }

@@ -10,6 +10,7 @@
 #include "errors.hpp"
 #include "plugin/call_scope.hpp"
 #include "support/suggest.hpp"
+#include "trace/trace.hpp"
 
 namespace meshrun {
 namespace {
@@ -190,6 +191,17 @@ struct ModelStage::Bridge {
                                                            description.units[size_t(unit)]));
     }
   }
+  // The unit's compute in the trace: from the end of its pre_ hook to the
+  // start of its post_ hook (the strategy's work in the hooks is traced
+  // apart).
+  void computing(int32_t unit) { computing_since[unit] = trace::Trace::Clock::now(); }
+  void computed(int32_t unit, const char* pass) {
+    trace::Trace& trace = trace::Trace::process();
+    const auto since = computing_since.find(unit);
+    if (!trace.on() || since == computing_since.end()) return;
+    trace.span(fmt::format("{} {}", pass, description.units[size_t(unit)]), trace::kComputeSpan,
+               since->second, trace::Trace::Clock::now());
+  }
   float* hidden(DLTensor* tensor, int64_t& numel) const {
     if (tensor == nullptr || tensor->data == nullptr) return numel = 0, nullptr;
     if (tensor->dtype.code != kDLFloat || tensor->dtype.bits != 32) {
@@ -206,10 +218,12 @@ struct ModelStage::Bridge {
       int64_t numel = 0;
       float* data = b.hidden(input, numel);
       b.hooks.pre_forward(unit, data, numel);
+      b.computing(unit);
     });
   }
   static meshrun_error* post_forward(void* context, int32_t unit, DLTensor* output) {
     return guarded(context, [&](Bridge& b) {
+      b.computed(unit, "forward");
       int64_t numel = 0;
       float* data = b.hidden(output, numel);
       b.hooks.post_forward(unit, data, numel);
@@ -220,10 +234,12 @@ struct ModelStage::Bridge {
     return guarded(context, [&](Bridge& b) {
       b.enter(unit, true, "pre_backward");
       b.hooks.pre_backward(unit);
+      b.computing(unit);
     });
   }
   static meshrun_error* post_backward(void* context, int32_t unit) {
     return guarded(context, [&](Bridge& b) {
+      b.computed(unit, "backward");
       b.hooks.post_backward(unit);
       b.leave(unit, "post_backward");
     });
@@ -269,6 +285,7 @@ struct ModelStage::Bridge {
   const ModelDescription& description;
   std::vector<bool> held;
   std::map<int32_t, bool> entered;  // unit -> in a backward
+  std::map<int32_t, trace::Trace::Clock::time_point> computing_since;
   meshrun_model_hooks table{};
 };
 

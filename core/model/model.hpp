@@ -71,6 +71,13 @@ struct ModelDescription {
     int64_t count = 0, top_k = 0;
   };
   std::optional<Experts> experts;
+  // What a token costs (metrics' flops_per_s and mfu): the weights it meets
+  // in matmuls (a mixture of experts: its top_k experts'), and the attention
+  // layers with their query width; absent: every parameter, no attention.
+  struct Flops {
+    int64_t matmul_parameters = 0, attention_layers = 0, attention_width = 0;
+  };
+  std::optional<Flops> flops;
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters

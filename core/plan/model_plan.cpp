@@ -176,11 +176,10 @@ ordered_json context_parallel(const Config& config) {
           {"chunks", 2 * config.distributed.cp_size}};
 }
 
-// The plan's "autocast_dtype": the dtype of the model's matmuls under
-// autocast, null without (float32 is no autocast).
-ordered_json autocast_dtype(const Config& config) {
-  const std::string& dtype = config.distributed.autocast_dtype;
-  return dtype.empty() || dtype == "float32" ? ordered_json(nullptr) : ordered_json(dtype);
+// The plan's "autocast_dtype": null for float32 matmuls.
+ordered_json autocast_dtype(const Config& config, const ModelDescription& d) {
+  const std::string dtype = matmul_dtype(config, d);
+  return dtype == "float32" ? ordered_json(nullptr) : ordered_json(dtype);
 }
 
 ordered_json default_plan(const Config& config, const MeshContext& mesh, const ModelDescription& d,
@@ -225,7 +224,7 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
           {"activation_checkpointing", std::move(checkpointed)},
           {"sequence_parallel", tp > 1 && config.distributed.sequence_parallel},
           {"async_tensor_parallel", tp > 1 && config.distributed.enable_async_tensor_parallel},
-          {"autocast_dtype", autocast_dtype(config)},
+          {"autocast_dtype", autocast_dtype(config, d)},
           {"context_parallel", context_parallel(config)}};
 }
 
@@ -441,6 +440,17 @@ class PlanCheck {
 };
 
 }  // namespace
+
+std::string matmul_dtype(const Config& config, const ModelDescription& d) {
+  const DistributedConfig& distributed = config.distributed;
+  if (!distributed.autocast_dtype.empty()) return distributed.autocast_dtype;
+  const std::string& param_dtype = distributed.mp_policy.param_dtype;
+  const auto& supported = d.autocast_dtypes;
+  const bool computes_in_param_dtype =
+      distributed.strategy == "fsdp2" &&
+      std::find(supported.begin(), supported.end(), param_dtype) != supported.end();
+  return computes_in_param_dtype ? param_dtype : "float32";
+}
 
 ordered_json plan_model(const Config& config, const MeshContext& mesh, const Model& model,
                         const std::shared_ptr<PluginLibrary>& sidecar,

@@ -501,8 +501,8 @@ std::string model_lines(const ModelDescription& description, const nlohmann::ord
   }
   const auto autocast = model.value("autocast_dtype", nlohmann::ordered_json());
   if (autocast.is_string()) {
-    text += fmt::format("{:<10}matmuls in {} (operands rounded, float32 sums)\n", "autocast",
-                        autocast.get<std::string>());
+    text += fmt::format("{:<10}matmuls in {} (operands in {}, float32 sums)\n", "compute",
+                        autocast.get<std::string>(), autocast.get<std::string>());
   }
   const auto cp = model.value("context_parallel", nlohmann::ordered_json());
   if (cp.is_object()) {

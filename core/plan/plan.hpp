@@ -41,6 +41,14 @@ struct Plan {
 Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loader,
                bool with_model = true);
 
+// The dtype the model's matmuls compute in (the plan's "autocast_dtype",
+// null there for "float32"): distributed.autocast_dtype when set; otherwise
+// FSDP2's mp_policy.param_dtype where the model computes its matmuls in it
+// (its description's "autocast_dtypes"): weights gathered in bfloat16 are
+// multiplied in bfloat16, as torch's FSDP2 does (docs/decisions.md,
+// "bfloat16 parameters compute in bfloat16"); else "float32".
+std::string matmul_dtype(const Config& config, const ModelDescription& description);
+
 // The plan of `model` on `mesh`: the default plan (units from the model's
 // description, AutoModel's pipeline split), or `sidecar`'s refinement of it,
 // checked against the description. Errors carry the config key they concern.

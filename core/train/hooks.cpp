@@ -38,7 +38,7 @@ StageUnits stage_units(const ModelDescription& d, const StageContents& contents)
 
 void ReplicatedHooks::gradient_ready(int64_t parameter) {
   const int64_t k = parameters_.position[size_t(parameter)];
-  timed([&] {
+  timed("gradients_ready", int32_t(parameter), [&] {
     strategy_.gradients_ready(parameters_.offsets[size_t(k)], parameters_.offsets[size_t(k) + 1]);
   });
 }
@@ -98,11 +98,11 @@ ShardedHooks::ShardedHooks(const std::vector<StrategyPart>& parts, size_t descri
     : bindings_(parts, description_parameters), precision_(precision) {}
 
 template <class Call>
-void ShardedHooks::each_part(int32_t unit, bool bind, Call&& call) {
+void ShardedHooks::each_part(const char* hook, int32_t unit, bool bind, Call&& call) {
   for (auto& part : bindings_.parts()) {
     const int32_t strategy_unit = part->binding.units().of_model_unit[size_t(unit)];
     if (strategy_unit < 0) continue;
-    timed([&] { call(part->strategy, strategy_unit); });
+    timed(hook, unit, [&] { call(part->strategy, strategy_unit); });
     if (bind) part->binding.bind(strategy_unit);
   }
 }
@@ -112,22 +112,26 @@ void ShardedHooks::each_part(int32_t unit, bool bind, Call&& call) {
 // compute dtype's precision and are then cast to output_dtype. The root has
 // no hidden states to cast.
 void ShardedHooks::pre_forward(int32_t unit, float* hidden, int64_t numel) {
-  each_part(unit, true, [](Strategy& strategy, int32_t u) { strategy.pre_forward(u); });
+  each_part("pre_forward", unit, true,
+            [](Strategy& strategy, int32_t u) { strategy.pre_forward(u); });
   if (precision_.cast_forward_inputs) round_to(hidden, numel, precision_.param_dtype);
 }
 
 void ShardedHooks::post_forward(int32_t unit, float* hidden, int64_t numel) {
   round_to(hidden, numel, precision_.param_dtype);
   round_to(hidden, numel, precision_.output_dtype);
-  each_part(unit, false, [](Strategy& strategy, int32_t u) { strategy.post_forward(u); });
+  each_part("post_forward", unit, false,
+            [](Strategy& strategy, int32_t u) { strategy.post_forward(u); });
 }
 
 void ShardedHooks::pre_backward(int32_t unit) {
-  each_part(unit, true, [](Strategy& strategy, int32_t u) { strategy.pre_backward(u); });
+  each_part("pre_backward", unit, true,
+            [](Strategy& strategy, int32_t u) { strategy.pre_backward(u); });
 }
 
 void ShardedHooks::post_backward(int32_t unit) {
-  each_part(unit, false, [](Strategy& strategy, int32_t u) { strategy.post_backward(u); });
+  each_part("post_backward", unit, false,
+            [](Strategy& strategy, int32_t u) { strategy.post_backward(u); });
 }
 
 ParameterStorage ShardedHooks::parameter(int64_t parameter, bool backward) {

@@ -12,6 +12,8 @@
 // policy's casts to the hidden states entering and leaving each layer unit.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -22,6 +24,7 @@
 #include "config/config.hpp"
 #include "model/model.hpp"
 #include "strategy/strategy.hpp"
+#include "trace/trace.hpp"
 #include "train/local_parameters.hpp"
 
 namespace meshrun::train {
@@ -44,12 +47,16 @@ class TimedHooks : public StageHooks {
   double take_seconds_in_strategy() { return std::exchange(seconds_in_strategy_, 0.0); }
 
  protected:
+  // Runs the strategy's `call` for `hook` of `unit`, timed and traced.
   template <class Call>
-  void timed(Call&& call) {
+  void timed(const char* hook, int32_t unit, Call&& call) {
     const auto start = std::chrono::steady_clock::now();
     call();
-    seconds_in_strategy_ +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const auto end = std::chrono::steady_clock::now();
+    seconds_in_strategy_ += std::chrono::duration<double>(end - start).count();
+    trace::Trace& trace = trace::Trace::process();
+    if (trace.on())
+      trace.span(fmt::format("strategy {} {}", hook, unit), trace::kCommSpan, start, end);
   }
 
  private:
@@ -136,7 +143,7 @@ class ShardedHooks : public TimedHooks {
   // Calls `call(strategy, strategy unit)` for each part holding parameters
   // of description unit `unit`, then binds its views when `bind`.
   template <class Call>
-  void each_part(int32_t unit, bool bind, Call&& call);
+  void each_part(const char* hook, int32_t unit, bool bind, Call&& call);
 
   PartBindings bindings_;
   MixedPrecisionConfig precision_;

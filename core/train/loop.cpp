@@ -9,7 +9,10 @@
 #include <limits>
 
 #include "errors.hpp"
+#include "trace/trace.hpp"
+#include "train/durable_io.hpp"
 #include "train/optimizer.hpp"
+#include "train/throughput.hpp"
 
 namespace meshrun::train {
 namespace {
@@ -105,6 +108,15 @@ class NonFiniteSteps {
   int64_t in_a_row_ = 0;
 };
 
+// OUTPUT/trace.json from rank 0's gathered trace (null on other ranks).
+void write_trace(const nlohmann::json& gathered, const std::string& output_dir) {
+  if (gathered.is_null()) return;
+  const std::string path = (std::filesystem::path(output_dir) / "trace.json").string();
+  OutputFile file(path, path);
+  file.write(gathered.dump() + "\n");
+  file.close();
+}
+
 }  // namespace
 
 void run_training(const Config& config, const ModelDescription& description,
@@ -117,6 +129,10 @@ void run_training(const Config& config, const ModelDescription& description,
     log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string(), first_step);
   }
   NonFiniteSteps nonfinite(train, description, writer);
+  const Throughput throughput =
+      measure_throughput(config, description, tokens_per_step, world, output_dir);
+  trace::Trace& trace = trace::Trace::process();
+  if (train.profile) trace.start(world);
   // What starting took: the weights in place, before the first step.
   const int64_t start_rss = peak_rss_bytes();
   double train_seconds = 0.0;
@@ -126,14 +142,24 @@ void run_training(const Config& config, const ModelDescription& description,
     metrics.step = step + 1;
     in_step(metrics.step, [&] {
       rank.train_step(step, metrics);
-      metrics.grad_norm = rank.gradient_norm();
-      metrics.lr = learning_rate(train, step);
-      metrics.skipped = !nonfinite.finite(metrics);
-      if (!metrics.skipped) rank.optimizer_step(metrics);
-      metrics.step_time_s = std::chrono::duration<double>(Clock::now() - start).count();
+      {
+        const trace::TraceSpan optimizer("optimizer", trace::kComputeSpan);
+        metrics.grad_norm = rank.gradient_norm();
+        metrics.lr = learning_rate(train, step);
+        metrics.skipped = !nonfinite.finite(metrics);
+        if (!metrics.skipped) rank.optimizer_step(metrics);
+      }
+      const auto end = Clock::now();
+      trace.span(fmt::format("step {}", metrics.step), trace::kStepSpan, start, end);
+      metrics.step_time_s = std::chrono::duration<double>(end - start).count();
       metrics.tokens_per_s = double(tokens_per_step) / metrics.step_time_s;
+      metrics.flops_per_s = throughput.flops_per_step / metrics.step_time_s;
+      metrics.mfu = metrics.flops_per_s / throughput.peak_flops_per_s;
       if (metrics.skipped) nonfinite.skip(metrics, rank, start_rss, world, log);
-      if (due(train, train.val_every, metrics.step)) metrics.val_loss = rank.validate();
+      if (due(train, train.val_every, metrics.step)) {
+        const trace::TraceSpan validation("validation", trace::kComputeSpan);
+        metrics.val_loss = rank.validate();
+      }
       metrics.mem = memory_now(rank, start_rss);
       const int64_t save_every = config.checkpoint.save_every;
       if (save_every > 0 && metrics.step % save_every == 0) rank.save_checkpoint(metrics.step);
@@ -148,6 +174,7 @@ void run_training(const Config& config, const ModelDescription& description,
       std::fflush(stdout);
     }
   }
+  if (train.profile) write_trace(trace.gather(world), output_dir);
   rank.export_weights();
 }
 

@@ -61,6 +61,8 @@ void MetricsLog::write(const StepMetrics& m) {
                                  {"loss", m.loss},
                                  {"tokens_per_s", m.tokens_per_s},
                                  {"step_time_s", m.step_time_s},
+                                 {"flops_per_s", m.flops_per_s},
+                                 {"mfu", m.mfu},
                                  {"grad_sync_wait_s", m.grad_sync_wait_s},
                                  {"comm_wait_s", m.comm_wait_s},
                                  {"tp_bytes", m.tp_bytes},

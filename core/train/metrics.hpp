@@ -65,6 +65,10 @@ struct StepMetrics {
   double loss = 0;   // mean over the global batch
   double tokens_per_s = 0;
   double step_time_s = 0;
+  // The model's FLOPs per second in the step (train/throughput.hpp) and
+  // their share of the ranks' GEMM peak in the run's matmul dtype.
+  double flops_per_s = 0;
+  double mfu = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
   // The loss or the gradient norm was not finite: no update was applied

@@ -1,4 +1,5 @@
 #include "train/trainer.hpp"
+#include "trace/trace.hpp"
 
 #include "train/experts.hpp"
 
@@ -127,7 +128,10 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
-  for (auto& part : parts_) part->spec.strategy.finish_gradients();
+  {
+    const trace::TraceSpan traced("finish_gradients", trace::kCommSpan);
+    for (auto& part : parts_) part->spec.strategy.finish_gradients();
+  }
   metrics.grad_sync_wait_s = seconds_since(sync_start);
   metrics.comm_wait_s = metrics.grad_sync_wait_s + hooks_->take_seconds_in_strategy();
   metrics.tp_bytes = stage_.take_tensor_parallel_bytes();

@@ -65,6 +65,12 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
   return fields.dump();
 }
 
+nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
+                                  int64_t attention_width) {
+  return {{"matmul_parameters", matmul_parameters},
+          {"attention", {{"layers", attention_layers}, {"width", attention_width}}}};
+}
+
 nlohmann::ordered_json tp_blocks_json(const std::vector<BlockSpec>& specs) {
   ordered_json blocks = ordered_json::array();
   for (const BlockSpec& spec : specs) {

@@ -40,6 +40,12 @@ std::string describe_model(nlohmann::ordered_json fields,
                            const std::vector<ParameterView>& parameters, int64_t num_layers,
                            const ModelModules& modules);
 
+// The description's "flops" (meshrun/model.h): the weights a token meets in
+// matmuls, and the attention layers with their query width (heads x
+// head_dim).
+nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
+                                  int64_t attention_width);
+
 // The description's "tp_blocks" (meshrun/model.h): each block's name and
 // its modules' styles.
 nlohmann::ordered_json tp_blocks_json(const std::vector<BlockSpec>& specs);

@@ -44,9 +44,17 @@ class MatmulPrecisionScope {
   MatmulPrecision previous_;
 };
 
+// Whether bfloat16 matmuls run on the CPU's bfloat16 instructions
+// (AVX512_BF16, through oneDNN); false: they are float32 GEMMs of operands
+// rounded to bfloat16, the same numbers at float32's speed.
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE (or lower) forces the latter.
+bool bfloat16_matmuls_native();
+
 // C[m, n] = alpha * op(A) * op(B) + beta * C, row-major, op(X) = X or X^T;
-// lda, ldb, ldc are the row strides of A, B and C as stored. One BLAS call,
-// on operands rounded to bfloat16 first where the matmul precision says so.
+// lda, ldb, ldc are the row strides of A, B and C as stored. One oneDNN call
+// (docs/decisions.md, "GEMMs through oneDNN"): float32, or bfloat16 operands
+// with float32 accumulation where the matmul precision says so (beta then
+// 0 or 1, as every kernel here uses). The double GEMM is OpenBLAS's.
 void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
           const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
           int64_t ldc);

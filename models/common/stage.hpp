@@ -31,7 +31,8 @@
 //     parameters; a tied lm_head is the first of them); a layer's views are
 //     those of its unit the stage holds (all, or with expert parallelism
 //     its own experts' only)
-//   check_layer_storage(layer views, backward): the host's storage is fit
+//   check_layer_storage(layer views (a span), backward): the host's storage
+//     is fit
 //   kSequenceParallel: whether it computes sequence parallelism
 //   check_tensor_parallel(config, tp_size, blocks): the model splits its
 //     parallel blocks over tp ranks (throws std::invalid_argument if not);
@@ -73,6 +74,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -255,6 +257,9 @@ class TransformerStage {
   class DeferredGradients;
 
   ParameterView* layer_views(int64_t layer);
+  // The views of one of the stage's layers, from layer_views(layer) to the
+  // next layer's or the head's.
+  std::span<const ParameterView> layer_view_span(int64_t layer) const;
   int64_t layer_count() const { return layout_.end_layer - layout_.first_layer; }
   int64_t root_unit() const { return Family::num_layers(config_); }
   bool holds_root() const { return layout_.embedding || layout_.head; }

@@ -181,7 +181,7 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
-  use_one_blas_thread_by_default();
+  use_one_compute_thread_by_default();
   select_parameters();
   for (int64_t layer = layout_.first_layer; layer < layout_.end_layer; ++layer) {
     const auto found = checkpointing.find(layer);
@@ -281,6 +281,15 @@ ParameterView* TransformerStage<Family>::layer_views(int64_t layer) {
 }
 
 template <class Family>
+std::span<const ParameterView> TransformerStage<Family>::layer_view_span(int64_t layer) const {
+  const auto index = size_t(layer - layout_.first_layer);
+  const auto begin = size_t(layer_first_view_.at(index));
+  const auto end = index + 1 < layer_first_view_.size() ? size_t(layer_first_view_[index + 1])
+                                                        : size_t(head_index_);
+  return {parameters_.data() + begin, end - begin};
+}
+
+template <class Family>
 void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward) {
   if (backward) {
     hooks_.pre_backward(unit);
@@ -290,7 +299,7 @@ void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward)
   for (ParameterView& view : parameters_) {
     if (view.unit == unit) hooks_.bind(view, backward);
   }
-  if (unit != root_unit()) Family::check_layer_storage(layer_views(unit), backward);
+  if (unit != root_unit()) Family::check_layer_storage(layer_view_span(unit), backward);
 }
 
 template <class Family>

@@ -96,6 +96,13 @@ struct Gpt2Plugin {
              {"lm_head", {config.tie_word_embeddings ? wte : "lm_head.weight"}, "head"}}};
   }
 
+  // Weights a token meets in matmuls: per layer c_attn (q, k, v), the
+  // attention's c_proj and the MLP's c_fc and c_proj; then the lm_head.
+  static int64_t matmul_parameters(const Gpt2Config& c) {
+    const int64_t layer = 4 * c.n_embd * c.n_embd + 2 * c.n_embd * c.n_inner;
+    return c.n_layer * layer + c.vocab_size * c.n_embd;
+  }
+
   static std::string describe(const Gpt2Config& config,
                               const std::vector<ParameterView>& parameters) {
     return meshrun::models::describe_model(
@@ -107,7 +114,9 @@ struct Gpt2Plugin {
          {"autocast_dtypes", {"bfloat16"}},
          {"unit_class", "GPT2Block"},
          {"context_parallel", {{"heads", config.n_head}, {"kv_heads", config.n_head}}},
-         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
+         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
+         {"flops",
+          meshrun::models::flops_json(matmul_parameters(config), config.n_layer, config.n_embd)}},
         parameters, config.n_layer, modules(config));
   }
 };
@@ -119,7 +128,8 @@ const meshrun_model_api kModelApi =
 const meshrun_plugin_api kApi = meshrun::models::model_plugin_api(
     "gpt2", MESHRUN_PLUGIN_VERSION,
     "GPT-2 (GPT2LMHeadModel): learned positions, pre-LayerNorm blocks with biases, multi-head "
-    "attention, gelu_new; float32 compute through OpenBLAS; pipeline stages with split backward",
+    "attention, gelu_new; GEMMs through oneDNN in float32 or bfloat16; pipeline stages with split "
+    "backward",
     &kModelApi);
 
 }  // namespace

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "common/layers.hpp"
@@ -116,7 +117,7 @@ struct Gpt2 {
   }
   static constexpr auto init_parameter = &gpt2::init_parameter;
   // Each of a block's tensors is used alone: any storage will do.
-  static void check_layer_storage(const ParameterView* /*layer*/, bool /*backward*/) {}
+  static void check_layer_storage(std::span<const ParameterView> /*layer*/, bool /*backward*/) {}
   static void check_tensor_parallel(const Config& config, int64_t tp,
                                     const models::ParallelBlocks& blocks) {
     gpt2::check_tensor_parallel(config, tp, blocks);

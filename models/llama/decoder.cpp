@@ -182,7 +182,8 @@ void check_attention_storage(const ParameterView* layer, bool backward) {
 
 // q, k, v and gate, up act as one fused projection each: the host lays a
 // unit's parameters out one after another (meshrun/model.h).
-void Llama::check_layer_storage(const ParameterView* layer, bool backward) {
+void Llama::check_layer_storage(std::span<const ParameterView> views, bool backward) {
+  const ParameterView* layer = views.data();
   check_attention_storage(layer, backward);
   if (!adjacent(&layer[kGate], &layer[kUp], backward)) {
     throw std::invalid_argument("llama: the host gave " +

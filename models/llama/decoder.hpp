@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -131,7 +132,7 @@ struct Llama {
     llama::init_parameter(parameters, seed, index, values);
   }
   // Throws std::invalid_argument unless q, k, v and gate, up are adjacent.
-  static void check_layer_storage(const ParameterView* layer, bool backward);
+  static void check_layer_storage(std::span<const ParameterView> layer, bool backward);
   static void check_tensor_parallel(const Config& config, int64_t tp,
                                     const models::ParallelBlocks& blocks) {
     llama::check_tensor_parallel(config, tp, blocks);

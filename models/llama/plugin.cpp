@@ -61,6 +61,16 @@ struct LlamaPlugin {
     return meshrun::llama::decoder_modules(config.tie_word_embeddings);
   }
 
+  // Weights a token meets in matmuls: per layer q, k, v, o and the SwiGLU's
+  // gate, up and down; then the lm_head (the embedding itself is a lookup).
+  static int64_t matmul_parameters(const LlamaConfig& c) {
+    const int64_t head_dim = c.hidden_size / c.num_attention_heads;
+    const int64_t attention =
+        2 * c.hidden_size * (c.hidden_size + c.num_key_value_heads * head_dim);
+    const int64_t mlp = 3 * c.hidden_size * c.intermediate_size;
+    return c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size;
+  }
+
   static std::string describe(const LlamaConfig& config,
                               const std::vector<ParameterView>& parameters) {
     return meshrun::models::describe_model(
@@ -73,7 +83,9 @@ struct LlamaPlugin {
          {"unit_class", "LlamaDecoderLayer"},
          {"context_parallel",
           {{"heads", config.num_attention_heads}, {"kv_heads", config.num_key_value_heads}}},
-         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))}},
+         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
+         {"flops", meshrun::models::flops_json(matmul_parameters(config), config.num_hidden_layers,
+                                               config.hidden_size)}},
         parameters, config.num_hidden_layers, modules(config));
   }
 };
@@ -86,7 +98,7 @@ const meshrun_model_api kModelApi =
 const meshrun_plugin_api kApi = meshrun::models::model_plugin_api(
     "llama", MESHRUN_PLUGIN_VERSION,
     "Llama (LlamaForCausalLM): RMSNorm, rotary attention with grouped key/value heads, "
-    "SwiGLU; float32 compute through OpenBLAS; pipeline stages with split backward",
+    "SwiGLU; GEMMs through oneDNN in float32 or bfloat16; pipeline stages with split backward",
     &kModelApi);
 
 }  // namespace

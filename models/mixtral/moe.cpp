@@ -290,12 +290,14 @@ int64_t MoeActivations::bytes() const {
 }
 
 // w1 and w3 act as one fused projection, as Llama's q, k, v do.
-void Mixtral::check_layer_storage(const ParameterView* layer, bool backward) {
-  llama::check_attention_storage(layer, backward);
-  for (const ParameterView* w1 = &layer[kFirstExpert]; w1->unit == layer->unit && w1->expert >= 0;
-       w1 += kTensorsPerExpert) {
-    if (w1->data + w1->numel != w1[1].data || (backward && w1->grad + w1->numel != w1[1].grad)) {
-      throw std::invalid_argument("mixtral: the host gave " + w1->name +
+// The layer's views end with its experts' (this rank's only under ep).
+void Mixtral::check_layer_storage(std::span<const ParameterView> layer, bool backward) {
+  llama::check_attention_storage(layer.data(), backward);
+  for (size_t i = kFirstExpert; i + 1 < layer.size(); i += kTensorsPerExpert) {
+    const ParameterView& w1 = layer[i];
+    if (w1.data + w1.numel != layer[i + 1].data ||
+        (backward && w1.grad + w1.numel != layer[i + 1].grad)) {
+      throw std::invalid_argument("mixtral: the host gave " + w1.name +
                                   " storage apart from its w3");
     }
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -85,7 +86,7 @@ struct Mixtral {
                              uint64_t seed, int64_t index, float* values) {
     mixtral::init_parameter(parameters, seed, index, values);
   }
-  static void check_layer_storage(const ParameterView* layer, bool backward);
+  static void check_layer_storage(std::span<const ParameterView> layer, bool backward);
   // Experts compute whole on every rank: tp > 1 is refused.
   static void check_tensor_parallel(const Config& config, int64_t tp,
                                     const models::ParallelBlocks& blocks);

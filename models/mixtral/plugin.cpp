@@ -82,6 +82,17 @@ struct MixtralPlugin {
     return meshrun::llama::decoder_modules(config.tie_word_embeddings);
   }
 
+  // Weights a token meets in matmuls: per layer q, k, v, o, the router and
+  // its top_k experts' gate, up and down; then the lm_head.
+  static int64_t matmul_parameters(const MixtralConfig& c) {
+    const int64_t head_dim = c.hidden_size / c.num_attention_heads;
+    const int64_t attention =
+        2 * c.hidden_size * (c.hidden_size + c.num_key_value_heads * head_dim);
+    const int64_t experts = c.num_experts_per_tok * 3 * c.hidden_size * c.intermediate_size;
+    const int64_t router = c.hidden_size * c.num_local_experts;
+    return c.num_hidden_layers * (attention + router + experts) + c.vocab_size * c.hidden_size;
+  }
+
   static std::string describe(const MixtralConfig& config,
                               const std::vector<ParameterView>& parameters) {
     return meshrun::models::describe_model(
@@ -91,7 +102,9 @@ struct MixtralPlugin {
          {"num_layers_key", "num_hidden_layers"},
          {"autocast_dtypes", {"bfloat16"}},
          {"unit_class", "MixtralDecoderLayer"},
-         {"experts", {{"count", config.num_local_experts}, {"top_k", config.num_experts_per_tok}}}},
+         {"experts", {{"count", config.num_local_experts}, {"top_k", config.num_experts_per_tok}}},
+         {"flops", meshrun::models::flops_json(matmul_parameters(config), config.num_hidden_layers,
+                                               config.hidden_size)}},
         parameters, config.num_hidden_layers, modules(config));
   }
 };

@@ -89,7 +89,7 @@ class Equivalence(TrainTest):
         from test_train import MESHRUN
         text = subprocess.run([MESHRUN, "plan", self.runs.config, *AUTOCAST], capture_output=True,
                               text=True).stdout
-        self.assertRegex(text, r"autocast +matmuls in bfloat16")
+        self.assertRegex(text, r"compute +matmuls in bfloat16")
 
 
 class BadInput(TrainTest, InputErrorAssertions):

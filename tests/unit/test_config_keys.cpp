@@ -98,6 +98,7 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"train.val_every", trainer("5", "validation cadence (test_train.py)")},
       {"train.log_every", trainer("5", "metrics cadence (test_train.py)")},
       {"train.skip_nonfinite_steps", trainer("2", "non-finite steps skipped (test_faults.py)")},
+      {"train.profile", trainer("true", "trace.json written (test_profile.py)")},
       {"checkpoint.save_every", trainer("2", "sharded checkpoints (test_checkpoint.py)")},
       {"checkpoint.resume_from", trainer("\"/nonexistent\"", "resumes (test_checkpoint.py)")},
       {"checkpoint.export", trainer("false", "no consolidated export (test_train.py)")},
@@ -115,7 +116,8 @@ std::map<std::string, Verdict> verdicts(const std::string& csv) {
       {"distributed.sequence_parallel", plan_change("true", {"distributed.tp_size=2"})},
       {"distributed.activation_checkpointing", plan_change("true")},
       {"distributed.activation_checkpointing_scope", refused("\"layers\"", "\"all\"")},
-      {"distributed.autocast_dtype", plan_change("\"bfloat16\"")},
+      // fsdp2's default mp_policy computes in bfloat16: float32 changes the plan.
+      {"distributed.autocast_dtype", plan_change("\"float32\"")},
       {"distributed.pipeline.pp_schedule", plan_change("\"gpipe\"", kPipeline)},
       {"distributed.pipeline.pp_schedule_csv", plan_change("\"" + csv + "\"", kPipeline)},
       {"distributed.pipeline.pp_microbatch_size",

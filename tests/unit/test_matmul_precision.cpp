@@ -5,9 +5,11 @@
 // 1e-5 of it for k = 40 leaves a 20x margin). The same GEMM in float32
 // differs from it by bfloat16's rounding (up to 2^-9 relative per operand):
 // 1.2e-3 to 2.1e-3 of the sum of |products| at the worst element here, so
-// asking for more than 1e-4 tells the two precisions apart.
+// asking for more than 1e-4 tells the two precisions apart. Both hold on
+// the CPU's bfloat16 instructions (oneDNN) and on the float32 fallback.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <vector>
@@ -69,32 +71,54 @@ TEST_CASE("bfloat16 rounding is to nearest even and keeps NaN and infinity", "[l
 }
 
 TEST_CASE("bfloat16 matmuls round every operand and sum in float32", "[layers]") {
-  const int64_t m = 7, n = 5, k = 40, pad = 3;
+  const int64_t m = 7, n = 5, k = 40, pad = 3, ldc = n + 2;
   const bool transpose_a = GENERATE(false, true), transpose_b = GENERATE(false, true);
-  CAPTURE(transpose_a, transpose_b);
+  // The kernels' uses: a plain product, a scaled one (attention's
+  // 1/sqrt(d)) and one accumulated into C (weight gradients).
+  const float alpha = GENERATE(1.0f, 0.125f), beta = GENERATE(0.0f, 1.0f);
+  CAPTURE(transpose_a, transpose_b, alpha, beta);
   const int64_t lda = (transpose_a ? m : k) + pad, ldb = (transpose_b ? k : n) + pad;
   const auto a = random_matrix(transpose_a ? k : m, lda, 1);
   const auto b = random_matrix(transpose_b ? n : k, ldb, 2);
-  std::vector<float> float32(size_t(m * n)), bfloat16(size_t(m * n));
-  gemm(transpose_a, transpose_b, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, float32.data(),
-       n);
+  const auto c = random_matrix(m, ldc, 3);
+  std::vector<float> float32 = c, bfloat16 = c;
+  gemm(transpose_a, transpose_b, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, float32.data(),
+       ldc);
   {
     MatmulPrecisionScope scope(MatmulPrecision::bfloat16);
-    gemm(transpose_a, transpose_b, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
-         bfloat16.data(), n);
+    gemm(transpose_a, transpose_b, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta,
+         bfloat16.data(), ldc);
   }
   double largest_difference = 0;  // between the two precisions' results
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < ldc; ++j) {
+      const size_t at = size_t(i * ldc + j);
+      if (j >= n) {  // past C's columns: untouched
+        CHECK(bfloat16[at] == c[at]);
+        continue;
+      }
       const Product rounded = reference(a, lda, transpose_a, b, ldb, transpose_b, i, j, k, true);
       const Product exact = reference(a, lda, transpose_a, b, ldb, transpose_b, i, j, k, false);
-      CHECK(std::abs(bfloat16[size_t(i * n + j)] - rounded.value) <= 1e-5 * rounded.magnitude);
-      CHECK(std::abs(float32[size_t(i * n + j)] - exact.value) <= 1e-5 * exact.magnitude);
-      const double difference = std::abs(bfloat16[size_t(i * n + j)] - float32[size_t(i * n + j)]);
-      largest_difference = std::max(largest_difference, difference / exact.magnitude);
+      const double prior = beta * c[at];
+      CHECK(std::abs(bfloat16[at] - alpha * rounded.value - prior) <=
+            1e-5 * (alpha * rounded.magnitude + std::abs(prior)));
+      CHECK(std::abs(float32[at] - alpha * exact.value - prior) <=
+            1e-5 * (alpha * exact.magnitude + std::abs(prior)));
+      const double difference = std::abs(bfloat16[at] - float32[at]);
+      largest_difference = std::max(largest_difference, difference / (alpha * exact.magnitude));
     }
   }
   CHECK(largest_difference > 1e-4);
+}
+
+// ctest runs these tests once as they are and once with
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE, which withholds the bfloat16 instructions:
+// the results above hold for both paths.
+TEST_CASE("bfloat16 matmuls use the CPU's bfloat16 instructions where it has them", "[layers]") {
+  __builtin_cpu_init();
+  const bool withheld = std::getenv("ONEDNN_MAX_CPU_ISA") != nullptr;
+  CHECK(meshrun::kernels::bfloat16_matmuls_native() ==
+        (__builtin_cpu_supports("avx512bf16") && !withheld));
 }
 
 TEST_CASE("a matmul precision scope holds until it ends", "[layers]") {

@@ -1,5 +1,6 @@
 /*
- * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts).
+ * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
+ * 1.8 adds the description's "flops").
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -57,10 +58,12 @@
  *                 parameter with a "tp" other than "replicate" is in exactly
  *                 one block. Absent: the model computes one layout only, and
  *                 the host refuses a tp_plan for it
- *   "autocast_dtypes": the dtypes its matmuls compute in under autocast,
- *                 e.g. ["bfloat16"] (the plan's "autocast_dtype": each
- *                 matmul's operands rounded to that dtype, float32 sums);
- *                 absent means none, and the host refuses
+ *   "autocast_dtypes": the dtypes its matmuls can compute in, e.g.
+ *                 ["bfloat16"] (the plan's "autocast_dtype": each matmul's
+ *                 operands in that dtype, float32 sums). The host sets
+ *                 the plan's from distributed.autocast_dtype, or from
+ *                 fsdp2's mp_policy.param_dtype when listed here; absent
+ *                 means none, and the host refuses
  *                 distributed.autocast_dtype for it
  *   "unit_class": the Hugging Face class of its layer units, as its
  *                 _no_split_modules names it ("LlamaDecoderLayer");
@@ -71,6 +74,15 @@
  *                 expert's parameters say "expert": their expert's number;
  *                 with ep_size > 1 a stage holds its own experts' only
  *                 (below), and the host refuses ep_size > 1 without it
+ *   "flops":      {"matmul_parameters", "attention": {"layers", "width"}},
+ *                 optional (1.8): what a token costs, for the metrics'
+ *                 flops_per_s and mfu: the weights it meets in matmuls
+ *                 (every linear and the lm_head; a mixture of experts'
+ *                 top_k experts only; not an embedding lookup), and the
+ *                 attention layers with their query width (heads x
+ *                 head_dim). The host counts 6 x matmul_parameters + 12 x
+ *                 layers x width x seq_len FLOPs per trained token; absent,
+ *                 6 x every parameter
  *   "context_parallel": {"heads", "kv_heads"}, present when the model
  *                 computes context parallelism (below): its attention and
  *                 key/value heads, which cp_ulysses_degree must divide on

@@ -1,0 +1,38 @@
+// What a training step's speed is measured against (docs/design.md, "MFU"):
+// the model's FLOPs per token and the machine's GEMM peak in the dtype the
+// run's matmuls compute in. Recorded once per run in DIR/run.json; each
+// metrics.jsonl line carries flops_per_s and mfu.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "model/model.hpp"
+
+namespace meshrun::train {
+
+// The FLOPs of training on one token of a seq_len-long sequence, forward
+// and backward (PaLM's count, as torchtitan's MFU): 6 per weight the token
+// meets in a matmul, plus 12 x layers x width x seq_len for attention's two
+// matmuls (causal masking not subtracted, activation recomputation not
+// added). From the description's "flops"; without it, 6 per parameter.
+double flops_per_token(const ModelDescription& description, int64_t seq_len);
+
+struct Throughput {
+  std::string matmul_dtype;  // "float32" or "bfloat16"
+  double flops_per_token = 0;
+  double flops_per_step = 0;    // flops_per_token x the tokens of a step
+  double peak_flops_per_s = 0;  // the GEMM peak of all ranks together
+};
+
+// Collective over `world`: every rank measures the GEMM rate its core
+// sustains in the run's matmul dtype for about `seconds` (at once, so ranks
+// sharing a core measure their share), and the rates are summed. Rank 0
+// writes OUTPUT/run.json.
+Throughput measure_throughput(const Config& config, const ModelDescription& description,
+                              int64_t tokens_per_step, Communicator& world,
+                              const std::string& output_dir, double seconds = 0.1);
+
+}  // namespace meshrun::train
