@@ -1,7 +1,9 @@
 #include "common/layers.hpp"
 
 #include <cblas.h>
+#ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
 
 #include <atomic>
 #include <map>
@@ -52,7 +54,7 @@ int64_t b_cols(const GemmShape& s) { return s.transpose_b ? s.k : s.n; }
 
 // count floats of `in` rounded to bfloat16 (nearest even) into `out`.
 // With AVX512_BF16 (a MESHRUN_NATIVE build on such a CPU) one instruction
-// converts 32 of them: the conversion is a tenth of a bfloat16 step.
+// converts 32 of them (the conversion is about a tenth of a bfloat16 step).
 void to_bfloat16(const float* in, uint16_t* out, int64_t count) {
   int64_t i = 0;
 #ifdef __AVX512BF16__
@@ -77,7 +79,7 @@ const Element* packed(const float* x, int64_t rows, int64_t cols, int64_t ld,
                       std::unique_ptr<Element[]>& out, size_t& capacity) {
   const auto size = size_t(rows * cols);
   if (size > capacity) {
-    out = std::make_unique_for_overwrite<Element[]>(size);
+    out.reset(new Element[size]);  // uninitialized: every element is written below
     capacity = size;
   }
   for (int64_t r = 0; r < rows; ++r) {
