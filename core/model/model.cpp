@@ -194,7 +194,9 @@ struct ModelStage::Bridge {
   // The unit's compute in the trace: from the end of its pre_ hook to the
   // start of its post_ hook (the strategy's work in the hooks is traced
   // apart).
-  void computing(int32_t unit) { computing_since[unit] = trace::Trace::Clock::now(); }
+  void computing(int32_t unit) {
+    if (trace::Trace::process().on()) computing_since[unit] = trace::Trace::Clock::now();
+  }
   void computed(int32_t unit, const char* pass) {
     trace::Trace& trace = trace::Trace::process();
     const auto since = computing_since.find(unit);

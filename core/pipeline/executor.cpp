@@ -20,15 +20,15 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Runs `body`, adding its seconds to `total` and tracing it as `name` of
-// `category` (trace/trace.hpp).
-template <class Body>
-void timed(double& total, const char* category, const std::string& name, Body&& body) {
+// Runs `body`, adding its seconds to `total` and tracing it as `name()` of
+// `category` (trace/trace.hpp); the name is made only while tracing.
+template <class Name, class Body>
+void timed(double& total, const char* category, Name&& name, Body&& body) {
   const auto start = Clock::now();
   body();
   total += seconds_since(start);
   trace::Trace& trace = trace::Trace::process();
-  if (trace.on()) trace.span(name, category, start, Clock::now());
+  if (trace.on()) trace.span(name(), category, start, Clock::now());
 }
 
 // The same error with `context` in front, so that a failure deep in a
@@ -167,8 +167,9 @@ void Executor::run_action(size_t step, const Action& action, StepTimes& times) {
       backward(action, times);
       return;
     case ActionType::W:
-      timed(times.compute_s, trace::kComputeSpan, format_action(action),
-            [&] { work(action.stage).backward_weight(action.microbatch); });
+      timed(
+          times.compute_s, trace::kComputeSpan, [&] { return format_action(action); },
+          [&] { work(action.stage).backward_weight(action.microbatch); });
       return;
     case ActionType::SEND_F:
     case ActionType::SEND_B:
@@ -193,8 +194,9 @@ void Executor::forward(const Action& action, StepTimes& times) {
   const float* in = action.stage > 0 ? take_input(input, times) : nullptr;
   const bool last = action.stage == schedule_.stages() - 1;
   float* out = last ? nullptr : buffers_.allocate(output, stage.output_numel());
-  timed(times.compute_s, trace::kComputeSpan, format_action(action),
-        [&] { stage.forward(action.microbatch, in, out); });
+  timed(
+      times.compute_s, trace::kComputeSpan, [&] { return format_action(action); },
+      [&] { stage.forward(action.microbatch, in, out); });
   buffers_.release(input);
   if (out != nullptr) hand_over(output, action.stage + 1, BufferKind::input);
 }
@@ -207,13 +209,15 @@ void Executor::backward(const Action& action, StepTimes& times) {
   const bool last = action.stage == schedule_.stages() - 1;
   const float* in = last ? nullptr : take_input(grad_output, times);
   float* out = action.stage > 0 ? buffers_.allocate(grad_input, stage.input_numel()) : nullptr;
-  timed(times.compute_s, trace::kComputeSpan, format_action(action), [&] {
-    if (action.type == ActionType::B) {
-      stage.backward(action.microbatch, in, out);
-    } else {
-      stage.backward_input(action.microbatch, in, out);
-    }
-  });
+  timed(
+      times.compute_s, trace::kComputeSpan, [&] { return format_action(action); },
+      [&] {
+        if (action.type == ActionType::B) {
+          stage.backward(action.microbatch, in, out);
+        } else {
+          stage.backward_input(action.microbatch, in, out);
+        }
+      });
   buffers_.release(grad_output);
   if (out != nullptr) hand_over(grad_input, action.stage - 1, BufferKind::grad_output);
 }
@@ -224,8 +228,9 @@ float* Executor::take_input(const BufferKey& key, StepTimes& times) {
   const auto pending = receives_.find(key);
   if (pending != receives_.end()) {
     try {
-      timed(times.wait_s, trace::kIdleSpan, "wait for " + where(pending->second.step),
-            [&] { pending->second.request.wait(); });
+      timed(
+          times.wait_s, trace::kIdleSpan, [&] { return "wait for " + where(pending->second.step); },
+          [&] { pending->second.request.wait(); });
     } catch (const Error& error) {
       throw with_context(error, "waiting for the receive of " + where(pending->second.step));
     }
@@ -293,15 +298,17 @@ void Executor::receive(size_t step, const Action& action) {
 void Executor::shard(const Action& action, StepTimes& times) {
   StageSharding* sharding = stages_.at(action.stage).sharding;
   if (sharding == nullptr) return;
-  timed(times.sharding_s, trace::kCommSpan, format_action(action), [&] {
-    if (action.type == ActionType::UNSHARD) {
-      sharding->unshard();
-    } else if (action.type == ActionType::RESHARD) {
-      sharding->reshard();
-    } else {
-      sharding->reduce_grad();
-    }
-  });
+  timed(
+      times.sharding_s, trace::kCommSpan, [&] { return format_action(action); },
+      [&] {
+        if (action.type == ActionType::UNSHARD) {
+          sharding->unshard();
+        } else if (action.type == ActionType::RESHARD) {
+          sharding->reshard();
+        } else {
+          sharding->reduce_grad();
+        }
+      });
 }
 
 // Frees the buffers of sends that have completed, so that memory follows
@@ -322,8 +329,9 @@ void Executor::release_sent() {
 void Executor::finish(StepTimes& times) {
   const auto wait_all = [&](InFlight& transfer) {
     try {
-      timed(times.wait_s, trace::kIdleSpan, "wait for " + where(transfer.step),
-            [&] { transfer.request.wait(); });
+      timed(
+          times.wait_s, trace::kIdleSpan, [&] { return "wait for " + where(transfer.step); },
+          [&] { transfer.request.wait(); });
     } catch (const Error& error) {
       throw with_context(error, where(transfer.step));
     }

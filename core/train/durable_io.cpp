@@ -89,6 +89,12 @@ WrittenFile write_atomically(const std::string& path,
   return {out.bytes_written(), out.checksum()};
 }
 
+void write_text_file(const std::string& path, std::string_view text) {
+  OutputFile file(path, path);
+  file.write(text);
+  file.close();
+}
+
 void sync_directory(const std::string& dir) {
   const std::string path = dir.empty() ? "." : dir;
   const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -60,6 +60,10 @@ WrittenFile write_atomically(const std::string& path, const std::function<void(O
 // fsync of a folder, so the renames and new names in it are on the device.
 void sync_directory(const std::string& dir);
 
+// Writes `text` to `path` (replacing it) through OutputFile: every byte
+// and the close are checked, errors name the file.
+void write_text_file(const std::string& path, std::string_view text);
+
 // XXH3-64 of a whole file, read in blocks; throws naming the file when it
 // cannot be read.
 uint64_t file_checksum(const std::string& path);

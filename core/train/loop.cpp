@@ -111,10 +111,8 @@ class NonFiniteSteps {
 // OUTPUT/trace.json from rank 0's gathered trace (null on other ranks).
 void write_trace(const nlohmann::json& gathered, const std::string& output_dir) {
   if (gathered.is_null()) return;
-  const std::string path = (std::filesystem::path(output_dir) / "trace.json").string();
-  OutputFile file(path, path);
-  file.write(gathered.dump() + "\n");
-  file.close();
+  write_text_file((std::filesystem::path(output_dir) / "trace.json").string(),
+                  gathered.dump() + "\n");
 }
 
 }  // namespace

@@ -34,10 +34,8 @@ Throughput measure_throughput(const Config& config, const ModelDescription& desc
                                            {"flops_per_token", throughput.flops_per_token},
                                            {"flops_per_step", throughput.flops_per_step},
                                            {"peak_flops_per_s", throughput.peak_flops_per_s}};
-    const std::string path = (std::filesystem::path(output_dir) / "run.json").string();
-    OutputFile file(path, path);
-    file.write(record.dump(2) + "\n");
-    file.close();
+    write_text_file((std::filesystem::path(output_dir) / "run.json").string(),
+                    record.dump(2) + "\n");
   }
   return throughput;
 }
