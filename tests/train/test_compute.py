@@ -151,7 +151,10 @@ class Profile(TrainTest, InputErrorAssertions):
         for s in shares:
             self.assertEqual(s["steps"], 4)
             self.assertAlmostEqual(s["compute"] + s["comm"] + s["idle"], 1.0, places=6)
-            self.assertGreater(s["compute"], 0.2)
+            # Shares depend on the machine's load (measured 0.17-0.6 with CI
+            # running beside): only that each part is there is asserted.
+            self.assertGreater(s["compute"], 0)
+            self.assertGreater(s["comm"], 0)
 
     def test_pipeline_waits_are_idle(self):
         _, trace = self.trace_of("pp2", 2, *FSDP2, "distributed.pp_size=2",
