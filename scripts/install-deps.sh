@@ -9,6 +9,9 @@ packages=(
   libopenmpi-dev openmpi-bin libopenblas-dev libdnnl-dev libxxhash-dev abigail-tools clang-format
   clang libclang-rt-dev
   python3-numpy python3-torch
+  # A one-node Slurm for the srun test (tests/slurm/start-slurm.sh); libpmix-dev
+  # holds the libpmix.so Slurm's pmix plugin loads.
+  munge slurmctld slurmd slurm-client libpmix-dev
 )
 
 missing=()

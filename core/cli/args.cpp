@@ -99,6 +99,48 @@ int job_timeout_seconds(const ParsedArgs& parsed) {
       parse_int_option("timeout", *timeout, 0, std::numeric_limits<int>::max()));
 }
 
+const std::vector<OptionSpec>& launch_option_specs() {
+  static const std::vector<OptionSpec> specs = {{"nproc-per-node", true},
+                                                {"hostfile", true},
+                                                {"nnodes", true},
+                                                {"node-rank", true},
+                                                {"timeout", true}};
+  return specs;
+}
+
+int ranks_per_node(const ParsedArgs& parsed) {
+  return static_cast<int>(
+      parse_int_option("nproc-per-node", parsed.value("nproc-per-node").value_or("1"), 1, 4096));
+}
+
+launch::LaunchOptions launch_options(const ParsedArgs& parsed) {
+  launch::LaunchOptions options;
+  options.hostfile = parsed.value("hostfile").value_or("");
+  if (const auto nnodes = parsed.value("nnodes")) {
+    options.nnodes = static_cast<int>(parse_int_option("nnodes", *nnodes, 1, 65536));
+  }
+  options.timeout_seconds = job_timeout_seconds(parsed);
+  return options;
+}
+
+bool started_from_node_zero(const ParsedArgs& parsed) {
+  const auto node_rank = parsed.value("node-rank");
+  if (!node_rank) return false;
+  const auto nnodes = parsed.value("nnodes");
+  if (!nnodes) {
+    throw invalid_argument("option '--node-rank' needs '--nnodes N', the number of nodes");
+  }
+  const int64_t nodes = parse_int_option("nnodes", *nnodes, 1, 65536);
+  const int64_t rank = parse_int_option("node-rank", *node_rank, 0, nodes - 1);
+  if (rank == 0) return false;
+  std::fprintf(stderr,
+               "meshrun: node rank %lld of %lld: nothing to start here; the command on node "
+               "rank 0 starts every node's ranks through mpirun (--hostfile or the Slurm "
+               "allocation)\n",
+               static_cast<long long>(rank), static_cast<long long>(nodes));
+  return true;
+}
+
 std::optional<int> relaunch_if_needed(int nproc, const std::string& command, const Args& args,
                                       const launch::LaunchOptions& options) {
   std::vector<std::string> full = {"meshrun", command};

@@ -41,6 +41,19 @@ int64_t parse_int_option(std::string_view option, const std::string& value, int6
 // 0 (none) when absent.
 int job_timeout_seconds(const ParsedArgs& parsed);
 
+// The options of `launch` and `train` that say where the ranks run:
+// --nproc-per-node, --hostfile, --nnodes, --node-rank, --timeout.
+const std::vector<OptionSpec>& launch_option_specs();
+// --nproc-per-node N (1 when absent).
+int ranks_per_node(const ParsedArgs& parsed);
+// --hostfile, --nnodes and --timeout as launch options.
+launch::LaunchOptions launch_options(const ParsedArgs& parsed);
+// --node-rank K of a torchrun-style script that runs the same command on
+// every node: true on nodes other than 0, after saying so on stderr, since
+// there node 0's mpirun starts the ranks (MPI needs no rendezvous). Throws
+// INVALID_ARGUMENT unless 0 <= K < --nnodes.
+bool started_from_node_zero(const ParsedArgs& parsed);
+
 // For `meshrun COMMAND ARGS` whose process is one rank: runs it as `nproc`
 // ranks under mpirun unless already inside a launcher (see
 // launch::relaunch_self_if_needed); returns the job's status when it did.

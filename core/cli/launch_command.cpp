@@ -1,11 +1,11 @@
-// meshrun launch --nproc-per-node N [--hostfile FILE] [--timeout SECONDS] -- COMMAND [ARGS...]
+// meshrun launch --nproc-per-node N [--hostfile FILE] [--nnodes N [--node-rank K]]
+//                [--timeout SECONDS] -- COMMAND [ARGS...]
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <limits>
 
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
@@ -16,8 +16,8 @@ namespace meshrun::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: meshrun launch --nproc-per-node N [--hostfile FILE] [--timeout SECONDS] -- "
-    "COMMAND [ARGS...]";
+    "usage: meshrun launch --nproc-per-node N [--hostfile FILE] [--nnodes N [--node-rank K]] "
+    "[--timeout SECONDS] -- COMMAND [ARGS...]";
 
 // Under a launcher this process already is one rank of a job: it becomes
 // the command instead of starting ranks of its own.
@@ -31,22 +31,14 @@ constexpr const char* kUsage =
               "meshrun launch: cannot run '" + command[0] + "': " + std::strerror(errno));
 }
 
-launch::LaunchOptions launch_options(const ParsedArgs& parsed) {
-  launch::LaunchOptions options;
-  options.hostfile = parsed.value("hostfile").value_or("");
-  options.timeout_seconds = job_timeout_seconds(parsed);
-  return options;
-}
-
 }  // namespace
 
 int run_launch(const Args& args) {
   try {
     const auto separator = std::find(args.begin(), args.end(), "--");
-    const ParsedArgs parsed = parse_args(
-        Args(args.begin(), separator),
-        {{"nproc-per-node", true}, {"hostfile", true}, {"timeout", true}, {"help", false}},
-        "launch");
+    std::vector<OptionSpec> specs = launch_option_specs();
+    specs.push_back({"help", false});
+    const ParsedArgs parsed = parse_args(Args(args.begin(), separator), specs, "launch");
     if (parsed.has_flag("help")) {
       std::puts(kUsage);
       return 0;
@@ -61,8 +53,7 @@ int run_launch(const Args& args) {
     if (!nproc)
       throw invalid_argument("meshrun launch: --nproc-per-node N is required; " +
                              std::string(kUsage));
-    const int nproc_per_node = static_cast<int>(
-        parse_int_option("nproc-per-node", *nproc, 1, std::numeric_limits<int>::max()));
+    const int nproc_per_node = ranks_per_node(parsed);
     if (separator == args.end() || separator + 1 == args.end()) {
       throw invalid_argument("meshrun launch: expected '-- COMMAND [ARGS...]' after the options; " +
                              std::string(kUsage));
@@ -70,6 +61,7 @@ int run_launch(const Args& args) {
     const std::vector<std::string> command(separator + 1, args.end());
     const launch::LaunchOptions options = launch_options(parsed);
     if (launch::detect_launcher()) run_in_place(command);
+    if (started_from_node_zero(parsed)) return 0;
     return launch::launch_local(nproc_per_node, command, options);
   } catch (const std::exception& error) {
     return report_error(error);

@@ -36,8 +36,8 @@ std::vector<std::string> command_names() {
 void print_usage() {
   std::puts(
       "usage: meshrun COMMAND [ARGS]\n"
-      "  train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS]\n"
-      "                   [key.path=value ...]\n"
+      "  train CONFIG.toml [--nproc-per-node N] [--hostfile FILE] [--nnodes N [--node-rank K]]\n"
+      "                   [--output DIR] [--timeout SECONDS] [key.path=value ...]\n"
       "                   train the model as N ranks; metrics and checkpoints in DIR\n"
       "  plan CONFIG.toml [--world-size N] [--json] [--all-ranks] [key.path=value ...]\n"
       "                   the mesh, plugins and rank layout a run would use\n"
@@ -46,7 +46,8 @@ void print_usage() {
       "  schedule NAME --pp P --microbatches M [--stages-per-rank V] [--json] [--svg FILE]\n"
       "                   [--costs F=1,B=1,I=0.5,W=0.5]; --csv FILE in place of NAME reads one\n"
       "                   a pipeline schedule's actions, makespan, bubble and peak activations\n"
-      "  launch --nproc-per-node N [--hostfile FILE] [--timeout SECONDS] -- COMMAND [ARGS...]\n"
+      "  launch --nproc-per-node N [--hostfile FILE] [--nnodes N [--node-rank K]]\n"
+      "                   [--timeout SECONDS] -- COMMAND [ARGS...]\n"
       "                   run COMMAND as N ranks per node through mpirun\n"
       "  bench comm [--nproc N] [--ops ...] [--sizes ...] [--dtype D] [--json]\n"
       "                   collective bandwidth, checked against a local reference\n"

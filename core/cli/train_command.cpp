@@ -1,7 +1,6 @@
-// meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS]
-//               [key.path=value ...]
+// meshrun train CONFIG.toml [--nproc-per-node N] [--hostfile FILE] [--nnodes N [--node-rank K]]
+//               [--output DIR] [--timeout SECONDS] [key.path=value ...]
 #include <cstdio>
-#include <limits>
 
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
@@ -14,23 +13,29 @@ namespace meshrun::cli {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: meshrun train CONFIG.toml [--nproc-per-node N] [--output DIR] [--timeout SECONDS] "
-    "[key.path=value ...]";
+    "usage: meshrun train CONFIG.toml [--nproc-per-node N] [--hostfile FILE] "
+    "[--nnodes N [--node-rank K]] [--output DIR] [--timeout SECONDS] [key.path=value ...]";
 
 // The world the ranks will form: the launcher's when there is one (its size
-// wins over --nproc-per-node), else the ranks this command starts.
-int64_t expected_world_size(int64_t nproc_per_node) {
+// wins over the options), else the ranks this command starts: on every node
+// of a hostfile without --nnodes.
+int64_t expected_world_size(int64_t nproc_per_node, const launch::LaunchOptions& options) {
   const auto environment = launch::detect_launcher();
-  return environment && environment->size ? *environment->size : nproc_per_node;
+  if (environment && environment->size) return *environment->size;
+  if (options.nnodes > 0) return nproc_per_node * options.nnodes;
+  if (!options.hostfile.empty()) {
+    return nproc_per_node * static_cast<int64_t>(launch::hostfile_hosts(options.hostfile).size());
+  }
+  return nproc_per_node;
 }
 
 }  // namespace
 
 int run_train(const Args& args) {
   try {
-    const ParsedArgs parsed = parse_args(
-        args, {{"nproc-per-node", true}, {"output", true}, {"timeout", true}, {"help", false}},
-        "train");
+    std::vector<OptionSpec> specs = launch_option_specs();
+    specs.insert(specs.end(), {{"output", true}, {"help", false}});
+    const ParsedArgs parsed = parse_args(args, specs, "train");
     if (parsed.has_flag("help")) {
       std::puts(kUsage);
       return 0;
@@ -39,14 +44,14 @@ int run_train(const Args& args) {
       throw invalid_argument("meshrun train: expected exactly one CONFIG.toml argument, got " +
                              std::to_string(parsed.positionals.size()));
     }
-    const int nproc = int(
-        parse_int_option("nproc-per-node", parsed.value("nproc-per-node").value_or("1"), 1, 4096));
-    launch::LaunchOptions options;
-    options.timeout_seconds = job_timeout_seconds(parsed);
+    const int nproc = ranks_per_node(parsed);
+    const launch::LaunchOptions options = launch_options(parsed);
     const Config config = load_config(parsed.positionals[0], parsed.overrides);
     // Bad input fails here, once, before any rank starts.
     const PluginLoader loader = PluginLoader::from_environment();
-    train::check_training_input(config, make_plan(config, expected_world_size(nproc), loader));
+    train::check_training_input(config,
+                                make_plan(config, expected_world_size(nproc, options), loader));
+    if (!launch::detect_launcher() && started_from_node_zero(parsed)) return 0;
 
     if (auto status = relaunch_if_needed(nproc, "train", args, options)) return *status;
     if (!launch::detect_launcher()) launch::stop_job_on_interrupt();

@@ -1,6 +1,7 @@
 #include "launch/launch.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "errors.hpp"
 #include "launch/mpirun.hpp"
@@ -72,6 +75,23 @@ bool any_set(const GetEnv& getenv, const std::vector<const char*>& names) {
   return names.empty();
 }
 
+// Without a hostfile, --nnodes above 1 takes the nodes of the Slurm
+// allocation this process runs in.
+void check_allocation(int nnodes) {
+  const char* allocated = std::getenv("SLURM_JOB_NUM_NODES");
+  if (allocated == nullptr) allocated = std::getenv("SLURM_NNODES");
+  if (allocated == nullptr) {
+    throw invalid_argument(fmt::format(
+        "--nnodes {}: name the nodes with --hostfile FILE, or run inside a Slurm allocation "
+        "(sbatch, salloc), or start the ranks with srun",
+        nnodes));
+  }
+  if (std::atoi(allocated) < nnodes) {
+    throw invalid_argument(fmt::format("--nnodes {}: the Slurm allocation has {} node{}", nnodes,
+                                       allocated, std::string(allocated) == "1" ? "" : "s"));
+  }
+}
+
 void check_command(const std::vector<std::string>& command, const LaunchOptions& options) {
   if (command.empty()) throw invalid_argument("no command to launch");
   // With a hostfile the command need only exist on the other nodes.
@@ -92,13 +112,40 @@ void check_options(int nproc_per_node, const LaunchOptions& options) {
     throw invalid_argument(fmt::format("the job timeout must be 0 (none) or more seconds, got {}",
                                        options.timeout_seconds));
   }
-  if (!options.hostfile.empty() && access(options.hostfile.c_str(), R_OK) != 0) {
-    throw Error(MESHRUN_NOT_FOUND, fmt::format("cannot read hostfile '{}': {}", options.hostfile,
-                                               std::strerror(errno)));
+  if (options.nnodes < 0) {
+    throw invalid_argument(
+        fmt::format("the number of nodes must be at least 1, got {}", options.nnodes));
+  }
+  if (!options.hostfile.empty()) {
+    const auto hosts = hostfile_hosts(options.hostfile);
+    if (hosts.size() < static_cast<size_t>(std::max(options.nnodes, 1))) {
+      throw invalid_argument(fmt::format("--nnodes {}: the hostfile '{}' names {} host{} ({})",
+                                         options.nnodes, options.hostfile, hosts.size(),
+                                         hosts.size() == 1 ? "" : "s", fmt::join(hosts, ", ")));
+    }
+  } else if (options.nnodes > 1) {
+    check_allocation(options.nnodes);
   }
 }
 
 }  // namespace
+
+std::vector<std::string> hostfile_hosts(const std::string& hostfile) {
+  std::ifstream file(hostfile);
+  if (!file) {
+    throw Error(MESHRUN_NOT_FOUND,
+                fmt::format("cannot read hostfile '{}': {}", hostfile, std::strerror(errno)));
+  }
+  std::vector<std::string> hosts;
+  std::string line;
+  while (std::getline(file, line)) {
+    std::istringstream words(line);
+    std::string host;
+    if (!(words >> host) || host[0] == '#') continue;
+    if (std::find(hosts.begin(), hosts.end(), host) == hosts.end()) hosts.push_back(host);
+  }
+  return hosts;
+}
 
 std::optional<LaunchEnvironment> detect_launcher(const GetEnv& getenv) {
   for (const LauncherVariables& variables : known_launchers()) {
@@ -157,7 +204,7 @@ void exec_self(int argc, char** argv) {
 std::optional<int> relaunch_self_if_needed(int nproc_per_node, int argc, char** argv,
                                            const LaunchOptions& options) {
   if (detect_launcher()) return std::nullopt;
-  if (nproc_per_node == 1 && options.hostfile.empty() && options.timeout_seconds == 0) {
+  if (nproc_per_node == 1 && !options.spans_nodes() && options.timeout_seconds == 0) {
     // The only rank is this process: it needs a fresh start to load OpenBLAS
     // with the kernels chosen (a failed exec just keeps the default ones).
     if (prefer_fast_blas_kernels()) exec_self(argc, argv);

@@ -37,12 +37,26 @@ std::optional<LaunchEnvironment> detect_launcher(const GetEnv& getenv);
 
 struct LaunchOptions {
   // mpirun's --hostfile: one line per node, "HOST slots=N". Empty: this
-  // machine only. With a hostfile, nproc_per_node ranks start on every host.
+  // machine only, or a Slurm allocation's nodes (below). With a hostfile,
+  // nproc_per_node ranks start on every host, or on the first `nnodes`.
   std::string hostfile;
   // Limit on the whole job (0: none). When it expires mpirun stops every
   // rank and the launcher reports the ranks that had not finished.
   int timeout_seconds = 0;
+  // The nodes to run on, nproc_per_node ranks on each; 0: every host of the
+  // hostfile, or this machine without one. More than one without a hostfile
+  // needs a Slurm allocation (an sbatch script, a salloc shell) of that many
+  // nodes, whose nodes mpirun then uses.
+  int nnodes = 0;
+
+  // Whether the ranks may run on more than this machine.
+  bool spans_nodes() const { return !hostfile.empty() || nnodes > 1; }
 };
+
+// The hosts a hostfile names, in order, once each: the first word of every
+// line that is not blank or a comment. Throws NOT_FOUND when it cannot be
+// read.
+std::vector<std::string> hostfile_hosts(const std::string& hostfile);
 
 // Runs `command` as nproc_per_node ranks under mpirun (found on PATH) and
 // waits for them. Rank 0's output is passed through plainly, every other

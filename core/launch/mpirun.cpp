@@ -255,7 +255,7 @@ int report(int wait_status, const std::string& held, const LaunchOptions& option
            bool backstop_fired) {
   const bool show_all = verbose();
   if (show_all) write_all(STDERR_FILENO, held);
-  if (const auto failure = summarize_mpirun_messages(held, !options.hostfile.empty())) {
+  if (const auto failure = summarize_mpirun_messages(held, options.spans_nodes())) {
     print_error(failure->message);
     return failure->exit_status;
   }
@@ -326,14 +326,18 @@ std::vector<std::string> mpirun_command(int nproc_per_node, const std::vector<st
                                         const LaunchOptions& options, const HostFacts& facts) {
   std::vector<std::string> argv = {facts.mpirun, "--tag-output", "--bind-to", "none"};
   if (facts.root) argv.emplace_back("--allow-run-as-root");
-  if (options.hostfile.empty()) {
+  if (!options.spans_nodes()) {
     // Slots are then hardware threads, as `cpus` counts them, rather than
     // Open MPI's default of physical cores.
     argv.insert(argv.end(), {"--use-hwthread-cpus", "-np", std::to_string(nproc_per_node)});
     if (nproc_per_node > facts.cpus) argv.emplace_back("--oversubscribe");
   } else {
-    argv.insert(argv.end(), {"--hostfile", options.hostfile, "--map-by",
-                             fmt::format("ppr:{}:node", nproc_per_node)});
+    if (!options.hostfile.empty()) argv.insert(argv.end(), {"--hostfile", options.hostfile});
+    argv.insert(argv.end(), {"--map-by", fmt::format("ppr:{}:node", nproc_per_node)});
+    // ppr fills the nodes in order: this many ranks take the first nnodes.
+    if (options.nnodes > 0) {
+      argv.insert(argv.end(), {"-np", std::to_string(options.nnodes * nproc_per_node)});
+    }
   }
   if (options.timeout_seconds > 0) {
     argv.insert(argv.end(), {"--timeout", std::to_string(options.timeout_seconds),

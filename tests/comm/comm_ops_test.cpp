@@ -22,6 +22,9 @@
 // computes the exact value in double and rounds it once the same way. (With
 // a rank count that is not a power of two the average would be rounded twice,
 // to float32 and then to 16 bits, and could differ by one 16-bit ulp.)
+// Across simulated nodes the hierarchical path rounds a node's partial sum to
+// 16 bits before summing across nodes; a sum of two inputs has at most 8
+// significant bits, exact in 16 bits, so the result is still rounded once.
 #include <algorithm>
 #include <chrono>
 #include <cmath>

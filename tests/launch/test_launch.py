@@ -92,6 +92,55 @@ class OutputTest(unittest.TestCase):
         self.assertEqual(len(result.stdout.splitlines()), 2)
 
 
+# Two nodes of two ranks simulated on this machine: MPI goes over TCP only,
+# as between real nodes, and the mpi backend treats ranks 0-1 and 2-3 as
+# separate nodes (hierarchical collectives across them).
+SIMULATED_NODES = {"MESHRUN_RANKS_PER_NODE": "2", "OMPI_MCA_pml": "ob1",
+                   "OMPI_MCA_btl": "tcp,self"}
+
+
+def one_host_hostfile(slots):
+    hostfile = tempfile.NamedTemporaryFile("w", suffix=".hosts")
+    hostfile.write(f"# this machine\nlocalhost slots={slots}\n")
+    hostfile.flush()
+    return hostfile
+
+
+class NodesTest(unittest.TestCase):
+    def test_nnodes_takes_the_first_hosts(self):
+        with one_host_hostfile(4) as hostfile:
+            result, _ = launch(*ranks(3, "env", options=("--hostfile", hostfile.name,
+                                                          "--nnodes", "1")))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(len(result.stdout.splitlines()), 3)
+
+    def test_other_node_ranks_start_nothing(self):
+        result, _ = launch(*ranks(2, "env", options=("--nnodes", "2", "--node-rank", "1")))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stdout, "")
+        self.assertIn("node rank 1 of 2: nothing to start here", result.stderr)
+
+    def test_rank_lost_on_one_node_ends_every_node(self):
+        comm_timeout = 20
+        with one_host_hostfile(4) as hostfile:
+            result, seconds = launch(*ranks(4, "comm", "3", str(comm_timeout),
+                                            options=("--hostfile", hostfile.name)),
+                                     **SIMULATED_NODES)
+        self.assertEqual(result.returncode, 137, result.stderr)
+        self.assertLess(seconds, comm_timeout, result.stderr)
+        self.assertRegex(result.stderr.splitlines()[-1],
+                         r"^meshrun: error: rank 3 on node \S+ exited on signal 9 \(Killed\)$")
+
+    def test_rank_stalled_on_one_node_times_out_the_others(self):
+        comm_timeout = 2
+        result, seconds = launch(*ranks(4, "stall", "3", str(comm_timeout)), **SIMULATED_NODES)
+        self.assertEqual(result.returncode, 3, result.stderr)
+        self.assertLess(seconds, comm_timeout + 10, result.stderr)
+        self.assertRegex(result.stderr, r"(?m)^meshrun: error: rank [0-2] exited with status 3$")
+        self.assertRegex(result.stderr, r"(?m)^(\[rank [0-2]\] )?meshrun: error: rank [0-2]: "
+                                        r".*all_reduce .*within 2 s")
+
+
 class FailureTest(unittest.TestCase):
     def assert_failure(self, result, seconds, status, last_line, within=10):
         self.assertEqual(result.returncode, status, result.stderr)
@@ -178,10 +227,23 @@ class BadInputTest(InputErrorAssertions):
             (["--nproc-per-node", "2", "--", "no-such-command-xyz"], ["no-such-command-xyz"]),
             (["--nproc-per-node", "2", "--hostfile", "/nonexistent/hosts", "--", PROGRAM],
              ["/nonexistent/hosts"]),
+            (["--nproc-per-node", "2", "--nnodes", "2", "--", PROGRAM],
+             ["--nnodes 2", "--hostfile", "Slurm allocation"]),
+            (["--nproc-per-node", "2", "--nnodes", "0", "--", PROGRAM], ["--nnodes"]),
+            (["--nproc-per-node", "2", "--node-rank", "1", "--", PROGRAM], ["--nnodes"]),
+            (["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--", PROGRAM],
+             ["--node-rank", "[0, 1]"]),
         ]
+
         for args, needles in cases:
             with self.subTest(args=args):
                 self.assert_input_error(launch(*args)[0], *needles)
+
+    def test_hostfile_with_too_few_hosts(self):
+        with one_host_hostfile(2) as hostfile:
+            result, _ = launch("--nproc-per-node", "2", "--nnodes", "3", "--hostfile",
+                               hostfile.name, "--", PROGRAM)
+        self.assert_input_error(result, "--nnodes 3", "names 1 host (localhost)")
 
     def test_mpirun_missing(self):
         result, _ = launch(*ranks(2, "env"), PATH="/nonexistent")

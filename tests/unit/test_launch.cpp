@@ -238,6 +238,13 @@ TEST_CASE("launch: mpirun command line", "[launch]") {
   CHECK(meshrun::launch::mpirun_command(4, program, {"hosts.txt", 0}, facts) ==
         Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--hostfile", "hosts.txt",
              "--map-by", "ppr:4:node", "./train", "--steps", "3"});
+  // --nnodes: the first nodes of the hostfile, or of the Slurm allocation.
+  CHECK(meshrun::launch::mpirun_command(4, program, {"hosts.txt", 0, 2}, facts) ==
+        Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--hostfile", "hosts.txt",
+             "--map-by", "ppr:4:node", "-np", "8", "./train", "--steps", "3"});
+  CHECK(meshrun::launch::mpirun_command(2, program, {"", 0, 3}, facts) ==
+        Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--map-by", "ppr:2:node",
+             "-np", "6", "./train", "--steps", "3"});
 }
 
 TEST_CASE("launch: tagged output becomes lines per rank", "[launch]") {

@@ -44,6 +44,12 @@ bool use_mailboxes(const Comm& comm, size_t bytes) {
   return comm.segment != nullptr && bytes <= max_bytes;
 }
 
+// Measured on 2 simulated nodes x 2 ranks over TCP: see docs/design.md.
+bool use_hierarchy(const Comm& comm, size_t bytes) {
+  static const size_t min_bytes = bytes_from_environment("MESHRUN_MPI_HIERARCHICAL_MIN_BYTES", 0);
+  return comm.hierarchy != nullptr && bytes >= min_bytes;
+}
+
 }  // namespace
 
 size_t bytes_from_environment(const char* name, size_t fallback) {
@@ -65,7 +71,9 @@ int peer_at(const Comm& comm, int step) { return (comm.rank + step) % comm.size;
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op) {
   if (buffers.count == 0) return;
   const size_t bytes = buffers.count * element_bytes(buffers.dtype);
-  if (use_pipeline(comm, bytes)) {
+  if (use_hierarchy(comm, bytes)) {
+    hierarchical::all_reduce(comm, scratch, buffers, op);
+  } else if (use_pipeline(comm, bytes)) {
     pipeline::all_reduce(comm, scratch, buffers, op);
   } else if (use_mailboxes(comm, bytes)) {
     shared_memory::all_reduce_small(comm, scratch, buffers, op);
@@ -76,14 +84,16 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
   }
 }
 
-void all_gather(const Comm& comm, const Buffers& buffers) {
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers) {
   if (buffers.count == 0) return;
   const size_t total =
       buffers.count * element_bytes(buffers.dtype) * static_cast<size_t>(comm.size);
-  if (use_shared_memory(comm, total)) {
-    shared_memory::all_gather(comm, buffers);
+  if (use_hierarchy(comm, total)) {
+    hierarchical::all_gather(comm, scratch, buffers);
+  } else if (use_shared_memory(comm, total)) {
+    shared_memory::all_gather(comm, scratch, buffers);
   } else {
-    via_mpi::all_gather(comm, buffers);
+    via_mpi::all_gather(comm, scratch, buffers);
   }
 }
 
@@ -91,7 +101,9 @@ void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, 
   if (buffers.count == 0) return;
   const size_t total =
       buffers.count * element_bytes(buffers.dtype) * static_cast<size_t>(comm.size);
-  if (use_shared_memory(comm, total)) {
+  if (use_hierarchy(comm, total)) {
+    hierarchical::reduce_scatter(comm, scratch, buffers, op);
+  } else if (use_shared_memory(comm, total)) {
     shared_memory::reduce_scatter(comm, scratch, buffers, op);
   } else {
     via_mpi::reduce_scatter(comm, scratch, buffers, op);

@@ -1,6 +1,11 @@
 // The collectives, run on the engine thread. Each picks one of these paths,
 // the same on every rank since the choice depends only on the communicator
 // and the sizes every rank shares:
+//   - hierarchical (all_reduce, all_gather, reduce_scatter): ranks on
+//     several nodes, the same number on each, more than one on some, and at
+//     least MESHRUN_MPI_HIERARCHICAL_MIN_BYTES (default 0) in the operation:
+//     the part inside each node takes the paths below, the part across nodes
+//     MPI, on 1/L of the data (hierarchical.cpp);
 //   - pipeline (all_reduce only): every rank on this node, and at least
 //     MESHRUN_MPI_SHM_MIN_BYTES and MESHRUN_MPI_PIPELINE_MIN_BYTES (default
 //     4 MiB) in the operation: ranks stream their buffers through a POSIX
@@ -45,7 +50,7 @@ struct Buffers {
 };
 
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
-void all_gather(const Comm& comm, const Buffers& buffers);
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void broadcast(const Comm& comm, const Buffers& buffers, int root);
 void barrier(const Comm& comm);
@@ -75,7 +80,7 @@ int peer_at(const Comm& comm, int step);
 namespace shared_memory {
 void all_reduce_small(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
-void all_gather(const Comm& comm, const Buffers& buffers);
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void broadcast(const Comm& comm, const Buffers& buffers, int root);
 }  // namespace shared_memory
@@ -84,11 +89,17 @@ namespace pipeline {
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 }  // namespace pipeline
 
+namespace hierarchical {
+void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers);
+void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
+}  // namespace hierarchical
+
 namespace via_mpi {
 // Largest message the MPI path sends at once.
 size_t piece_bytes();
 void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
-void all_gather(const Comm& comm, const Buffers& buffers);
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers);
 void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, ReduceOp op);
 void broadcast(const Comm& comm, const Buffers& buffers, int root);
 }  // namespace via_mpi

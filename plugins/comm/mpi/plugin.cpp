@@ -242,7 +242,7 @@ meshrun_error* all_gather(meshrun_communicator* handle, const DLTensor* send, DL
     start_collective(
         communicator, what,
         [comm = communicator.comm, buffers = Buffers{in.data, out.data, in.numel, in.dtype}](
-            Scratch&) { mpi::all_gather(*comm, buffers); },
+            Scratch& scratch) { mpi::all_gather(*comm, scratch, buffers); },
         out_request);
   });
 }

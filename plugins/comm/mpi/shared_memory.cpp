@@ -185,14 +185,12 @@ void all_reduce_small(const Comm& comm, Scratch& scratch, const Buffers& buffers
 // Every rank copies every peer's send into its recv slot. A send that
 // overlaps the recv (in place) is first copied aside, so that what peers read
 // is never overwritten by what this rank receives.
-void all_gather(const Comm& comm, const Buffers& buffers) {
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers) {
   const size_t bytes = buffers.count * element_bytes(buffers.dtype);
   const size_t ranks = static_cast<size_t>(comm.size);
-  std::vector<std::byte> staged;
   const std::byte* send = buffers.send;
   if (overlaps(send, bytes, buffers.recv, bytes * ranks)) {
-    staged.assign(send, send + bytes);
-    send = staged.data();
+    send = static_cast<std::byte*>(std::memcpy(sized(scratch.staged, bytes), send, bytes));
   }
   Meeting meeting(comm, send, buffers.recv);
   const std::vector<Endpoint>& peers = meeting.peers();
@@ -213,8 +211,7 @@ void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, 
   const size_t chunk_bytes = buffers.count * bytes;
   const bool in_place = overlaps(buffers.send, chunk_bytes * static_cast<size_t>(comm.size),
                                  buffers.recv, chunk_bytes);
-  std::vector<std::byte> staged(in_place ? chunk_bytes : 0);
-  std::byte* dst = in_place ? staged.data() : buffers.recv;
+  std::byte* dst = in_place ? sized(scratch.staged, chunk_bytes) : buffers.recv;
   Meeting meeting(comm, buffers.send, buffers.recv);
   const std::vector<Endpoint>& peers = meeting.peers();
   const size_t first = static_cast<size_t>(comm.rank) * buffers.count;

@@ -85,13 +85,11 @@ void all_reduce(const Comm& comm, Scratch& scratch, const Buffers& buffers, Redu
 
 // Piece k of every rank's send lands at offset k of each rank's slot: the
 // receive type spaces the slots one send size apart.
-void all_gather(const Comm& comm, const Buffers& buffers) {
+void all_gather(const Comm& comm, Scratch& scratch, const Buffers& buffers) {
   const size_t bytes = buffers.count * element_bytes(buffers.dtype);
-  std::vector<std::byte> staged;
   const std::byte* send = buffers.send;
   if (overlaps(send, bytes, buffers.recv, bytes * static_cast<size_t>(comm.size))) {
-    staged.assign(send, send + bytes);
-    send = staged.data();
+    send = static_cast<std::byte*>(std::memcpy(sized(scratch.staged, bytes), send, bytes));
   }
   const size_t piece = std::max<size_t>(1, piece_bytes() / static_cast<size_t>(comm.size));
   for (size_t done = 0; done < bytes; done += piece) {
@@ -112,8 +110,7 @@ void reduce_scatter(const Comm& comm, Scratch& scratch, const Buffers& buffers, 
   const size_t ranks = static_cast<size_t>(comm.size);
   const bool in_place =
       overlaps(buffers.send, buffers.count * bytes * ranks, buffers.recv, buffers.count * bytes);
-  std::vector<std::byte> staged(in_place ? buffers.count * bytes : 0);
-  std::byte* dst = in_place ? staged.data() : buffers.recv;
+  std::byte* dst = in_place ? sized(scratch.staged, buffers.count * bytes) : buffers.recv;
   const size_t piece = std::max<size_t>(1, piece_bytes() / (ranks * acc_bytes));
   for (size_t done = 0; done < buffers.count; done += piece) {
     const size_t count = std::min(piece, buffers.count - done);
