@@ -204,6 +204,29 @@ ModelDescription::Flops parse_flops(const ordered_json& flops, const std::string
   return {*matmul, *layers, *width};
 }
 
+// "activations": {"layer": {"whole": a, "tp_split": b}, "elementwise": {...},
+// "stream": n, "head": {...}}, non-negative integers.
+ModelDescription::Activations parse_activations(const ordered_json& activations,
+                                                const std::string& origin) {
+  const auto count = [&](const ordered_json& object, const char* key) {
+    if (!object.is_object() || !object.contains(key) || !object.at(key).is_number_integer() ||
+        object.at(key).get<int64_t>() < 0) {
+      bad_description(origin,
+                      "\"activations\" must be {\"layer\": {\"whole\": a, \"tp_split\": b}, "
+                      "\"elementwise\": {...}, \"stream\": n, \"head\": {...}}, non-negative "
+                      "integers");
+    }
+    return object.at(key).get<int64_t>();
+  };
+  const auto per_token = [&](const char* key) {
+    const ordered_json part =
+        activations.is_object() ? activations.value(key, ordered_json()) : ordered_json();
+    return ModelDescription::PerToken{count(part, "whole"), count(part, "tp_split")};
+  };
+  return {per_token("layer"), per_token("elementwise"), count(activations, "stream"),
+          per_token("head")};
+}
+
 void read_limits(const ordered_json& json, const std::string& origin, ModelDescription& d) {
   const ordered_json& vocab = field(json, "vocab_size", "the description", origin);
   if (!vocab.is_number_integer() || vocab.get<int64_t>() <= 0) {
@@ -272,6 +295,9 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
   }
   if (json.contains("flops")) d.flops = parse_flops(json.at("flops"), origin);
+  if (json.contains("activations")) {
+    d.activations = parse_activations(json.at("activations"), origin);
+  }
   if (json.contains("num_layers_key") && json.at("num_layers_key").is_string()) {
     d.num_layers_key = "model." + json.at("num_layers_key").get<std::string>();
   }
@@ -363,6 +389,13 @@ ModelDescription parse_description(const std::string& text, const std::string& o
   read_limits(d.json, origin, d);
   read_tp_blocks(d.json, origin, d);
   return d;
+}
+
+double flops_per_token(const ModelDescription& description, int64_t seq_len) {
+  if (!description.flops) return 6.0 * double(description.numel);
+  const ModelDescription::Flops& f = *description.flops;
+  return 6.0 * double(f.matmul_parameters) +
+         12.0 * double(f.attention_layers) * double(f.attention_width) * double(seq_len);
 }
 
 }  // namespace meshrun

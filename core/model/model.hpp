@@ -78,6 +78,19 @@ struct ModelDescription {
     int64_t matmul_parameters = 0, attention_layers = 0, attention_width = 0;
   };
   std::optional<Flops> flops;
+  // What the forward keeps for the backward, in float32 elements per token
+  // (row) of a microbatch: `whole` on every tp rank, `tp_split` divided over
+  // tp ranks (`meshrun plan --estimate`); absent: not described.
+  struct PerToken {
+    int64_t whole = 0, tp_split = 0;
+  };
+  struct Activations {
+    PerToken layer;        // one layer, nothing recomputed
+    PerToken elementwise;  // the part of `layer` selective checkpointing recomputes
+    int64_t stream = 0;    // a layer's input, kept by the stage for every layer
+    PerToken head;         // the head (final norm, logits)
+  };
+  std::optional<Activations> activations;
   // Empty when the model computes one tensor-parallel layout only.
   std::vector<TensorParallelBlock> tp_blocks;
   int64_t numel = 0;            // elements over all parameters
@@ -91,6 +104,13 @@ struct ModelDescription {
   // The index of the module called `name`, or -1.
   int64_t module_index(const std::string& name) const;
 };
+
+// The FLOPs of training on one token of a seq_len-long sequence, forward
+// and backward (PaLM's count, as torchtitan's MFU): 6 per weight the token
+// meets in a matmul, plus 12 x layers x width x seq_len for attention's two
+// matmuls (causal masking not subtracted, activation recomputation not
+// added). From the description's "flops"; without it, 6 per parameter.
+double flops_per_token(const ModelDescription& description, int64_t seq_len);
 
 // Parses and checks a description; errors name `origin` (the plugin file)
 // and the field.

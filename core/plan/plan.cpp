@@ -351,13 +351,10 @@ std::pair<StrategyBuffers, StrategyUnits> strategy_layout(const ModelDescription
 // predicts nothing.
 nlohmann::ordered_json state_memory(const Plan& plan) {
   if (!plan.model || plan.mesh.axis_size(Axis::pp) > 1) return nullptr;
-  const auto [layout, units] = strategy_layout(plan.tensor_parallel->local());
+  const std::optional<StrategyMemoryPlan> predicted = predict_state_memory(plan);
+  if (!predicted) return nullptr;
   const int64_t ranks =
       strategy_shards(*plan.strategy) ? plan.mesh.axis_size(Axis::dp_shard_cp) : 1;
-  const std::optional<StrategyMemoryPlan> predicted = plan_strategy_memory(
-      plan.strategy, layout, units, ranks, plan.mesh.axis_size(Axis::dp_replicate),
-      strategy_options_json(plan.config->distributed));
-  if (!predicted) return nullptr;
   const int64_t elements = predicted->local_numel;
   return {{"sharded_over", ranks},
           {"params", 4 * elements},
@@ -367,6 +364,15 @@ nlohmann::ordered_json state_memory(const Plan& plan) {
 }
 
 }  // namespace
+
+std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan) {
+  const auto [layout, units] = strategy_layout(plan.tensor_parallel->local());
+  const int64_t ranks =
+      strategy_shards(*plan.strategy) ? plan.mesh.axis_size(Axis::dp_shard_cp) : 1;
+  return plan_strategy_memory(plan.strategy, layout, units, ranks,
+                              plan.mesh.axis_size(Axis::dp_replicate),
+                              strategy_options_json(plan.config->distributed));
+}
 
 nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
   const MeshContext& mesh = plan.mesh;

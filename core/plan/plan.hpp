@@ -15,6 +15,7 @@
 #include "model/model.hpp"
 #include "model/tensor_parallel.hpp"
 #include "plugin/loader.hpp"
+#include "strategy/strategy.hpp"
 
 namespace meshrun {
 
@@ -75,6 +76,10 @@ MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
 // The world size used when none is given: tp * cp * pp times the explicit
 // dp_size, or else the smallest dp the dp_replicate and ep rules allow.
 int64_t default_world_size(const Config& config);
+
+// What the strategy predicts a rank holds for the whole tp-local model
+// (its plan_memory; see plan_strategy_memory). Needs a model.
+std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan);
 
 // The plan JSON of docs/design.md. Rank coordinates are listed up to 4096 ranks, or
 // always with `all_ranks`.

@@ -10,13 +10,6 @@
 
 namespace meshrun::train {
 
-double flops_per_token(const ModelDescription& description, int64_t seq_len) {
-  if (!description.flops) return 6.0 * double(description.numel);
-  const ModelDescription::Flops& f = *description.flops;
-  return 6.0 * double(f.matmul_parameters) +
-         12.0 * double(f.attention_layers) * double(f.attention_width) * double(seq_len);
-}
-
 Throughput measure_throughput(const Config& config, const ModelDescription& description,
                               int64_t tokens_per_step, Communicator& world,
                               const std::string& output_dir, double seconds) {

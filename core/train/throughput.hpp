@@ -13,13 +13,6 @@
 
 namespace meshrun::train {
 
-// The FLOPs of training on one token of a seq_len-long sequence, forward
-// and backward (PaLM's count, as torchtitan's MFU): 6 per weight the token
-// meets in a matmul, plus 12 x layers x width x seq_len for attention's two
-// matmuls (causal masking not subtracted, activation recomputation not
-// added). From the description's "flops"; without it, 6 per parameter.
-double flops_per_token(const ModelDescription& description, int64_t seq_len);
-
 struct Throughput {
   std::string matmul_dtype;  // "float32" or "bfloat16"
   double flops_per_token = 0;

@@ -43,6 +43,15 @@ std::string describe_model(nlohmann::ordered_json fields,
 // The description's "flops" (meshrun/model.h): the weights a token meets in
 // matmuls, and the attention layers with their query width (heads x
 // head_dim).
+// The description's "activations" (core/model/model.hpp,
+// ModelDescription::Activations): float32 elements per token, {whole,
+// tp_split} pairs.
+struct ActivationsPerToken {
+  int64_t layer_whole, layer_split, elementwise_whole, elementwise_split, stream, head_whole,
+      head_split;
+};
+nlohmann::ordered_json activations_json(const ActivationsPerToken& activations);
+
 nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
                                   int64_t attention_width);
 

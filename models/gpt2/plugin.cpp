@@ -103,6 +103,16 @@ struct Gpt2Plugin {
     return c.n_layer * layer + c.vocab_size * c.n_embd;
   }
 
+  // What stage.hpp's BlockActivations and HeadActivations hold per token:
+  // ln1, mean1, rstd1, h, ln2, mean2, rstd2 whole; qkv, the heads'
+  // log-sum-exps, the attention output, fc and act split over tp; selective
+  // checkpointing drops the norms and act (Gpt2::elementwise).
+  static meshrun::models::ActivationsPerToken activations(const Gpt2Config& c) {
+    const int64_t e = c.n_embd;
+    return {3 * e + 4,   3 * e + c.n_head + e + 2 * c.n_inner, 2 * e + 4, c.n_inner, e, e + 2,
+            c.vocab_size};
+  }
+
   static std::string describe(const Gpt2Config& config,
                               const std::vector<ParameterView>& parameters) {
     return meshrun::models::describe_model(
@@ -116,7 +126,8 @@ struct Gpt2Plugin {
          {"context_parallel", {{"heads", config.n_head}, {"kv_heads", config.n_head}}},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
          {"flops",
-          meshrun::models::flops_json(matmul_parameters(config), config.n_layer, config.n_embd)}},
+          meshrun::models::flops_json(matmul_parameters(config), config.n_layer, config.n_embd)},
+         {"activations", meshrun::models::activations_json(activations(config))}},
         parameters, config.n_layer, modules(config));
   }
 };

@@ -71,6 +71,20 @@ struct LlamaPlugin {
     return c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size;
   }
 
+  // What decoder.hpp's LayerActivations and HeadActivations hold per token:
+  // norm1, rstd1, h, norm2, rstd2 whole; qkv, the heads' log-sum-exps, the
+  // attention output, gate_up and mlp split over tp; selective
+  // checkpointing drops the norms and mlp (Llama::elementwise).
+  static meshrun::models::ActivationsPerToken activations(const LlamaConfig& c) {
+    const int64_t h = c.hidden_size, heads = c.num_attention_heads;
+    const int64_t head_dim = h / heads;
+    const int64_t qkv = (heads + 2 * c.num_key_value_heads) * head_dim;
+    return {3 * h + 2,   qkv + heads + heads * head_dim + 3 * c.intermediate_size,
+            2 * h + 2,   c.intermediate_size,
+            h,           h + 1,
+            c.vocab_size};
+  }
+
   static std::string describe(const LlamaConfig& config,
                               const std::vector<ParameterView>& parameters) {
     return meshrun::models::describe_model(
@@ -85,7 +99,8 @@ struct LlamaPlugin {
           {{"heads", config.num_attention_heads}, {"kv_heads", config.num_key_value_heads}}},
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
          {"flops", meshrun::models::flops_json(matmul_parameters(config), config.num_hidden_layers,
-                                               config.hidden_size)}},
+                                               config.hidden_size)},
+         {"activations", meshrun::models::activations_json(activations(config))}},
         parameters, config.num_hidden_layers, modules(config));
   }
 };

@@ -1,6 +1,6 @@
 /*
  * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
- * 1.8 adds the description's "flops").
+ * 1.8 adds the description's "flops", 1.9 its "activations").
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -83,6 +83,15 @@
  *                 head_dim). The host counts 6 x matmul_parameters + 12 x
  *                 layers x width x seq_len FLOPs per trained token; absent,
  *                 6 x every parameter
+ *   "activations": {"layer": {"whole", "tp_split"}, "elementwise": {...},
+ *                 "stream", "head": {...}}, optional (1.9): float32
+ *                 elements the forward keeps for the backward per token of
+ *                 a microbatch, for `meshrun plan --estimate`: a layer's
+ *                 (nothing recomputed), the part of those selective
+ *                 checkpointing recomputes, a layer's input (the residual
+ *                 stream the stage keeps), the head's; "whole" on every tp
+ *                 rank, "tp_split" divided over them. Absent, the estimate
+ *                 says the activations are not described
  *   "context_parallel": {"heads", "kv_heads"}, present when the model
  *                 computes context parallelism (below): its attention and
  *                 key/value heads, which cp_ulysses_degree must divide on
