@@ -403,9 +403,10 @@ TimeEstimate estimate_time(const Plan& plan, const RankShare& share, const Hardw
       estimate_communication(plan, share, hw, int64_t(std::ceil(microbatches)));
   time.communication = comm.data_parallel + comm.tensor_parallel;
   const double hidden_behind = hw.overlaps_communication ? time.matmul + time.elementwise : 0.0;
-  time.exposed_communication = std::max(0.0, comm.data_parallel - hidden_behind) +
-                               std::min(comm.data_parallel, comm.data_parallel_edge) +
-                               comm.tensor_parallel;
+  const double data_parallel_exposed =
+      std::min(comm.data_parallel,
+               std::max(0.0, comm.data_parallel - hidden_behind) + comm.data_parallel_edge);
+  time.exposed_communication = data_parallel_exposed + comm.tensor_parallel;
   const double busy = time.compute + time.exposed_communication;
   time.bubble_fraction = bubble_fraction;
   time.step = busy / (1.0 - bubble_fraction);

@@ -62,7 +62,8 @@ class Memory(unittest.TestCase):
     def test_estimate_within_ten_percent_of_runs(self):
         for name, overrides in LAYOUTS.items():
             with self.subTest(layout=name), tempfile.TemporaryDirectory() as output:
-                guess = estimate("--world-size", "4", *overrides)["estimate"]["memory"]
+                estimated = estimate("--world-size", "4", *overrides)["estimate"]
+                guess, time = estimated["memory"], estimated["time"]
                 result = meshrun("train", CONFIG, "--nproc-per-node", "4", "--output", output,
                                  "train.steps=2", "train.val_every=0", "checkpoint.export=false",
                                  *overrides)
@@ -74,6 +75,7 @@ class Memory(unittest.TestCase):
                 tolerance = 0.15 if name == "tensor-parallel" else 0.10
                 self.assertLessEqual(abs(guess["total"] - held), tolerance * held, (guess, mem))
                 self.assertEqual(guess["params"], mem["params"])
+                self.assertLessEqual(time["exposed_communication"], time["communication"])
                 if guess["checkpointing"] == "none":
                     self.assertEqual(guess["activations"]["none"], mem["activations_peak"])
 

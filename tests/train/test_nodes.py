@@ -56,11 +56,11 @@ def assert_close(test, got, want, tolerance):
 
 
 class SimulatedNodes(TrainTest):
-    def train_on_nodes(self, name, *overrides):
+    def train_on_nodes(self, name, *args):
         output = os.path.join(self.runs.root, name)
         result = subprocess.run(
             [MESHRUN, "train", self.runs.config, "--nproc-per-node", "4", "--output", output,
-             *overrides], capture_output=True, text=True, errors="replace", timeout=120,
+             *args], capture_output=True, text=True, errors="replace", timeout=120,
             env=environment(**SIMULATED_NODES))
         self.assertEqual(result.returncode, 0, result.stderr)
         return output
@@ -71,8 +71,13 @@ class SimulatedNodes(TrainTest):
         assert_close(self, losses(nodes), losses(reference), TOLERANCE)
 
     def test_fsdp2_across_nodes_matches_one_rank(self):
+        """Launched as on a cluster: the hostfile's first node (this one)."""
         reference = self.runs.train("fsdp2-1", 1, *FSDP2)
-        nodes = self.train_on_nodes("fsdp2-nodes", *FSDP2)
+        with tempfile.NamedTemporaryFile("w", suffix=".hosts") as hostfile:
+            hostfile.write("localhost slots=4\n")
+            hostfile.flush()
+            nodes = self.train_on_nodes("fsdp2-nodes", "--hostfile", hostfile.name, "--nnodes",
+                                        "1", *FSDP2)
         assert_close(self, losses(nodes), losses(reference), TOLERANCE)
 
 
