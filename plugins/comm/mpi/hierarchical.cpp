@@ -34,9 +34,9 @@ void divide(Dtype dtype, std::byte* data, size_t count, int ranks, Scratch& scra
   }
 }
 
-// Index i of (node index n, local index l) with n * L + l, as the blocks of
-// a buffer gathered across nodes then within the node are laid out: block
-// (l, n) of that buffer holds rank_at[n * L + l]'s data.
+// Where the block of member i = n * L + l (node index n, local index l;
+// rank rank_at[i]) sits in a buffer gathered across nodes and then within
+// the node: ordered by local index, then node index, at l * nodes + n.
 size_t transposed(size_t i, size_t nodes, size_t local_size) {
   return (i % local_size) * nodes + i / local_size;
 }
