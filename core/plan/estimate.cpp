@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -119,57 +118,36 @@ HardwareProfile profile_from_file(const std::string& file) {
 
 // ---- where the parameters and layers are ----
 
-bool in_module(const std::string& parameter, const std::string& module) {
-  return parameter.size() > module.size() && parameter.compare(0, module.size(), module) == 0 &&
-         parameter[module.size()] == '.';
-}
-
 // What one pipeline rank holds: its parameters (tp-local elements), layers,
-// whether it embeds and whether it holds the head, and its stages.
+// whether it embeds and whether it holds the head.
 struct RankShare {
   int64_t numel = 0;
   int64_t layers = 0;
-  int64_t stages = 0;
   bool embedding = false, head = false;
   int64_t largest_unit = 0;  // tp-local elements of its largest unit
 };
 
 std::vector<RankShare> rank_shares(const Plan& plan) {
   const ModelDescription& local = plan.tensor_parallel->local();
-  const int64_t pp = plan.mesh.axis_size(Axis::pp);
-  std::vector<RankShare> shares(static_cast<size_t>(pp), RankShare{});
-  std::map<std::string, int64_t> unit_numel;
-  for (const ModelParameter& p : local.parameters)
-    unit_numel[local.units[size_t(p.unit)]] += p.numel;
+  std::vector<int64_t> unit_numel(local.units.size(), 0);
+  for (const ModelParameter& p : local.parameters) unit_numel[size_t(p.unit)] += p.numel;
   const auto& split = plan.model_plan.value("pipeline", nlohmann::ordered_json());
   if (split.is_null() || split.empty()) {
-    RankShare& all = shares.front();
-    all = {local.numel, int64_t(local.units.size()) - 1, 1, true, true, 0};
-    for (const auto& [unit, numel] : unit_numel)
-      all.largest_unit = std::max(all.largest_unit, numel);
-    return shares;
+    return {RankShare{local.numel, int64_t(local.units.size()) - 1, true, true,
+                      *std::max_element(unit_numel.begin(), unit_numel.end())}};
   }
+  std::vector<RankShare> shares(size_t(plan.mesh.axis_size(Axis::pp)));
   for (const auto& stage : split) {
     RankShare& share = shares.at(stage.at("rank").get<size_t>());
-    ++share.stages;
-    for (const auto& entry : stage.at("modules")) {
-      const std::string module = entry.get<std::string>();
-      const bool is_unit = unit_numel.count(module) > 0;
-      share.layers += is_unit ? 1 : 0;
-      if (is_unit) share.largest_unit = std::max(share.largest_unit, unit_numel[module]);
-      for (const ModelParameter& p : local.parameters) {
-        if (in_module(p.name, module)) share.numel += p.numel;
-      }
+    const StageContents contents =
+        stage_contents(*plan.model, stage.at("modules").get<std::vector<std::string>>());
+    for (const int64_t p : contents.parameters) share.numel += local.parameters[size_t(p)].numel;
+    for (const int32_t unit : contents.units) {
+      share.layers += unit == local.root_unit() ? 0 : 1;
+      share.largest_unit = std::max(share.largest_unit, unit_numel[size_t(unit)]);
     }
     share.embedding = share.embedding || stage.at("stage").get<int64_t>() == 0;
     share.head = share.head || stage.at("stage").get<size_t>() + 1 == split.size();
-  }
-  // The root unit (embedding, final norm, head) is gathered with the first
-  // and last stages.
-  for (RankShare& share : shares) {
-    if (share.embedding || share.head) {
-      share.largest_unit = std::max(share.largest_unit, unit_numel[local.units.back()]);
-    }
   }
   return shares;
 }
@@ -182,19 +160,13 @@ int64_t stages_per_rank(const Plan& plan) {
   return split.is_array() && !split.empty() ? int64_t(split.size()) / pp : 1;
 }
 
-int64_t pipeline_microbatches(const Plan& plan) {
-  const Config& config = *plan.config;
-  return config.train.global_batch_size / plan.mesh.axis_size(Axis::dp) /
-         config.distributed.pipeline.pp_microbatch_size;
-}
-
 // The schedule's simulation with a backward twice the forward: its bubble
 // and the microbatch activations a rank holds at its peak.
 schedule::Simulation simulate_schedule(const Plan& plan) {
   const Config& config = *plan.config;
   const int64_t pp = plan.mesh.axis_size(Axis::pp);
   const int64_t per_rank = stages_per_rank(plan);
-  const int64_t microbatches = pipeline_microbatches(plan);
+  const int64_t microbatches = pipeline_microbatches(config, plan.mesh.axis_size(Axis::dp));
   const std::string& csv = config.distributed.pipeline.pp_schedule_csv;
   const schedule::Schedule compute =
       csv.empty() ? schedule::generate(*plan.schedule, pp, per_rank, microbatches)
@@ -273,10 +245,10 @@ int64_t gathered_unit_bytes(const Config& config) {
   return units * per_unit + 4;
 }
 
-MemoryEstimate estimate_memory(const Plan& plan, const RankShare& share, int64_t held) {
+MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMemoryPlan>& predicted,
+                               const RankShare& share, int64_t held) {
   MemoryEstimate memory;
   const ModelDescription& local = plan.tensor_parallel->local();
-  const std::optional<StrategyMemoryPlan> predicted = predict_state_memory(plan);
   const double fraction = double(share.numel) / double(std::max<int64_t>(local.numel, 1));
   const int64_t updated =
       predicted ? int64_t(double(predicted->local_numel) * fraction) : share.numel;
@@ -486,9 +458,10 @@ Estimate estimate_run(const Plan& plan, const HardwareProfile& hardware) {
       held[r] = (simulation.peak_activations[r] + per_rank - 1) / per_rank;
     }
   }
+  const std::optional<StrategyMemoryPlan> predicted = predict_state_memory(plan);
   size_t most = 0;
   for (size_t r = 0; r < shares.size(); ++r) {
-    const MemoryEstimate memory = estimate_memory(plan, shares[r], held[r]);
+    const MemoryEstimate memory = estimate_memory(plan, predicted, shares[r], held[r]);
     if (r == 0 || memory.total() > estimate.memory.total()) {
       estimate.memory = memory;
       most = r;

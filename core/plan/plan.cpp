@@ -365,6 +365,10 @@ nlohmann::ordered_json state_memory(const Plan& plan) {
 
 }  // namespace
 
+int64_t pipeline_microbatches(const Config& config, int64_t dp) {
+  return config.train.global_batch_size / dp / config.distributed.pipeline.pp_microbatch_size;
+}
+
 std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan) {
   const auto [layout, units] = strategy_layout(plan.tensor_parallel->local());
   const int64_t ranks =

@@ -77,6 +77,10 @@ MeshContext resolve_config_mesh(const Config& config, int64_t world_size,
 // dp_size, or else the smallest dp the dp_replicate and ep rules allow.
 int64_t default_world_size(const Config& config);
 
+// The microbatches of one pipeline step: this rank's share of the global
+// batch in pp_microbatch_size pieces.
+int64_t pipeline_microbatches(const Config& config, int64_t dp);
+
 // What the strategy predicts a rank holds for the whole tp-local model
 // (its plan_memory; see plan_strategy_memory). Needs a model.
 std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan);

@@ -38,10 +38,6 @@ struct PipelineTrainer::Held {
   std::unique_ptr<PipelineStage> work;
 };
 
-int64_t pipeline_microbatches(const Config& config, int64_t dp) {
-  return config.train.global_batch_size / dp / config.distributed.pipeline.pp_microbatch_size;
-}
-
 schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int64_t pp,
                                      int64_t stages, int64_t microbatches) {
   const PipelineConfig& p = config.distributed.pipeline;

@@ -42,10 +42,6 @@ struct PipelineContext {
   std::string output_dir;
 };
 
-// The microbatches of one pipeline step: this rank's share of the global
-// batch in pp_microbatch_size pieces.
-int64_t pipeline_microbatches(const Config& config, int64_t dp);
-
 // The schedule the config asks for on `pp` ranks with `stages` stages and
 // `microbatches` microbatches, with communication and FSDP2's sharding
 // actions, validated.
