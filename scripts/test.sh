@@ -1,40 +1,60 @@
 #!/usr/bin/env bash
-# The test command (CI's, through .ci/run): builds everything with
-# AddressSanitizer + UndefinedBehaviorSanitizer (MESHRUN_SANITIZE, in
-# ${MESHRUN_SANITIZE_BUILD_DIR:-build-sanitize}) and runs every test with
-# ctest there, multi-process ones included. The tests that need optimized
-# code (the Release build without warnings, the time limits, the main job's
-# example) build and run a Release copy themselves (tests/build).
-#   scripts/test.sh            the sanitized build (CI's command)
-#   scripts/test.sh --plain    the same tests on the plain build (build/), faster
-#   scripts/test.sh --both     the plain build, then the sanitized one
+# The test command (CI's, through .ci/run). docs/testing.md says which tier
+# catches what and how long each takes on 2 cores.
+#
+#   scripts/test.sh          the quick tier, before every commit (about 13
+#                            minutes from a fresh clone): the plain build
+#                            (build/, Release, -Werror) runs every test but
+#                            those labelled `sanitized`, which the sanitized
+#                            build (build-sanitize/: clang, ASan + UBSan,
+#                            libFuzzer) builds and runs: unit, parser, ABI,
+#                            fuzz-regression and plugin-loading tests and a
+#                            multi-rank training run per strategy
+#   scripts/test.sh --full   the full sweep: every test in a sanitized build
+#                            of everything and in a Release build compiled
+#                            file by file (build-full/: no unity, so a
+#                            missing #include shows), with the slow sweeps
+#                            (larger sizes, minutes of fuzzing)
+#
+# Extra arguments go to both ctest runs (-R REGEX, --output-on-failure, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode="${1:---sanitize}"
-case "$mode" in
-  --plain | --sanitize | --both) ;;
-  *)
-    echo "usage: scripts/test.sh [--sanitize | --plain | --both]" >&2
-    exit 2
-    ;;
-esac
-
-if [ "$mode" != --sanitize ]; then
-  scripts/build.sh -DMESHRUN_SANITIZE=OFF
-  ctest --test-dir "${MESHRUN_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)"
+mode=quick
+if [ "${1:-}" = --full ]; then
+  mode=full
+  shift
+elif [ "${1:-}" != "" ] && [ "${1#-}" = "$1" ]; then
+  echo "usage: scripts/test.sh [--full] [ctest arguments...]" >&2
+  exit 2
 fi
+sweep=-DMESHRUN_FULL_SWEEP=$([ $mode = full ] && echo ON || echo OFF)
+jobs=$(nproc)
 
-if [ "$mode" != --plain ]; then
-  build_dir="${MESHRUN_SANITIZE_BUILD_DIR:-build-sanitize}"
-  MESHRUN_BUILD_DIR="$build_dir" scripts/build.sh -DMESHRUN_SANITIZE=ON
-  suppressions="$PWD/tests/sanitize"
-  # Every report fails the test: ASan and LSan exit non-zero by default, UBSan
-  # aborts (-fno-sanitize-recover). Allocation stacks are unwound by frame
-  # pointers, the fast way; the suppressions still match Open MPI's leaks,
-  # since a sanitized meshrun never unmaps the library that allocated.
+# Every report fails its test: ASan and LSan exit non-zero by default, UBSan
+# aborts (-fno-sanitize-recover). Allocation stacks are unwound by frame
+# pointers, the fast way; the suppressions still match Open MPI's leaks,
+# since a sanitized meshrun never unmaps the library that allocated.
+sanitizer_options() {
+  local suppressions="$PWD/tests/sanitize"
   export ASAN_OPTIONS="detect_leaks=1:check_initialization_order=1:strict_init_order=1:fast_unwind_on_malloc=1"
   export LSAN_OPTIONS="suppressions=$suppressions/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="suppressions=$suppressions/ubsan.supp:print_stacktrace=1"
-  ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+}
+
+plain_dir="${MESHRUN_BUILD_DIR:-build}"
+sanitize_dir="${MESHRUN_SANITIZE_BUILD_DIR:-build-sanitize}"
+if [ $mode = quick ]; then
+  scripts/build.sh "$sweep"
+  scripts/build.sh --sanitize "$sweep" --target=meshrun_sanitized_tier
+  ctest --test-dir "$plain_dir" -LE sanitized -j "$jobs" --output-on-failure "$@"
+  sanitizer_options
+  ctest --test-dir "$sanitize_dir" -L sanitized -j "$jobs" --output-on-failure "$@"
+else
+  full_dir="${MESHRUN_FULL_BUILD_DIR:-build-full}"
+  MESHRUN_BUILD_DIR="$full_dir" scripts/build.sh "$sweep" -DCMAKE_UNITY_BUILD=OFF
+  scripts/build.sh --sanitize "$sweep"
+  ctest --test-dir "$full_dir" -j "$jobs" --output-on-failure "$@"
+  sanitizer_options
+  ctest --test-dir "$sanitize_dir" -j "$jobs" --output-on-failure "$@"
 fi

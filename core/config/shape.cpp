@@ -62,12 +62,15 @@ class ShapeScanner {
   }
 
   // A quote opens a string only where TOML can have one: after a separator
-  // or blank. Glued to a bare word or number (181"abc) toml++ reads it as
-  // more of that token, non-ASCII characters after it included.
+  // or blank, or after a dot between the parts of a key (a."b"). Glued to a
+  // bare word or number (181"abc, and 4."abc: in a value the dot is the
+  // number's) toml++ reads it as more of that token, non-ASCII characters
+  // after it included.
   bool opens_string() const {
     if (at_ == 0) return true;
     const char before = text_[at_ - 1];
-    for (const char separator : {' ', '\t', '\r', '\n', '=', '[', '{', ',', '.'}) {
+    if (before == '.') return key_mode_;
+    for (const char separator : {' ', '\t', '\r', '\n', '=', '[', '{', ','}) {
       if (before == separator) return true;
     }
     return false;

@@ -11,18 +11,18 @@
 #include <vector>
 
 #include "host_api/host_api.hpp"
+#include "state/checkpoint.hpp"
+#include "state/local_parameters.hpp"
+#include "state/optimizer.hpp"
 #include "strategy/strategy.hpp"
-#include "train/checkpoint.hpp"
-#include "train/local_parameters.hpp"
-#include "train/optimizer.hpp"
 
 struct meshrun_strategy {
   std::shared_ptr<meshrun::Job> job;  // first: outlives the strategy
   meshrun::StrategyUnits units;
   std::vector<int64_t> offsets;  // num_parameters + 1
   std::unique_ptr<meshrun::Strategy> strategy;
-  meshrun::train::LocalParameters local;
-  meshrun::train::CheckpointLayout layout;
+  meshrun::LocalParameters local;
+  meshrun::CheckpointLayout layout;
   int64_t seed = 0;
   // The shape arrays of the views handed out (DLTensor points at them).
   std::vector<std::array<int64_t, 2>> unit_shapes;
@@ -88,14 +88,14 @@ std::vector<int64_t> checked_offsets(const meshrun_strategy_parameters& p) {
   return offsets;
 }
 
-meshrun::train::CheckpointLayout layout_of(const meshrun_strategy_parameters& p) {
+meshrun::CheckpointLayout layout_of(const meshrun_strategy_parameters& p) {
   std::vector<std::string> names;
   std::vector<std::vector<int64_t>> shapes;
   for (int64_t i = 0; i < p.num_parameters; ++i) {
     names.emplace_back(p.names[i]);
     shapes.push_back({p.numels[i]});
   }
-  return meshrun::train::checkpoint_layout("host", names, shapes);
+  return meshrun::checkpoint_layout("host", names, shapes);
 }
 
 void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, meshrun_strategy& s) {
@@ -119,10 +119,10 @@ void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, mesh
   s.strategy = std::make_unique<meshrun::Strategy>(
       plan.strategy, data_parallel, std::move(buffers),
       meshrun::strategy_options_json(runtime->runtime.config().distributed), &s.units);
-  s.local = s.strategy->sharded() ? meshrun::train::sharded_parameters(
-                                        *s.strategy, *s.units.shard_group, *s.units.replicate_group)
-                                  : meshrun::train::replicated_parameters(
-                                        values, gradients, s.offsets, s.job->world());
+  s.local =
+      s.strategy->sharded()
+          ? meshrun::sharded_parameters(*s.strategy, *s.units.shard_group, *s.units.replicate_group)
+          : meshrun::replicated_parameters(values, gradients, s.offsets, s.job->world());
   s.layout = layout_of(p);
   s.seed = runtime->runtime.config().train.seed;
   s.unit_shapes.resize(size_t(p.num_units));
@@ -141,10 +141,10 @@ void set_view(DLTensor* out, const meshrun::FloatView& view, int64_t& shape) {
 
 // The caller's named buffers in the local shard's layout, after the
 // parameters themselves.
-std::vector<meshrun::train::FlatBuffer> checkpoint_buffers(meshrun_strategy& s, int64_t count,
-                                                           const char* const* names,
-                                                           const DLTensor* buffers) {
-  std::vector<meshrun::train::FlatBuffer> all{{"params", s.local.params}};
+std::vector<meshrun::FlatBuffer> checkpoint_buffers(meshrun_strategy& s, int64_t count,
+                                                    const char* const* names,
+                                                    const DLTensor* buffers) {
+  std::vector<meshrun::FlatBuffer> all{{"params", s.local.params}};
   if (count > 0) {
     require(names, "names");
     require(buffers, "buffers");
@@ -274,7 +274,7 @@ meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy
     strategy_of(strategy);
     require(out, "out");
     const auto& local = strategy->local;
-    auto squared = float(meshrun::train::squared_norm(local.grads, local.numel));
+    auto squared = float(meshrun::squared_norm(local.grads, local.numel));
     if (local.norm_group != nullptr) {
       meshrun::FlatTensor tensor(&squared, meshrun::dtype_float32(), 1);
       local.norm_group->all_reduce(tensor.get(), meshrun::ReduceOp::sum).wait();
@@ -303,9 +303,9 @@ meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, cons
   return guarded([&] {
     strategy_of(strategy);
     require(dir, "dir");
-    meshrun::train::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
-                                 checkpoint_buffers(*strategy, num_buffers, names, buffers),
-                                 strategy->job->world());
+    meshrun::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
+                          checkpoint_buffers(*strategy, num_buffers, names, buffers),
+                          strategy->job->world());
   });
 }
 
@@ -315,7 +315,7 @@ meshrun_error* meshrun_strategy_load_checkpoint(meshrun_strategy* strategy, cons
   return guarded([&] {
     strategy_of(strategy);
     require(dir, "dir");
-    const auto index = meshrun::train::read_index(dir, strategy->layout);
+    const auto index = meshrun::read_index(dir, strategy->layout);
     const auto wanted = checkpoint_buffers(*strategy, num_buffers, names, buffers);
     for (const auto& buffer : wanted) {
       if (std::find(index.buffers.begin(), index.buffers.end(), buffer.name) ==
@@ -324,7 +324,7 @@ meshrun_error* meshrun_strategy_load_checkpoint(meshrun_strategy* strategy, cons
                     fmt::format("checkpoint '{}' holds no buffer '{}'", dir, buffer.name));
       }
     }
-    meshrun::train::load_sharded(index, strategy->local.held, wanted);
+    meshrun::load_sharded(index, strategy->local.held, wanted);
     if (out_step != nullptr) *out_step = index.step;
   });
 }

@@ -288,6 +288,13 @@ std::vector<std::string> meshrun_variables() {
   return names;
 }
 
+bool transport_chosen() {
+  for (const char* name : {"OMPI_MCA_pml", "OMPI_MCA_btl", "OMPI_MCA_mtl"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
 int cpu_count() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
@@ -319,7 +326,7 @@ HostFacts host_facts() {
                 "mpirun not found on PATH: meshrun starts ranks through Open MPI's mpirun; "
                 "install the Debian package openmpi-bin");
   }
-  return {*mpirun, geteuid() == 0, cpu_count(), meshrun_variables()};
+  return {*mpirun, geteuid() == 0, cpu_count(), meshrun_variables(), transport_chosen()};
 }
 
 std::vector<std::string> mpirun_command(int nproc_per_node, const std::vector<std::string>& command,
@@ -331,6 +338,11 @@ std::vector<std::string> mpirun_command(int nproc_per_node, const std::vector<st
     // Open MPI's default of physical cores.
     argv.insert(argv.end(), {"--use-hwthread-cpus", "-np", std::to_string(nproc_per_node)});
     if (nproc_per_node > facts.cpus) argv.emplace_back("--oversubscribe");
+    // Ranks of one node talk through shared memory; naming it spares every
+    // start probing the network transports (UCX, OFI), 0.2 s of each run.
+    if (!facts.transport_chosen) {
+      argv.insert(argv.end(), {"--mca", "pml", "ob1", "--mca", "btl", "self,vader"});
+    }
   } else {
     if (!options.hostfile.empty()) argv.insert(argv.end(), {"--hostfile", options.hostfile});
     argv.insert(argv.end(), {"--map-by", fmt::format("ppr:{}:node", nproc_per_node)});

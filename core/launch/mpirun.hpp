@@ -16,6 +16,9 @@ struct HostFacts {
   bool root = false;
   int cpus = 1;                            // CPUs this process may run on
   std::vector<std::string> forwarded_env;  // names to pass with -x
+  // The environment names Open MPI's transport (OMPI_MCA_pml, _btl or _mtl):
+  // meshrun then leaves the choice to it.
+  bool transport_chosen = false;
 };
 
 // `name` as execvp would find it: itself when it has a '/', else the first

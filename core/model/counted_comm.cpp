@@ -12,11 +12,10 @@
 #include "trace/trace.hpp"
 
 namespace meshrun {
-namespace {
 
 // The handle the model holds: the backend's communicator, its size and the
-// counts.
-struct Counted {
+// counts. Not file-local: CountedCommunicators::Tables holds three.
+struct CountedCommunicators::Counted {
   const meshrun_comm_api* backend;
   meshrun_communicator* real;
   const char* traced_as = "";  // the trace's name of its waits
@@ -25,6 +24,10 @@ struct Counted {
   int64_t bytes = 0;
   double wait_seconds = 0;  // the model blocked in `wait` on its requests
 };
+
+namespace {
+
+using Counted = CountedCommunicators::Counted;
 
 // The request the model holds: the backend's, and whose it is, so that a
 // wait counts against its communicator.

@@ -46,6 +46,9 @@ class CountedCommunicators {
   // sends to other ranks.
   CommTraffic take_ep_traffic();
 
+  // The handle of one counted communicator (counted_comm.cpp).
+  struct Counted;
+
  private:
   struct Tables;
   std::unique_ptr<Tables> tables_;

@@ -14,7 +14,7 @@ namespace {
 
 using nlohmann::ordered_json;
 
-[[noreturn]] void refuse(const std::string& what) {
+[[noreturn]] void refuse_tp_size(const std::string& what) {
   throw Error(MESHRUN_INVALID_ARGUMENT, "distributed.tp_size: " + what, "distributed.tp_size");
 }
 
@@ -22,7 +22,7 @@ TensorPlacement parse_placement(const ordered_json& entry, const ModelParameter&
   const std::string text = entry.value("tp", std::string("replicate"));
   const auto placement = parse_tensor_placement(text, parameter.shape.size());
   if (!placement) {
-    refuse(
+    refuse_tp_size(
         fmt::format("the plan places parameter '{}' (shape [{}]) as '{}'; valid placements "
                     "are \"replicate\", \"shard(d)\" and \"shard(d,blocks)\" with d a "
                     "dimension of the parameter",
@@ -83,7 +83,7 @@ TensorParallelLayout::TensorParallelLayout(const ModelDescription& full, const o
     if (placement.sharded()) {
       int64_t& extent = parameter.shape[size_t(placement.dim)];
       if (extent % (tp * placement.blocks) != 0) {
-        refuse(fmt::format(
+        refuse_tp_size(fmt::format(
             "{} does not divide dimension {} of parameter '{}' ({} elements{}), "
             "which the plan shards over tp; choose a tp_size that divides it, or a "
             "distributed.tp_plan that replicates it",

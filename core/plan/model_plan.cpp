@@ -257,7 +257,7 @@ ordered_json sidecar_request(const Config& config, const MeshContext& mesh, cons
 }
 
 // An input error about the plugins that model.model_type selects.
-[[noreturn]] void refuse(const std::string& what) {
+[[noreturn]] void refuse_model_type(const std::string& what) {
   throw Error(MESHRUN_INVALID_ARGUMENT, "model.model_type: " + what, "model.model_type");
 }
 
@@ -270,7 +270,7 @@ ordered_json sidecar_request(const Config& config, const MeshContext& mesh, cons
   const bool keyed = key.find(' ') == std::string::npos &&
                      (key.rfind("model.", 0) == 0 || key.rfind("distributed.", 0) == 0 ||
                       key.rfind("data.", 0) == 0 || key.rfind("train.", 0) == 0);
-  if (!keyed) refuse(fmt::format("sidecar {}: {}", sidecar.path(), message));
+  if (!keyed) refuse_model_type(fmt::format("sidecar {}: {}", sidecar.path(), message));
   throw Error(code, message, key);
 }
 
@@ -278,7 +278,7 @@ ordered_json ask_sidecar(const std::shared_ptr<PluginLibrary>& sidecar,
                          const ordered_json& request) {
   const meshrun_sidecar_api& api = *sidecar->api().sidecar;
   if (!MESHRUN_HAS_FIELD(meshrun_sidecar_api, &api, plan) || api.plan == nullptr) {
-    refuse(
+    refuse_model_type(
         fmt::format("sidecar {} (ABI {}.{}) cannot plan: its table has no `plan` (ABI 1.2); "
                     "remove it from the plugin path to use the default plan",
                     sidecar->path(), sidecar->api().abi_major, sidecar->api().abi_minor));
@@ -295,14 +295,16 @@ ordered_json ask_sidecar(const std::shared_ptr<PluginLibrary>& sidecar,
     rethrow_sidecar_error(*sidecar, code, message);
   }
   if (plan_json == nullptr) {
-    refuse(fmt::format("sidecar {}: plan succeeded but returned no plan", sidecar->path()));
+    refuse_model_type(
+        fmt::format("sidecar {}: plan succeeded but returned no plan", sidecar->path()));
   }
   const std::string answer = plan_json;
   host_services().deallocate(host_services().context, plan_json);
   try {
     return ordered_json::parse(answer);
   } catch (const nlohmann::json::exception& e) {
-    refuse(fmt::format("sidecar {}: its plan is not JSON: {}", sidecar->path(), e.what()));
+    refuse_model_type(
+        fmt::format("sidecar {}: its plan is not JSON: {}", sidecar->path(), e.what()));
   }
 }
 
@@ -345,8 +347,8 @@ class PlanCheck {
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    refuse(fmt::format("sidecar {} made a plan that does not fit model plugin {}: {}", sidecar_,
-                       model_, what));
+    refuse_model_type(fmt::format("sidecar {} made a plan that does not fit model plugin {}: {}",
+                                  sidecar_, model_, what));
   }
   const ordered_json& array(const ordered_json& plan, const char* name) const {
     if (!plan.contains(name) || !plan.at(name).is_array()) {

@@ -13,10 +13,10 @@ namespace {
 
 // What lowering has placed, per (stage, microbatch), as bits.
 enum Placed : uint8_t {
-  kForward = 1 << 0,
-  kBackward = 1 << 1,  // B or I: the gradient for the previous stage exists
-  kReceivedForward = 1 << 2,
-  kReceivedBackward = 1 << 3,
+  kPlacedForward = 1 << 0,
+  kPlacedBackward = 1 << 1,  // B or I: the gradient for the previous stage exists
+  kPlacedReceivedForward = 1 << 2,
+  kPlacedReceivedBackward = 1 << 3,
 };
 
 // Takes the ranks' compute actions in rounds, rank 0 first, each rank its
@@ -87,11 +87,11 @@ class Lowering {
     if (source < 0) return true;
     const bool forward = action.type == ActionType::F;
     if (placed(action.stage, action.microbatch) &
-        (forward ? kReceivedForward : kReceivedBackward)) {
+        (forward ? kPlacedReceivedForward : kPlacedReceivedBackward)) {
       return true;
     }
     return rank_of(source) == rank &&
-           (placed(source, action.microbatch) & (forward ? kForward : kBackward));
+           (placed(source, action.microbatch) & (forward ? kPlacedForward : kPlacedBackward));
   }
 
   void append(int64_t rank, const Action& action, int64_t column) {
@@ -104,7 +104,7 @@ class Lowering {
     const bool forward = action.type == ActionType::F;
     const bool backward = action.type == ActionType::B || action.type == ActionType::I;
     if (!forward && !backward) return;
-    placed(action.stage, action.microbatch) |= forward ? kForward : kBackward;
+    placed(action.stage, action.microbatch) |= forward ? kPlacedForward : kPlacedBackward;
     const int64_t target = forward ? action.stage + 1 : action.stage - 1;
     if (target < 0 || target >= in_.stages() || rank_of(target) == rank) return;
     append(rank,
@@ -113,7 +113,7 @@ class Lowering {
            {static_cast<int32_t>(target), forward ? ActionType::RECV_F : ActionType::RECV_B,
             action.microbatch},
            0);
-    placed(target, action.microbatch) |= forward ? kReceivedForward : kReceivedBackward;
+    placed(target, action.microbatch) |= forward ? kPlacedReceivedForward : kPlacedReceivedBackward;
   }
 
   // No rank can move: each waits for work of a rank that waits too, so

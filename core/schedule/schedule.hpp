@@ -1,11 +1,12 @@
 // Pipeline schedules as data (docs/design.md, "The runtime"): every rank's ordered
-// actions in PyTorch's vocabulary (torch.distributed.pipelining), from a
-// schedule plugin or a CSV file, checked by the validator, timed by the
-// simulator, drawn as SVG, and run by the executor.
+// actions in PyTorch's vocabulary (torch.distributed.pipelining; the actions
+// themselves are meshrun/schedule.hpp's, shared with the schedule plugins),
+// from a schedule plugin or a CSV file, checked by the validator and run by
+// the executor; tools/simulate times and draws them.
 //
-// Files: action.cpp (strings, placement, positions), generate.cpp (from a
-// schedule plugin), csv.cpp (pp_schedule_csv), lower.cpp (adding
-// communication and sharding actions), validate.cpp, simulate.cpp, svg.cpp.
+// Files: action.cpp (placement, positions), generate.cpp (from a schedule
+// plugin), csv.cpp (pp_schedule_csv), lower.cpp (adding communication and
+// sharding actions), validate.cpp.
 #pragma once
 
 #include <cstdint>
@@ -14,44 +15,10 @@
 #include <string_view>
 #include <vector>
 
+#include "meshrun/schedule.hpp"
 #include "plugin/loader.hpp"
 
 namespace meshrun::schedule {
-
-// PyTorch's _ComputationType. B is a full backward; I and W are its input
-// and weight halves (zero-bubble schedules). UNSHARD, RESHARD and
-// REDUCE_GRAD are a sharded data-parallel strategy's work for a stage.
-enum class ActionType : int32_t {
-  F,
-  B,
-  I,
-  W,
-  SEND_F,
-  RECV_F,
-  SEND_B,
-  RECV_B,
-  UNSHARD,
-  RESHARD,
-  REDUCE_GRAD,
-};
-
-// One action: `stage` (the global stage index) does `type` for `microbatch`
-// (-1 for UNSHARD, RESHARD and REDUCE_GRAD, which concern the whole stage).
-struct Action {
-  int32_t stage = 0;
-  ActionType type = ActionType::F;
-  int32_t microbatch = -1;
-  friend bool operator==(const Action&, const Action&) = default;
-};
-
-bool is_compute(ActionType type);        // F, B, I, W
-bool is_communication(ActionType type);  // SEND_*, RECV_*
-
-// PyTorch's action strings: stage, type, microbatch: "2F0", "1B3", "0I1",
-// "3SEND_F2", "1RECV_B0", "0UNSHARD", "2REDUCE_GRAD".
-std::string format_action(const Action& action);
-// The action a string names; nullopt when it is not one.
-std::optional<Action> parse_action(std::string_view text);
 
 // A schedule: per rank, its actions in execution order. A CSV may leave
 // time steps idle (nullopt); generated schedules have no idle entries.

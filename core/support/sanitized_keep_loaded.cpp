@@ -8,7 +8,12 @@
 // An executable pulls this file out of libmeshrun_core.a by the marker
 // symbol (-Wl,--undefined, CMakeLists.txt): dlclose alone would not, since
 // the ASan runtime the executable links first already defines it.
-#ifdef __SANITIZE_ADDRESS__
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)  // clang's way of saying it
+#define MESHRUN_ADDRESS_SANITIZER 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(MESHRUN_ADDRESS_SANITIZER)
 
 extern "C" __attribute__((visibility("default"))) const int meshrun_sanitized_keep_loaded = 1;
 

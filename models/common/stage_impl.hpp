@@ -10,6 +10,7 @@
 
 #include "common/stage.hpp"
 #include "common/support.hpp"
+#include "numeric/gemm.hpp"
 
 namespace meshrun::models {
 
@@ -181,7 +182,7 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
-  use_one_compute_thread_by_default();
+  kernels::use_one_gemm_thread_by_default();
   select_parameters();
   for (int64_t layer = layout_.first_layer; layer < layout_.end_layer; ++layer) {
     const auto found = checkpointing.find(layer);

@@ -1,9 +1,5 @@
 #include "common/support.hpp"
 
-#include <cblas.h>
-#include <omp.h>
-
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -17,11 +13,6 @@ void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, cons
                               std::to_string(vocab_size) + ")");
     }
   }
-}
-
-void use_one_compute_thread_by_default() {
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
-  if (std::getenv("OMP_NUM_THREADS") == nullptr) omp_set_num_threads(1);
 }
 
 }  // namespace meshrun::models

@@ -8,12 +8,6 @@ namespace meshrun::models {
 // Throws std::out_of_range naming `what` for an id outside [0, vocab_size).
 void check_tokens(const int32_t* tokens, int64_t count, int64_t vocab_size, const char* what);
 
-// One OpenBLAS thread unless OPENBLAS_NUM_THREADS says otherwise, and one
-// oneDNN (OpenMP) thread for the calling thread unless OMP_NUM_THREADS does:
-// the trainer runs one rank per core, its compute on the thread that builds
-// the stage.
-void use_one_compute_thread_by_default();
-
 // The bytes the vectors hold.
 template <typename... Vectors>
 int64_t bytes_of(const Vectors&... vectors) {

@@ -3,7 +3,7 @@
 // ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
 // ScheduleZBVZeroBubble, ScheduleDualPipeV) without their idle padding: each
 // returns, per rank, the F, B, I and W actions in execution order. The host
-// adds the communication (core/schedule/lower.cpp).
+// adds the communication.
 //
 // Each generator checks the sizes its schedule accepts and throws
 // meshrun::plugin::Error INVALID_ARGUMENT naming the constraint otherwise.
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "schedule/schedule.hpp"
+#include "meshrun/schedule.hpp"
 
 namespace meshrun::schedules {
 

@@ -3,16 +3,13 @@
 #include <cstring>
 
 #include "common/errors.hpp"
-// The core's header-only bfloat16 conversion (round to nearest even), the
-// one the comm backends and the reference model use.
-#include "tensor/elements.hpp"
+#include "meshrun/dtype.hpp"
 
 namespace meshrun::sharding {
 namespace {
 
 // Calls `body` with `data` as elements of `dtype` and the function that
-// widens one to float32. float16 is g++'s _Float16 (IEEE binary16), as in
-// the comm backends.
+// widens one to float32.
 template <class Body>
 void with_elements(Dtype dtype, const void* data, Body&& body) {
   switch (dtype) {
@@ -21,7 +18,8 @@ void with_elements(Dtype dtype, const void* data, Body&& body) {
            [](uint16_t value) { return meshrun::bfloat16_to_float(value); });
       return;
     case Dtype::float16:
-      body(static_cast<const _Float16*>(data), [](_Float16 value) { return float(value); });
+      body(static_cast<const uint16_t*>(data),
+           [](uint16_t value) { return meshrun::float16_to_float(value); });
       return;
     case Dtype::float32:
       break;
@@ -71,8 +69,8 @@ void narrow(Dtype dtype, const float* in, void* out, int64_t count, float scale)
       return;
     }
     case Dtype::float16: {
-      auto* halves = static_cast<_Float16*>(out);
-      for (int64_t i = 0; i < count; ++i) halves[i] = static_cast<_Float16>(in[i] * scale);
+      auto* halves = static_cast<uint16_t*>(out);
+      for (int64_t i = 0; i < count; ++i) halves[i] = meshrun::float_to_float16(in[i] * scale);
       return;
     }
     case Dtype::float32:

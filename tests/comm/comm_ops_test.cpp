@@ -39,8 +39,8 @@
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "mesh/mesh.hpp"
+#include "meshrun/dtype.hpp"
 #include "plugin/loader.hpp"
-#include "tensor/elements.hpp"
 
 namespace {
 
@@ -67,9 +67,9 @@ const std::vector<DtypeCase>& dtypes() {
 // backend's 16 KiB shared-memory threshold for every dtype, and above it for
 // every dtype; both divisible by every group size used (2, 3, 4).
 // All_reduce takes any count: also a prime one, which no piece size of the
-// backend divides. `--sizes small` (the sanitized build's, whose
-// instrumented loops run several times slower) still crosses every
-// threshold and splits into several 64 KiB pieces and 12 KiB slots.
+// backend divides. `--sizes small` (ctest's default; the full sweep takes
+// `--sizes full`) still crosses every threshold and splits into several
+// 64 KiB pieces and 12 KiB slots.
 struct Sizes {
   std::vector<int64_t> every_op;
   std::vector<int64_t> all_reduce;

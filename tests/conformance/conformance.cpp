@@ -6,7 +6,6 @@
 //   meshrun-conformance --plugin path/to/meshrun_strategy_mine.so
 //
 // (or MESHRUN_CONFORMANCE_PLUGIN=path). Any other argument is Catch2's.
-#define CATCH_CONFIG_RUNNER
 #include <dlfcn.h>
 #include <elf.h>
 #include <sys/mman.h>
@@ -28,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "catch_runner.hpp"
 #include "errors.hpp"
 #include "model/model.hpp"
 #include "plugin/loader.hpp"
@@ -636,22 +636,38 @@ TEST_CASE("an unknown extension is absent, and the host reports UNIMPLEMENTED", 
 }  // namespace
 
 int main(int argc, char* argv[]) {
-  Catch::Session session;
-  using Catch::clara::Opt;
-  session.cli(session.cli() |
-              Opt(plugin_path, "file")["--plugin"](
-                  "the plugin file to check (default: $MESHRUN_CONFORMANCE_PLUGIN)"));
-  if (const int status = session.applyCommandLine(argc, argv); status != 0) return status;
+  // --plugin FILE is the suite's own option; every other argument is Catch2's.
+  std::vector<char*> catch_arguments{argv[0]};
+  bool listing = false;  // help or a list, which need no plugin
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--plugin" && i + 1 < argc) {
+      plugin_path = argv[++i];
+      continue;
+    }
+    if (argument.rfind("--plugin=", 0) == 0) {
+      plugin_path = argument.substr(std::string("--plugin=").size());
+      continue;
+    }
+    if (argument == "-h" || argument == "-?" || argument == "--help" || argument == "-l" ||
+        argument == "-t" || argument.rfind("--list", 0) == 0) {
+      listing = true;
+    }
+    catch_arguments.push_back(argv[i]);
+  }
   if (plugin_path.empty()) {
     if (const char* env = std::getenv("MESHRUN_CONFORMANCE_PLUGIN")) plugin_path = env;
   }
-  const Catch::ConfigData& config = session.configData();
-  if (plugin_path.empty() && !config.showHelp && !config.listTests && !config.listTestNamesOnly &&
-      !config.listTags && !config.listReporters) {
+  if (listing) {
+    std::puts(
+        "meshrun-conformance --plugin FILE [Catch2 options]: checks one plugin file against "
+        "meshrun's ABI rules (FILE defaults to $MESHRUN_CONFORMANCE_PLUGIN)");
+  } else if (plugin_path.empty()) {
     std::fprintf(stderr,
                  "meshrun-conformance: name the plugin to check with --plugin FILE "
                  "(or MESHRUN_CONFORMANCE_PLUGIN=FILE)\n");
     return 2;
   }
-  return session.run();
+  return meshrun::testing::run_catch_session(static_cast<int>(catch_arguments.size()),
+                                             catch_arguments.data());
 }

@@ -1,4 +1,4 @@
-// Multi-process test of the pipeline executor (core/pipeline/executor.hpp),
+// Multi-process test of the pipeline executor (trainer/pipeline/executor.hpp),
 // run by ctest under mpirun on the mpi comm backend:
 //
 //   mpirun -np 4 meshrun-pipeline-executor-test

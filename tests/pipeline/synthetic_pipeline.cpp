@@ -39,7 +39,7 @@
 #include "pipeline/executor.hpp"
 #include "plugin/loader.hpp"
 #include "schedule/schedule.hpp"
-#include "schedule/simulate.hpp"
+#include "simulate/simulate.hpp"
 
 namespace {
 

@@ -16,10 +16,7 @@ const std::string kDescription = std::string("loader test plugin: ") + kPluginNa
 
 class Instance {
  public:
-  explicit Instance(const meshrun_host_services& host) : host_(&host) {}
-
- private:
-  const meshrun_host_services* host_;
+  explicit Instance(const meshrun_host_services& /*host*/) {}
 };
 
 // create_fails: set-up fails with this code and message. Its errors count

@@ -30,7 +30,7 @@ int* volatile nowhere = nullptr;
 
 // Unchecked by UBSan in a sanitized build, which would stop the store with
 // its own report before it raises the signal under test.
-[[gnu::no_sanitize_undefined]] void crash() { *nowhere = 1; }
+__attribute__((no_sanitize("undefined"))) void crash() { *nowhere = 1; }
 
 meshrun_error* plan(meshrun_plugin_instance* instance, const char* request_json, char** out) {
   return meshrun::plugin::guard([&] {

@@ -51,9 +51,9 @@
 #include "checker.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
+#include "meshrun/dtype.hpp"
 #include "plugin/loader.hpp"
 #include "strategy/strategy.hpp"
-#include "tensor/elements.hpp"
 
 namespace {
 
@@ -111,7 +111,7 @@ double averaged(int64_t ranks, int micro_batches, int64_t i) {
 
 float rounded(float value, const std::string& dtype) {
   if (dtype == "bfloat16") return meshrun::bfloat16_to_float(meshrun::float_to_bfloat16(value));
-  if (dtype == "float16") return static_cast<float>(static_cast<_Float16>(value));
+  if (dtype == "float16") return meshrun::float16_to_float(meshrun::float_to_float16(value));
   return value;
 }
 

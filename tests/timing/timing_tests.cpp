@@ -1,6 +1,5 @@
-// Time limits on the plain optimized build: ctest runs this program from the
-// Release build that tests/build/CMakeLists.txt makes, whatever the build
-// ctest itself runs in (a sanitized build's code is several times slower).
+// Time limits on the plain optimized build (Release, what users run): ctest
+// runs this program in the plain build only (tests/timing/CMakeLists.txt).
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdint>

@@ -224,7 +224,7 @@ def mixtral_objective(w, c, inputs, targets):
 
 
 def mix(x):
-    """core/train/data.cpp's splitmix64 finalizer."""
+    """trainer/train/data.cpp's splitmix64 finalizer."""
     mask = (1 << 64) - 1
     x = (x + 0x9e3779b97f4a7c15) & mask
     x = ((x ^ (x >> 30)) * 0xbf58476d1ce4e5b9) & mask
@@ -233,7 +233,7 @@ def mix(x):
 
 
 def training_batch(config, step, rows):
-    """core/train/data.cpp's training windows of `step` (0-based): (inputs, targets)."""
+    """trainer/train/data.cpp's training windows of `step` (0-based): (inputs, targets)."""
     with open(config["data"]["path"], "rb") as f:
         data = f.read()
     seq_len = config["data"]["seq_len"]

@@ -3,6 +3,8 @@
 // the keys it must agree with, drives a named trainer behaviour, or is
 // refused naming the key, its position and why. The keys come from the
 // schema itself, so a key added without a verdict fails here.
+#include <fmt/format.h>
+
 #include <catch2/catch.hpp>
 #include <fstream>
 #include <map>
@@ -188,22 +190,22 @@ const meshrun::PluginLoader& loader() {
 // "[distributed.moe]\nwrap_outer_model = false\n": the key at cfg.toml:2:1.
 std::string file_setting(const std::string& key, const std::string& value) {
   const size_t dot = key.rfind('.');
-  return "[" + key.substr(0, dot) + "]\n" + key.substr(dot + 1) + " = " + value + "\n";
+  return fmt::format("[{}]\n{} = {}\n", key.substr(0, dot), key.substr(dot + 1), value);
 }
 
-Config parse(const std::string& text, const std::vector<std::string>& overrides) {
+Config parsed_config(const std::string& text, const std::vector<std::string>& overrides) {
   return meshrun::parse_config(text, "cfg.toml", overrides);
 }
 
 std::string plan_json(const std::string& text, const std::vector<std::string>& overrides) {
-  const Config config = parse(text, overrides);
+  const Config config = parsed_config(text, overrides);
   const meshrun::Plan plan =
       meshrun::make_plan(config, meshrun::default_world_size(config), loader());
   return meshrun::plan_to_json(plan, false).dump();
 }
 
 std::string options_json(const std::string& text, const std::vector<std::string>& overrides) {
-  return meshrun::strategy_options_json(parse(text, overrides).distributed);
+  return meshrun::strategy_options_json(parsed_config(text, overrides).distributed);
 }
 
 // The input error that parsing and planning `text` raise; fails without one.
@@ -252,7 +254,7 @@ TEST_CASE("config keys: every key the schema accepts has a verdict", "[config][k
         break;
       case Kind::trainer:
         CHECK_FALSE(verdict.where.empty());
-        CHECK(parse("", changed).positions.count(key) == 1);
+        CHECK(parsed_config("", changed).positions.count(key) == 1);
         break;
       case Kind::checked:
       case Kind::refused:

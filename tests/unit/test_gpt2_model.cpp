@@ -41,7 +41,7 @@
 #include "model_checks.hpp"
 #include "stage_fixture.hpp"
 
-namespace {
+namespace gpt2_model_test {
 
 using Catch::Matchers::Contains;
 using meshrun::gpt2::Gpt2;
@@ -53,8 +53,8 @@ using stage_fixture::random_batch;
 using Gpt2Model = stage_fixture::OwnedModel<Gpt2>;
 using Chain = stage_fixture::Chain<Gpt2>;
 
-constexpr int64_t kBatch = 2;
-constexpr int64_t kSeqLen = 5;
+constexpr int64_t kGpt2Batch = 2;
+constexpr int64_t kGpt2SeqLen = 5;
 
 // head_dim 2, n_inner apart from 4 n_embd, and few positions beyond
 // seq_len: every parameter kind, small enough for finite differences of
@@ -105,16 +105,17 @@ void randomize(Gpt2Model& model, uint32_t seed) {
   }
 }
 
-// The reference loss of a batch [kBatch, kSeqLen] from weights by name.
+// The reference loss of a batch [kGpt2Batch, kGpt2SeqLen] from weights by name.
 auto reference_of(const Gpt2Config& config) {
   return [config](const reference::Weights& weights, const Batch& batch) {
-    return gpt2_reference::loss(config, weights, batch.tokens.data(), batch.targets.data(), kBatch,
-                                kSeqLen);
+    return gpt2_reference::loss(config, weights, batch.tokens.data(), batch.targets.data(),
+                                kGpt2Batch, kGpt2SeqLen);
   };
 }
 
 float forward_backward(Gpt2Model& model, const Batch& batch) {
-  const float loss = model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  const float loss =
+      model.forward(batch.tokens.data(), batch.targets.data(), kGpt2Batch, kGpt2SeqLen);
   model.backward();
   return loss;
 }
@@ -152,9 +153,9 @@ TEST_CASE("gpt2 forward matches a naive double-precision Hugging Face reference"
   INFO("n_embd " << config.n_embd << " tied " << config.tie_word_embeddings);
   Gpt2Model model(config);
   randomize(model, 1);
-  const Batch batch = random_batch(config.vocab_size, kBatch, kSeqLen, 2);
+  const Batch batch = random_batch(config.vocab_size, kGpt2Batch, kGpt2SeqLen, 2);
   const double expected = reference_of(config)(reference::weights_of(model.parameters()), batch);
-  CHECK(model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen) ==
+  CHECK(model.forward(batch.tokens.data(), batch.targets.data(), kGpt2Batch, kGpt2SeqLen) ==
         Approx(expected).epsilon(1e-5));
 }
 
@@ -163,8 +164,8 @@ TEST_CASE("gpt2 gradients of every parameter match finite differences of the ref
   INFO("tied " << config.tie_word_embeddings);
   Gpt2Model model(config);
   randomize(model, 3);
-  model_checks::check_gradients(model, random_batch(config.vocab_size, kBatch, kSeqLen, 4), kBatch,
-                                kSeqLen, reference_of(config), 1e-5, 1e-4);
+  model_checks::check_gradients(model, random_batch(config.vocab_size, kGpt2Batch, kGpt2SeqLen, 4),
+                                kGpt2Batch, kGpt2SeqLen, reference_of(config), 1e-5, 1e-4);
 }
 
 TEST_CASE("gpt2 calls the hooks in the documented order, gradients final when announced",
@@ -174,7 +175,7 @@ TEST_CASE("gpt2 calls the hooks in the documented order, gradients final when an
   randomize(model, 5);
   stage_fixture::RecordingHooks<Gpt2> hooks(model);
   model.set_observer(&hooks);
-  forward_backward(model, random_batch(11, kBatch, kSeqLen, 6));
+  forward_backward(model, random_batch(11, kGpt2Batch, kGpt2SeqLen, 6));
   stage_fixture::check_documented_order(hooks, model);
 }
 
@@ -182,7 +183,8 @@ TEST_CASE("gpt2 computes the same with units bound to storage that comes and goe
   const bool tied = GENERATE(false, true);
   Gpt2Model owning(narrow_config(tied));
   randomize(owning, 7);
-  stage_fixture::check_unit_storage(owning, random_batch(11, kBatch, kSeqLen, 8), kBatch, kSeqLen);
+  stage_fixture::check_unit_storage(owning, random_batch(11, kGpt2Batch, kGpt2SeqLen, 8),
+                                    kGpt2Batch, kGpt2SeqLen);
 }
 
 // Even split of 4 blocks over 3 stages (remainder to the first); a stage of
@@ -195,7 +197,8 @@ std::vector<std::vector<StageLayout>> splits() {
 
 std::vector<Batch> random_batches(int count) {
   std::vector<Batch> batches;
-  for (int mb = 0; mb < count; ++mb) batches.push_back(random_batch(11, kBatch, kSeqLen, 100 + mb));
+  for (int mb = 0; mb < count; ++mb)
+    batches.push_back(random_batch(11, kGpt2Batch, kGpt2SeqLen, 100 + mb));
   return batches;
 }
 
@@ -218,10 +221,10 @@ TEST_CASE("gpt2 stages in a chain give exactly the model's loss and gradients", 
                  << chain_case.layouts[0].end_layer << ", tied " << chain_case.tied);
   Gpt2Model model(four_block_config(chain_case.tied));
   randomize(model, 9);
-  const Batch batch = random_batch(11, kBatch, kSeqLen, 10);
+  const Batch batch = random_batch(11, kGpt2Batch, kGpt2SeqLen, 10);
   const float expected = forward_backward(model, batch);
 
-  Chain chain(model, chain_case.layouts, kBatch, kSeqLen);
+  Chain chain(model, chain_case.layouts, kGpt2Batch, kGpt2SeqLen);
   CHECK(chain.run("F0 B0", {batch}, 1.0f).at(0) == expected);
   CHECK(chain.gradients() == stage_fixture::gradients_of(model.parameters()));
 }
@@ -233,10 +236,10 @@ TEST_CASE("gpt2 stages with microbatches in flight and split backwards accumulat
   Gpt2Model model(four_block_config(false));
   randomize(model, 11);
   const std::vector<Batch> batches = random_batches(4);
-  Chain one_by_one(model, splits()[0], kBatch, kSeqLen);
+  Chain one_by_one(model, splits()[0], kGpt2Batch, kGpt2SeqLen);
   const auto expected_losses = one_by_one.run("F0 B0 F1 B1 F2 B2 F3 B3", batches, 0.25f);
 
-  Chain interleaved(model, splits()[0], kBatch, kSeqLen);
+  Chain interleaved(model, splits()[0], kGpt2Batch, kGpt2SeqLen);
   CHECK(interleaved.run("F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3", batches, 0.25f) == expected_losses);
   CHECK(interleaved.gradients() == one_by_one.gradients());
   CHECK(interleaved.activation_bytes() == 0);
@@ -246,8 +249,8 @@ TEST_CASE("gpt2 stages checkpointing blocks give exactly the results of keeping 
           "[gpt2][stage]") {
   Gpt2Model model(four_block_config(false));
   randomize(model, 14);
-  stage_fixture::check_checkpointing_is_exact(model, splits()[0], random_batches(4), kBatch,
-                                              kSeqLen);
+  stage_fixture::check_checkpointing_is_exact(model, splits()[0], random_batches(4), kGpt2Batch,
+                                              kGpt2SeqLen);
 }
 
 // A tied lm_head adds to wte's gradient in the weight pass, after the
@@ -259,7 +262,8 @@ TEST_CASE("gpt2 tied lm_head: a split backward gives the full backward's gradien
   Gpt2Model model(four_block_config(true));
   randomize(model, 12);
   const std::vector<Batch> batches = random_batches(2);
-  Chain full(model, splits()[2], kBatch, kSeqLen), split(model, splits()[2], kBatch, kSeqLen);
+  Chain full(model, splits()[2], kGpt2Batch, kGpt2SeqLen),
+      split(model, splits()[2], kGpt2Batch, kGpt2SeqLen);
   full.run("F0 B0 F1 B1", batches, 0.5f);
   split.run("F0 F1 I0 I1", batches, 0.5f);
   const ParameterView& wte = split.owned(0).parameters()[0];
@@ -334,8 +338,8 @@ TEST_CASE("gpt2 initialization: Hugging Face's distributions, the same per seed 
   CHECK(std::memcmp(model.param_buffer(), again.param_buffer(), bytes) == 0);
   CHECK(std::memcmp(model.param_buffer(), other.param_buffer(), bytes) != 0);
   // Near-uniform predictions at initialization: the loss is about ln(vocab).
-  const Batch batch = random_batch(256, kBatch, kSeqLen, 12);
-  CHECK(model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen) ==
+  const Batch batch = random_batch(256, kGpt2Batch, kGpt2SeqLen, 12);
+  CHECK(model.forward(batch.tokens.data(), batch.targets.data(), kGpt2Batch, kGpt2SeqLen) ==
         Approx(std::log(256.0)).epsilon(0.05));
 }
 
@@ -369,4 +373,4 @@ TEST_CASE("gpt2 refuses parameters no machine can hold, before any size overflow
                         Contains(" bytes as float32, more than the 2^47 bytes"));
 }
 
-}  // namespace
+}  // namespace gpt2_model_test

@@ -225,7 +225,10 @@ TEST_CASE("launch: mpirun command line", "[launch]") {
 
   CHECK(meshrun::launch::mpirun_command(2, program, {}, facts) ==
         Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--use-hwthread-cpus", "-np",
-             "2", "-x", "MESHRUN_LOG_LEVEL", "./train", "--steps", "3"});
+             "2", "--mca", "pml", "ob1", "--mca", "btl", "self,vader", "-x", "MESHRUN_LOG_LEVEL",
+             "./train", "--steps", "3"});
+  // A transport named in the environment is the user's choice.
+  facts.transport_chosen = true;
 
   facts.root = true;
   facts.forwarded_env.clear();

@@ -21,14 +21,10 @@
 #include "llama_reference.hpp"
 #include "model_checks.hpp"
 
-namespace {
+namespace llama_model_test {
 
 using meshrun::llama::LlamaConfig;
 using meshrun::llama::ParameterView;
-using LlamaModel = llama_fixture::OwnedModel;
-
-constexpr int64_t kBatch = 2;
-constexpr int64_t kSeqLen = 5;
 
 // head_dim 2: the smallest model with every parameter kind and grouped heads.
 LlamaConfig narrow_config(bool tied) {
@@ -287,4 +283,4 @@ TEST_CASE("llama refuses parameters no machine can hold, before any size overflo
                     Contains("model.intermediate_size: 1073741824 makes the parameters take"));
 }
 
-}  // namespace
+}  // namespace llama_model_test

@@ -25,7 +25,7 @@
 #include "llama/stage.hpp"
 #include "llama_fixture.hpp"
 
-namespace {
+namespace llama_stage_test {
 
 using Catch::Matchers::Contains;
 using llama_fixture::OwnedStage;
@@ -33,10 +33,6 @@ using meshrun::llama::LlamaConfig;
 using meshrun::llama::LlamaStage;
 using meshrun::llama::ParameterView;
 using meshrun::llama::StageLayout;
-using LlamaModel = llama_fixture::OwnedModel;
-
-constexpr int64_t kBatch = 2;
-constexpr int64_t kSeqLen = 5;
 
 // Four layers to split three ways; head_dim 4 and grouped kv heads.
 LlamaConfig four_layer_config(bool tied = false) {
@@ -306,4 +302,4 @@ TEST_CASE("llama stage rejects layouts that do not fit the model", "[llama][stag
       Contains("checkpointed layer 4 is not within the model's [0, 4)"));
 }
 
-}  // namespace
+}  // namespace llama_stage_test

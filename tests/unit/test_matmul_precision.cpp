@@ -17,7 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/layers.hpp"
-#include "tensor/elements.hpp"
+#include "meshrun/dtype.hpp"
 
 namespace {
 

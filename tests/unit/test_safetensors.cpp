@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "train/durable_io.hpp"
-#include "train/safetensors.hpp"
+#include "state/durable_io.hpp"
+#include "state/safetensors.hpp"
 
 using namespace meshrun;
 using Catch::Matchers::Contains;
@@ -29,7 +29,7 @@ std::string safetensors_file(const std::string& header, size_t data_bytes) {
 
 std::string refusal(const std::string& header, size_t data_bytes) {
   try {
-    train::SafetensorsFile file(safetensors_file(header, data_bytes));
+    meshrun::SafetensorsFile file(safetensors_file(header, data_bytes));
   } catch (const Error& error) {
     CHECK(error.is_input_error());
     return error.what();
@@ -40,7 +40,7 @@ std::string refusal(const std::string& header, size_t data_bytes) {
 }  // namespace
 
 TEST_CASE("safetensors: a valid header reads, metadata included", "[safetensors]") {
-  const train::SafetensorsFile file(
+  const meshrun::SafetensorsFile file(
       safetensors_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                        R"("b":{"dtype":"BF16","shape":[2,1],"data_offsets":[8,12]},)"
                        R"("__metadata__":{"meshrun.rank":"1"}})",
@@ -90,7 +90,7 @@ TEST_CASE("safetensors: tensors tile the data section", "[safetensors]") {
 TEST_CASE("safetensors: a header that is not one is refused", "[safetensors]") {
   const std::string path = safetensors_file("{}", 0);
   std::filesystem::resize_file(path, 4);
-  CHECK_THROWS_WITH(train::SafetensorsFile(path), Contains("not a safetensors file"));
+  CHECK_THROWS_WITH(meshrun::SafetensorsFile(path), Contains("not a safetensors file"));
   CHECK_THAT(refusal("[1, 2]", 0), Contains("the safetensors header is not a JSON object"));
   CHECK_THAT(refusal(R"({"__metadata__":{"n":1}})", 0),
              Contains("__metadata__ 'n' is 1; the format's metadata values are strings"));
@@ -99,7 +99,7 @@ TEST_CASE("safetensors: a header that is not one is refused", "[safetensors]") {
 TEST_CASE("safetensors: a write the disk refuses names the file and the bytes missing",
           "[safetensors]") {
   if (!std::filesystem::exists("/dev/full")) return;
-  train::OutputFile out("/dev/full", "model.safetensors");
+  meshrun::OutputFile out("/dev/full", "model.safetensors");
   const std::vector<char> bytes(100, 'x');
   CHECK_THROWS_WITH(out.write(bytes.data(), bytes.size(), 1000),
                     Contains("cannot write 'model.safetensors' (through '/dev/full'): 1000 bytes "

@@ -1,4 +1,4 @@
-// The schedule simulator (core/schedule/simulate.hpp) and picture
+// The schedule simulator (tools/simulate/simulate.hpp) and picture
 // (svg.hpp): the shipped schedules' simulated bubbles against the closed
 // forms of docs/design.md ("Pipelines": bubble fractions), zero-bubble schedules against
 // 1F1B, peak activations, and on hand-written schedules the timing rules,
@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "schedule/schedule.hpp"
-#include "schedule/simulate.hpp"
-#include "schedule/svg.hpp"
+#include "simulate/simulate.hpp"
+#include "simulate/svg.hpp"
 #include "test_schedule_support.hpp"
 
 namespace {

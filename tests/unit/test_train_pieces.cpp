@@ -13,11 +13,11 @@
 #include "model/model.hpp"
 #include "model/tensor_parallel.hpp"
 #include "plan/tp_plan.hpp"
+#include "state/local_parameters.hpp"
+#include "state/optimizer.hpp"
+#include "state/safetensors.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
-#include "train/local_parameters.hpp"
-#include "train/optimizer.hpp"
-#include "train/safetensors.hpp"
 
 using namespace meshrun;
 
@@ -27,7 +27,7 @@ TEST_CASE("train: AdamW takes torch.optim.AdamW's first step", "[train]") {
   config.beta2 = 0.999;
   config.eps = 1e-8;
   config.weight_decay = 0.1;
-  train::AdamW adamw(config, {1, 0});
+  meshrun::AdamW adamw(config, {1, 0});
   float params[2] = {1.0f, 1.0f};
   const float grads[2] = {0.5f, 0.5f};
   adamw.step(params, grads, 0.1);
@@ -43,36 +43,36 @@ TEST_CASE("train: learning rate warms up linearly, then decays to min_lr", "[tra
   config.warmup_steps = 4;
   config.lr = 1.0;
   config.min_lr = 0.1;
-  CHECK(train::learning_rate(config, 0) == Approx(0.25));
-  CHECK(train::learning_rate(config, 3) == Approx(1.0));
-  CHECK(train::learning_rate(config, 4) == Approx(1.0));
-  CHECK(train::learning_rate(config, 19) == Approx(0.1));
-  CHECK(train::learning_rate(config, 12) < train::learning_rate(config, 8));
+  CHECK(meshrun::learning_rate(config, 0) == Approx(0.25));
+  CHECK(meshrun::learning_rate(config, 3) == Approx(1.0));
+  CHECK(meshrun::learning_rate(config, 4) == Approx(1.0));
+  CHECK(meshrun::learning_rate(config, 19) == Approx(0.1));
+  CHECK(meshrun::learning_rate(config, 12) < meshrun::learning_rate(config, 8));
 }
 
 TEST_CASE("train: clipping scales to max_grad_norm like clip_grad_norm_", "[train]") {
   float grads[2] = {3.0f, 4.0f};
-  const double norm = std::sqrt(train::squared_norm(grads, 2));
+  const double norm = std::sqrt(meshrun::squared_norm(grads, 2));
   CHECK(norm == Approx(5.0));
-  train::clip_gradients(grads, 2, norm, 1.0);
-  CHECK(std::sqrt(train::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
+  meshrun::clip_gradients(grads, 2, norm, 1.0);
+  CHECK(std::sqrt(meshrun::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
 }
 
 TEST_CASE("train: the first parameter with a non-finite gradient, in the description's order",
           "[train]") {
   // A shard holding parts of description parameters 5 and 2, in that order.
   std::vector<float> grads = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f};
-  train::LocalParameters local;
+  meshrun::LocalParameters local;
   local.grads = grads.data();
   local.numel = int64_t(grads.size());
   local.held = {{10, 0, 2}, {4, 2, 3}};
   local.held_parameter = {0, 1};
   const std::vector<int64_t> description_index = {5, 2};
-  CHECK_FALSE(train::first_nonfinite_gradient(local, description_index));
+  CHECK_FALSE(meshrun::first_nonfinite_gradient(local, description_index));
   grads[1] = std::numeric_limits<float>::infinity();
-  CHECK(train::first_nonfinite_gradient(local, description_index) == 5);
+  CHECK(meshrun::first_nonfinite_gradient(local, description_index) == 5);
   grads[4] = std::nanf("");
-  CHECK(train::first_nonfinite_gradient(local, description_index) == 2);
+  CHECK(meshrun::first_nonfinite_gradient(local, description_index) == 2);
 }
 
 // A description with a root unit around two layer units, the root's
@@ -96,7 +96,7 @@ TEST_CASE("train: flat buffers and strategy units follow the model's description
   const ModelDescription d = parse_description(kDescription, "toy");
   CHECK(d.numel == 8 + 4 + 2 + 6 + 8);
   CHECK(d.parameters[4].offset == 20);
-  train::FlatParameters all(d, {0, 1, 2, 3, 4});
+  meshrun::FlatParameters all(d, {0, 1, 2, 3, 4});
   CHECK(all.offsets == std::vector<int64_t>{0, 8, 12, 14, 20, 28});
   const train::StageUnits units = train::stage_units(d, {{0, 1, 2, 3, 4}, {0, 1, 2}});
   CHECK(units.strategy.num_units == 3);
@@ -107,7 +107,7 @@ TEST_CASE("train: flat buffers and strategy units follow the model's description
   CHECK(units.offset_in_unit == std::vector<int64_t>{0, 0, 4, 0, 8});
 
   // A middle pipeline stage: one layer, no root; its layer is unit 0.
-  train::FlatParameters middle(d, {3});
+  meshrun::FlatParameters middle(d, {3});
   CHECK(middle.position[3] == 0);
   CHECK(middle.position[0] == -1);
   const train::StageUnits stage = train::stage_units(d, {{3}, {1}});
@@ -213,7 +213,7 @@ TEST_CASE("train: bfloat16 storage rounds to nearest even", "[train]") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> values = {
       1.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-7f + 0x1p-12f, -2.5f, nan};
-  train::round_to(values.data(), int64_t(values.size()), "bfloat16");
+  meshrun::round_to(values.data(), int64_t(values.size()), "bfloat16");
   CHECK(values[0] == 1.0f);
   CHECK(values[1] == 1.0f);            // halfway, to the even 1.0
   CHECK(values[2] == 1.0f + 0x1p-6f);  // halfway, to the even 1 + 2^-6
@@ -221,7 +221,7 @@ TEST_CASE("train: bfloat16 storage rounds to nearest even", "[train]") {
   CHECK(values[4] == -2.5f);           // representable
   CHECK(std::isnan(values[5]));
   std::vector<float> kept = {1.0f + 0x1p-12f};
-  train::round_to(kept.data(), 1, "float32");
+  meshrun::round_to(kept.data(), 1, "float32");
   CHECK(kept[0] == 1.0f + 0x1p-12f);
 }
 
@@ -244,8 +244,8 @@ TEST_CASE("train: safetensors round trip in F32 and BF16", "[train]") {
       (std::filesystem::temp_directory_path() / "meshrun-test.safetensors").string();
   const float values[3] = {1.0f, -2.5f, 1.0f / 3.0f};
   for (const bool bfloat16 : {false, true}) {
-    train::write_safetensors(path, {{"a.weight", {3}, values, 3}}, bfloat16);
-    const train::SafetensorsFile file(path);
+    meshrun::write_safetensors(path, {{"a.weight", {3}, values, 3}}, bfloat16);
+    const meshrun::SafetensorsFile file(path);
     REQUIRE(file.tensors().count("a.weight") == 1);
     CHECK(file.tensors().at("a.weight").dtype == (bfloat16 ? "BF16" : "F32"));
     float back[2] = {};

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 
@@ -182,6 +183,12 @@ void free_comm(Comm& comm) {
 std::string describe(const char* op, const Comm& comm) {
   return std::string(op) + " on communicator '" + comm.name + "' (size " +
          std::to_string(comm.size) + ", world rank " + std::to_string(comm.world_rank) + ")";
+}
+
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", seconds);
+  return text;
 }
 
 }  // namespace meshrun::mpi

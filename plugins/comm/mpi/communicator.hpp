@@ -60,4 +60,7 @@ void free_comm(Comm& comm);
 // an operation.
 std::string describe(const char* op, const Comm& comm);
 
+// A wait limit as timeout messages write it ("%g" seconds: "0.5", "1800").
+std::string seconds_text(double seconds);
+
 }  // namespace meshrun::mpi

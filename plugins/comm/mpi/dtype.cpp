@@ -3,9 +3,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "meshrun/dtype.hpp"
 #include "nontemporal.hpp"
-
-#include "tensor/elements.hpp"
 
 namespace meshrun::mpi {
 namespace {
@@ -19,8 +18,8 @@ struct Native {
   static Storage narrow(Acc value) { return value; }
 };
 
-// Round to nearest even, the core's conversion (header-only, shared with the
-// tests' and benchmarks' references).
+// Round to nearest even (meshrun/dtype.hpp, shared with the tests' and
+// benchmarks' references).
 struct BFloat16 {
   using Storage = uint16_t;
   using Acc = float;
@@ -28,13 +27,12 @@ struct BFloat16 {
   static Storage narrow(Acc value) { return meshrun::float_to_bfloat16(value); }
 };
 
-// g++ 12 has _Float16 on x86-64: its conversions are IEEE (round to nearest
-// even), done in software where the CPU lacks F16C.
+// IEEE binary16, round to nearest even (meshrun/dtype.hpp).
 struct Float16 {
-  using Storage = _Float16;
+  using Storage = uint16_t;
   using Acc = float;
-  static Acc widen(Storage value) { return static_cast<float>(value); }
-  static Storage narrow(Acc value) { return static_cast<_Float16>(value); }
+  static Acc widen(Storage value) { return meshrun::float16_to_float(value); }
+  static Storage narrow(Acc value) { return meshrun::float_to_float16(value); }
 };
 
 // Calls `body` with the element description of `dtype`.

@@ -50,12 +50,6 @@ struct Communicator {
   std::shared_ptr<Comm> comm;
 };
 
-std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", seconds);
-  return text;
-}
-
 // What a meshrun_request handle points to.
 struct Request {
   std::shared_ptr<Engine> engine;

@@ -86,12 +86,6 @@ size_t fitting_slot_bytes(int fd, size_t ranks) {
   return share * ranks * kLineBytes;
 }
 
-std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", seconds);
-  return text;
-}
-
 void relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();

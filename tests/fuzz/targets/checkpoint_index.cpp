@@ -1,13 +1,13 @@
 // Fuzz target: a sharded checkpoint's index.json (checkpoint.resume_from),
 // read for the parameters of a small model.
 #include "fuzz_input.hpp"
-#include "train/checkpoint.hpp"
+#include "state/checkpoint.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const meshrun::train::CheckpointLayout layout = meshrun::train::checkpoint_layout(
+  static const meshrun::CheckpointLayout layout = meshrun::checkpoint_layout(
       "llama", {"model.embed_tokens.weight", "model.norm.weight"}, {{256, 8}, {8}});
   meshrun::fuzz::write_input("index.json", data, size);
   meshrun::fuzz::refuse_or_accept(
-      [&] { meshrun::train::read_index(meshrun::fuzz::scratch_dir().string(), layout); });
+      [&] { meshrun::read_index(meshrun::fuzz::scratch_dir().string(), layout); });
   return 0;
 }

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "fuzz_input.hpp"
-#include "train/safetensors.hpp"
+#include "state/safetensors.hpp"
 
 namespace {
 
@@ -12,7 +12,7 @@ namespace {
 constexpr int64_t kMaxReadElements = int64_t{1} << 20;
 
 void read_all(const std::string& path) {
-  const meshrun::train::SafetensorsFile file(path);
+  const meshrun::SafetensorsFile file(path);
   for (const auto& [name, tensor] : file.tensors()) {
     int64_t numel = 1;
     for (const int64_t extent : tensor.shape) {

@@ -1,0 +1,246 @@
+#include "numeric/gemm.hpp"
+
+#include <cblas.h>
+#include <omp.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "meshrun/dtype.hpp"
+
+namespace meshrun::kernels {
+
+namespace {
+
+std::atomic<MatmulPrecision> g_precision{MatmulPrecision::float32};
+
+// One GEMM's operands as oneDNN sees them: row-major logical shapes with the
+// caller's strides, a transposed operand being its stored matrix read
+// column-major.
+struct GemmShape {
+  bool transpose_a, transpose_b;
+  int64_t m, n, k, lda, ldb, ldc;
+  float alpha, beta;
+
+  auto key() const {
+    return std::tie(transpose_a, transpose_b, m, n, k, lda, ldb, ldc, alpha, beta);
+  }
+  bool operator<(const GemmShape& other) const { return key() < other.key(); }
+
+  dnnl::memory::desc a(dnnl::memory::data_type type) const {
+    return {{m, k}, type, transpose_a ? dnnl::memory::dims{1, lda} : dnnl::memory::dims{lda, 1}};
+  }
+  dnnl::memory::desc b(dnnl::memory::data_type type) const {
+    return {{k, n}, type, transpose_b ? dnnl::memory::dims{1, ldb} : dnnl::memory::dims{ldb, 1}};
+  }
+  dnnl::memory::desc c() const { return {{m, n}, dnnl::memory::data_type::f32, {ldc, 1}}; }
+};
+
+// The operands' stored shapes: op(A) is m x k, op(B) is k x n.
+int64_t a_rows(const GemmShape& s) { return s.transpose_a ? s.k : s.m; }
+int64_t a_cols(const GemmShape& s) { return s.transpose_a ? s.m : s.k; }
+int64_t b_rows(const GemmShape& s) { return s.transpose_b ? s.n : s.k; }
+int64_t b_cols(const GemmShape& s) { return s.transpose_b ? s.k : s.n; }
+
+// count floats of `in` rounded to bfloat16 (nearest even) into `out`.
+// With AVX512_BF16 (a MESHRUN_NATIVE build on such a CPU) one instruction
+// converts 32 of them (the conversion is about a tenth of a bfloat16 step).
+void to_bfloat16(const float* in, uint16_t* out, int64_t count) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 32 <= count; i += 32) {
+    const __m512bh pair =
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i));
+    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(pair));
+  }
+#endif
+  for (; i < count; ++i) out[i] = float_to_bfloat16(in[i]);
+}
+
+// count floats of `in` rounded to bfloat16 and widened back into `out`.
+void to_rounded_floats(const float* in, float* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = rounded_to_bfloat16(in[i]);
+}
+
+// The rows x cols matrix stored at x with row stride ld, rounded to
+// bfloat16 into `out` (row stride cols), which grows as needed.
+template <typename Element>
+const Element* packed(const float* x, int64_t rows, int64_t cols, int64_t ld,
+                      std::unique_ptr<Element[]>& out, size_t& capacity) {
+  const auto size = size_t(rows * cols);
+  if (size > capacity) {
+    out.reset(new Element[size]);  // uninitialized: every element is written below
+    capacity = size;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<Element, uint16_t>) {
+      to_bfloat16(x + r * ld, out.get() + r * cols, cols);
+    } else {
+      to_rounded_floats(x + r * ld, out.get() + r * cols, cols);
+    }
+  }
+  return out.get();
+}
+
+// Scratch for the two operands of one GEMM, kept between calls: a step's
+// GEMMs reuse it instead of allocating (and zeroing) their copies anew.
+template <typename Element>
+struct OperandCopies {
+  std::unique_ptr<Element[]> a, b;
+  size_t a_capacity = 0, b_capacity = 0;
+};
+
+// oneDNN's bfloat16 matmul (bfloat16 operands, float32 accumulation and
+// result): C = alpha * op(A) op(B) + beta * C, beta 0 or 1 (a sum post-op).
+// A primitive is JIT-compiled per shape, so they are kept with their memory
+// objects: a training step repeats a few dozen shapes, and attention's
+// small GEMMs would otherwise spend more time being set up than computing.
+// Calls are serialized (one compute thread per rank is the norm).
+class BfloatMatmuls {
+ public:
+  static BfloatMatmuls& instance() {
+    static BfloatMatmuls matmuls;
+    return matmuls;
+  }
+
+  // op(A) and op(B) of `shape` are read from float32, rounded to bfloat16.
+  void run(GemmShape shape, const float* a, const float* b, float* c) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const uint16_t* a16 =
+        packed(a, a_rows(shape), a_cols(shape), shape.lda, copies_.a, copies_.a_capacity);
+    const uint16_t* b16 =
+        packed(b, b_rows(shape), b_cols(shape), shape.ldb, copies_.b, copies_.b_capacity);
+    shape.lda = a_cols(shape);
+    shape.ldb = b_cols(shape);
+    Primitive& primitive = find(shape);
+    primitive.a.set_data_handle(const_cast<uint16_t*>(a16));
+    primitive.b.set_data_handle(const_cast<uint16_t*>(b16));
+    primitive.c.set_data_handle(c);
+    primitive.matmul.execute(stream_, {{DNNL_ARG_SRC, primitive.a},
+                                       {DNNL_ARG_WEIGHTS, primitive.b},
+                                       {DNNL_ARG_DST, primitive.c}});
+    stream_.wait();
+  }
+
+ private:
+  struct Primitive {
+    dnnl::matmul matmul;
+    dnnl::memory a, b, c;
+  };
+
+  BfloatMatmuls() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {}
+
+  Primitive& find(const GemmShape& shape) {
+    auto found = primitives_.find(shape);
+    if (found != primitives_.end()) return found->second;
+    if (shape.beta != 0.0f && shape.beta != 1.0f) {
+      throw std::invalid_argument("bfloat16 gemm: beta must be 0 or 1");
+    }
+    dnnl::primitive_attr attributes;
+    if (shape.alpha != 1.0f) attributes.set_output_scales(0, {shape.alpha});
+    if (shape.beta == 1.0f) {
+      dnnl::post_ops accumulate;
+      accumulate.append_sum(1.0f);
+      attributes.set_post_ops(accumulate);
+    }
+    using type = dnnl::memory::data_type;
+    const dnnl::memory::desc a = shape.a(type::bf16), b = shape.b(type::bf16), c = shape.c();
+    const dnnl::matmul::primitive_desc chosen(dnnl::matmul::desc(a, b, c), attributes, engine_);
+    Primitive primitive{dnnl::matmul(chosen), dnnl::memory(a, engine_, DNNL_MEMORY_NONE),
+                        dnnl::memory(b, engine_, DNNL_MEMORY_NONE),
+                        dnnl::memory(c, engine_, DNNL_MEMORY_NONE)};
+    return primitives_.emplace(shape, std::move(primitive)).first->second;
+  }
+
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  std::mutex mutex_;
+  std::map<GemmShape, Primitive> primitives_;
+  OperandCopies<uint16_t> copies_;
+};
+
+// Whether oneDNN may use the CPU's bfloat16 instructions (AVX512_BF16 or
+// newer; ONEDNN_MAX_CPU_ISA can withhold them). Decided once: the ISA
+// oneDNN may use does not change in a process.
+bool native_bfloat16() {
+  static const bool native = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+    return (isa & bf16) == bf16;
+  }();
+  return native;
+}
+
+void float_gemm(const GemmShape& s, const float* a, const float* b, float* c) {
+  const dnnl_status_t status = dnnl_sgemm(s.transpose_a ? 'T' : 'N', s.transpose_b ? 'T' : 'N', s.m,
+                                          s.n, s.k, s.alpha, a, s.lda, b, s.ldb, s.beta, c, s.ldc);
+  if (status != dnnl_success) {
+    throw std::runtime_error("dnnl_sgemm failed (status " + std::to_string(int(status)) + ")");
+  }
+}
+
+void bfloat16_gemm(GemmShape s, const float* a, const float* b, float* c) {
+  if (native_bfloat16()) {
+    BfloatMatmuls::instance().run(s, a, b, c);
+    return;
+  }
+  // Widening a bfloat16 is exact, so float32 products of the rounded
+  // copies are the bfloat16 products.
+  OperandCopies<float> copies;
+  const float* rounded_a = packed(a, a_rows(s), a_cols(s), s.lda, copies.a, copies.a_capacity);
+  const float* rounded_b = packed(b, b_rows(s), b_cols(s), s.ldb, copies.b, copies.b_capacity);
+  s.lda = a_cols(s);
+  s.ldb = b_cols(s);
+  float_gemm(s, rounded_a, rounded_b, c);
+}
+
+}  // namespace
+
+void use_one_gemm_thread_by_default() {
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) omp_set_num_threads(1);
+}
+
+MatmulPrecision matmul_precision() { return g_precision.load(std::memory_order_relaxed); }
+
+MatmulPrecisionScope::MatmulPrecisionScope(MatmulPrecision precision)
+    : previous_(g_precision.exchange(precision, std::memory_order_relaxed)) {}
+
+MatmulPrecisionScope::~MatmulPrecisionScope() {
+  g_precision.store(previous_, std::memory_order_relaxed);
+}
+
+bool bfloat16_matmuls_native() { return native_bfloat16(); }
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+          int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const GemmShape shape{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, alpha, beta};
+  if (matmul_precision() == MatmulPrecision::bfloat16 && k > 0) {
+    bfloat16_gemm(shape, a, b, c);
+  } else {
+    float_gemm(shape, a, b, c);
+  }
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha,
+          const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc) {
+  const auto op = [](bool transpose) { return transpose ? CblasTrans : CblasNoTrans; };
+  cblas_dgemm(CblasRowMajor, op(transpose_a), op(transpose_b), int(m), int(n), int(k), alpha, a,
+              int(lda), b, int(ldb), beta, c, int(ldc));
+}
+
+}  // namespace meshrun::kernels

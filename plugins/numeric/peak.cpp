@@ -1,0 +1,106 @@
+#include "numeric/peak.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <stdexcept>
+#include <thread>
+
+#include "numeric/gemm.hpp"
+
+namespace meshrun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// bfloat16 GEMMs without the CPU's bfloat16 instructions are the models'
+// float32 fallback (numeric/gemm.hpp), so that is what is measured.
+dnnl::memory::data_type operand_type(const std::string& dtype) {
+  if (dtype == "float32") return dnnl::memory::data_type::f32;
+  if (dtype == "bfloat16") {
+    return kernels::bfloat16_matmuls_native() ? dnnl::memory::data_type::bf16
+                                              : dnnl::memory::data_type::f32;
+  }
+  throw std::invalid_argument("gemm peak: dtype \"" + dtype +
+                              "\" is not one of \"float32\", \"bfloat16\"");
+}
+
+void fill_with_ones(dnnl::memory& memory, dnnl::memory::data_type type, int64_t count) {
+  void* data = memory.get_data_handle();
+  if (type == dnnl::memory::data_type::f32) {
+    std::fill_n(static_cast<float*>(data), count, 1.0f);
+  } else {
+    std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x3f80));  // bfloat16 1.0
+  }
+}
+
+}  // namespace
+
+double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size) {
+  omp_set_num_threads(1);
+  const dnnl::memory::data_type type = operand_type(dtype);
+  const dnnl::memory::dims square{size, size};
+  const dnnl::memory::desc a(square, type, dnnl::memory::format_tag::ab);
+  const dnnl::memory::desc c(square, dnnl::memory::data_type::f32, dnnl::memory::format_tag::ab);
+  try {
+    const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    dnnl::stream stream(engine);
+    const dnnl::matmul matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, a, c), engine));
+    // Operands of ones: a GEMM's speed does not depend on the values.
+    dnnl::memory a_memory(a, engine), c_memory(c, engine);
+    fill_with_ones(a_memory, type, size * size);
+    const auto multiply = [&] {
+      matmul.execute(
+          stream,
+          {{DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, a_memory}, {DNNL_ARG_DST, c_memory}});
+      stream.wait();
+    };
+    multiply();
+    int64_t done = 0;
+    const auto start = Clock::now();
+    double elapsed = 0;
+    while (done < 3 || elapsed < seconds) {
+      multiply();
+      ++done;
+      elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+    return 2.0 * double(size) * double(size) * double(size) * double(done) / elapsed;
+  } catch (const dnnl::error& error) {
+    throw std::runtime_error(std::string("gemm peak: oneDNN failed: ") + error.what());
+  }
+}
+
+std::vector<PeakResult> run_peak_bench(const std::vector<std::string>& dtypes, int64_t threads,
+                                       double seconds) {
+  std::vector<PeakResult> results;
+  for (const std::string& dtype : dtypes) {
+    operand_type(dtype);
+    std::vector<double> rates(size_t(threads), 0.0);
+    std::vector<std::exception_ptr> failures(static_cast<size_t>(threads));
+    std::vector<std::thread> workers;
+    for (int64_t t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        try {
+          rates[size_t(t)] = gemm_flops_per_s(dtype, seconds);
+        } catch (...) {
+          failures[size_t(t)] = std::current_exception();
+        }
+      });
+    }
+    for (std::thread& worker : workers) worker.join();
+    for (const std::exception_ptr& failure : failures) {
+      if (failure) std::rethrow_exception(failure);
+    }
+    PeakResult result{dtype, threads, 0.0, 0.0};
+    for (double rate : rates) result.flops_per_s += rate;
+    result.flops_per_s_per_thread = result.flops_per_s / double(threads);
+    results.push_back(result);
+  }
+  return results;
+}
+
+}  // namespace meshrun

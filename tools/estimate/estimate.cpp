@@ -1,0 +1,553 @@
+#include "estimate/estimate.hpp"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <toml++/toml.h>
+
+#include "bench/comm_bench.hpp"
+#include "errors.hpp"
+#include "numeric/peak.hpp"
+#include "simulate/simulate.hpp"
+#include "strategy/strategy.hpp"
+
+namespace meshrun {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Published and measured capacities (docs/plan.md, "Estimates", says where
+// each figure comes from). GEMM rates are what large GEMMs sustain, not the
+// datasheet peak: 989 TFLOP/s dense bfloat16 on an H100 SXM sustains about
+// 700 in cuBLAS; float32 matmuls run on TF32 tensor cores.
+HardwareProfile h100_sxm() {
+  return {"h100-sxm", 380e12, 700e12, 3.0e12, 80 * kGiB, 360e9, 45e9, 8, true};
+}
+HardwareProfile h200() { return {"h200", 380e12, 700e12, 4.3e12, 141e9, 360e9, 45e9, 8, true}; }
+
+int64_t usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+// This machine, measured now: each core's GEMM rate and one core's memcpy
+// bandwidth, shared by the ranks of a node when they outnumber the cores.
+// Shared-memory collectives reach 0.24x memcpy (64 MiB all_reduce, 2 ranks:
+// 3.6-3.9 GB/s against 16 GB/s); across simulated nodes MPI over TCP
+// reaches 1 GB/s busbw (tests/bench/hierarchical_allreduce.py).
+HardwareProfile cpu_this_machine(int64_t ranks_per_node) {
+  const int64_t cores = usable_cores();
+  const int64_t ranks = std::max<int64_t>(ranks_per_node, 1);
+  const double share = double(std::min(cores, ranks)) / double(ranks);
+  constexpr double kSeconds = 0.05;
+  const double memcpy = run_memcpy_bench({int64_t(64) << 20}, kSeconds).front().gbps * 1e9;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return {"cpu-this-machine",
+          gemm_flops_per_s("float32", kSeconds) * share,
+          gemm_flops_per_s("bfloat16", kSeconds) * share,
+          memcpy * share,
+          double(pages) * double(page) / double(ranks),
+          0.24 * memcpy * share,
+          1e9 * share,
+          ranks,
+          false};
+}
+
+[[noreturn]] void bad_profile(const std::string& file, const toml::source_region& where,
+                              const std::string& what) {
+  throw invalid_argument(
+      fmt::format("{}:{}:{}: {}", file, where.begin.line, where.begin.column, what));
+}
+
+double positive(const toml::table& table, const std::string& file, const char* key) {
+  const toml::node* node = table.get(key);
+  const auto value = node ? node->value<double>() : std::nullopt;
+  if (!value || !(*value > 0) || !std::isfinite(*value)) {
+    bad_profile(file, node ? node->source() : table.source(),
+                fmt::format("{}: expected a positive number", key));
+  }
+  return *value;
+}
+
+// A profile file: the fields of HardwareProfile, every one required.
+HardwareProfile profile_from_file(const std::string& file) {
+  toml::table table;
+  try {
+    table = toml::parse_file(file);
+  } catch (const toml::parse_error& error) {
+    bad_profile(file, error.source(), std::string(error.description()));
+  }
+  static const char* const kKeys[] = {"name",
+                                      "ranks_per_node",
+                                      "matmul_flops_per_s_float32",
+                                      "matmul_flops_per_s_bfloat16",
+                                      "memory_bandwidth_bytes_per_s",
+                                      "memory_bytes",
+                                      "intra_node_busbw_bytes_per_s",
+                                      "inter_node_busbw_bytes_per_s",
+                                      "overlaps_communication"};
+  for (const auto& [key, node] : table) {
+    if (std::find(std::begin(kKeys), std::end(kKeys), key.str()) == std::end(kKeys)) {
+      bad_profile(file, node.source(),
+                  fmt::format("unknown key '{}'; valid keys: {}", key.str(),
+                              fmt::join(std::begin(kKeys), std::end(kKeys), ", ")));
+    }
+  }
+  HardwareProfile profile;
+  profile.name = table["name"].value_or(file);
+  profile.ranks_per_node = int64_t(positive(table, file, "ranks_per_node"));
+  profile.matmul_flops_float32 = positive(table, file, "matmul_flops_per_s_float32");
+  profile.matmul_flops_bfloat16 = positive(table, file, "matmul_flops_per_s_bfloat16");
+  profile.memory_bandwidth = positive(table, file, "memory_bandwidth_bytes_per_s");
+  profile.memory_bytes = positive(table, file, "memory_bytes");
+  profile.intra_node_busbw = positive(table, file, "intra_node_busbw_bytes_per_s");
+  profile.inter_node_busbw = positive(table, file, "inter_node_busbw_bytes_per_s");
+  const toml::node* overlap = table.get("overlaps_communication");
+  if (overlap && !overlap->is_boolean()) {
+    bad_profile(file, overlap->source(), "overlaps_communication: expected true or false");
+  }
+  profile.overlaps_communication = overlap ? overlap->value_or(true) : true;
+  return profile;
+}
+
+// ---- where the parameters and layers are ----
+
+// What one pipeline rank holds: its parameters (tp-local elements), layers,
+// whether it embeds and whether it holds the head.
+struct RankShare {
+  int64_t numel = 0;
+  int64_t layers = 0;
+  bool embedding = false, head = false;
+  int64_t largest_unit = 0;  // tp-local elements of its largest unit
+};
+
+std::vector<RankShare> rank_shares(const Plan& plan) {
+  const ModelDescription& local = plan.tensor_parallel->local();
+  std::vector<int64_t> unit_numel(local.units.size(), 0);
+  for (const ModelParameter& p : local.parameters) unit_numel[size_t(p.unit)] += p.numel;
+  const auto& split = plan.model_plan.value("pipeline", nlohmann::ordered_json());
+  if (split.is_null() || split.empty()) {
+    return {RankShare{local.numel, int64_t(local.units.size()) - 1, true, true,
+                      *std::max_element(unit_numel.begin(), unit_numel.end())}};
+  }
+  std::vector<RankShare> shares(size_t(plan.mesh.axis_size(Axis::pp)));
+  for (const auto& stage : split) {
+    RankShare& share = shares.at(stage.at("rank").get<size_t>());
+    const StageContents contents =
+        stage_contents(*plan.model, stage.at("modules").get<std::vector<std::string>>());
+    for (const int64_t p : contents.parameters) share.numel += local.parameters[size_t(p)].numel;
+    for (const int32_t unit : contents.units) {
+      share.layers += unit == local.root_unit() ? 0 : 1;
+      share.largest_unit = std::max(share.largest_unit, unit_numel[size_t(unit)]);
+    }
+    share.embedding = share.embedding || stage.at("stage").get<int64_t>() == 0;
+    share.head = share.head || stage.at("stage").get<size_t>() + 1 == split.size();
+  }
+  return shares;
+}
+
+// ---- memory ----
+
+int64_t stages_per_rank(const Plan& plan) {
+  const auto& split = plan.model_plan.value("pipeline", nlohmann::ordered_json());
+  const int64_t pp = plan.mesh.axis_size(Axis::pp);
+  return split.is_array() && !split.empty() ? int64_t(split.size()) / pp : 1;
+}
+
+// The schedule's simulation with a backward twice the forward: its bubble
+// and the microbatch activations a rank holds at its peak.
+schedule::Simulation simulate_schedule(const Plan& plan) {
+  const Config& config = *plan.config;
+  const int64_t pp = plan.mesh.axis_size(Axis::pp);
+  const int64_t per_rank = stages_per_rank(plan);
+  const int64_t microbatches = pipeline_microbatches(config, plan.mesh.axis_size(Axis::dp));
+  const std::string& csv = config.distributed.pipeline.pp_schedule_csv;
+  const schedule::Schedule compute =
+      csv.empty() ? schedule::generate(*plan.schedule, pp, per_rank, microbatches)
+                  : schedule::read_csv(csv, pp, per_rank, microbatches);
+  return schedule::simulate(compute, schedule::Costs{1, 2, 1, 1, 0, 0});
+}
+
+// Float32 elements a rank keeps per token of one microbatch in `mode`.
+double kept_per_token(const ModelDescription::Activations& a, const RankShare& share,
+                      const std::string& mode, int64_t tp, bool sequence_parallel) {
+  const double split = 1.0 / double(tp);
+  double layer = 0;
+  if (mode == "none") layer = double(a.layer.whole) + double(a.layer.tp_split) * split;
+  if (mode == "selective") {
+    layer = double(a.layer.whole - a.elementwise.whole) +
+            double(a.layer.tp_split - a.elementwise.tp_split) * split;
+  }
+  const double stream = double(a.stream) * (sequence_parallel ? split : 1.0);
+  double total =
+      double(share.layers) * layer + double(share.layers + (share.head ? 1 : 0)) * stream;
+  if (share.head) total += double(a.head.whole) + double(a.head.tp_split) * split + 1;  // + targets
+  if (share.embedding) total += 1;  // the token ids (int32)
+  return total;
+}
+
+std::optional<int64_t> activation_bytes(const Plan& plan, const RankShare& share,
+                                        const std::string& mode, int64_t microbatches_held) {
+  const auto& activations = plan.model->description().activations;
+  if (!activations) return std::nullopt;
+  const Config& config = *plan.config;
+  const int64_t tp = plan.mesh.axis_size(Axis::tp);
+  const bool sp = config.distributed.sequence_parallel;
+  const int64_t batch = plan.mesh.axis_size(Axis::pp) > 1
+                            ? config.distributed.pipeline.pp_microbatch_size
+                            : config.train.micro_batch_size;
+  const double rows = double(batch * config.data.seq_len) / double(plan.mesh.axis_size(Axis::cp));
+  double bytes =
+      4.0 * rows * kept_per_token(*activations, share, mode, tp, sp) * double(microbatches_held);
+  // A fully recomputed layer's backward runs in one scratch layer.
+  if (mode == "full" && share.layers > 0) {
+    bytes += 4.0 * rows *
+             (double(activations->layer.whole) + double(activations->layer.tp_split) / double(tp));
+  }
+  return int64_t(bytes);
+}
+
+std::string checkpointing_mode(const Config& config) {
+  const std::string& mode = config.distributed.activation_checkpointing;
+  return mode.empty() ? "none" : mode;
+}
+
+// Bytes of one gathered parameter element: the dtype a sharded strategy
+// gathers in.
+int64_t gathered_bytes(const Config& config) {
+  return config.distributed.strategy == "fsdp2" &&
+                 config.distributed.mp_policy.param_dtype == "bfloat16"
+             ? 2
+             : 4;
+}
+
+// Bytes per element of the largest unit a sharded strategy holds gathered
+// at its peak: the units gathered at once (the one computing and those
+// prefetched; fsdp2's deeper backward prefetch), each in the gathered dtype
+// and in float32 (the copy computed with, or the unit's gradients), and the
+// float32 gradients of the unit being reduce-scattered. Checked against
+// mem.buffers_peak of runs (docs/plan.md, "Estimates").
+int64_t gathered_unit_bytes(const Config& config) {
+  const DistributedConfig& d = config.distributed;
+  const int64_t per_unit = gathered_bytes(config) + 4;
+  int64_t units = 1;
+  if (d.strategy == "fsdp2" && d.enable_fsdp2_prefetch) {
+    units += std::max(d.fsdp2_forward_prefetch_depth, d.fsdp2_backward_prefetch_depth);
+  } else if (d.strategy == "megatron_fsdp" && d.overlap_param_gather) {
+    units += 1;
+  }
+  return units * per_unit + 4;
+}
+
+MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMemoryPlan>& predicted,
+                               const RankShare& share, int64_t held) {
+  MemoryEstimate memory;
+  const ModelDescription& local = plan.tensor_parallel->local();
+  const double fraction = double(share.numel) / double(std::max<int64_t>(local.numel, 1));
+  const int64_t updated =
+      predicted ? int64_t(double(predicted->local_numel) * fraction) : share.numel;
+  memory.params = 4 * updated;
+  memory.grads = 4 * updated;
+  memory.optimizer = 8 * updated;
+  memory.buffers = predicted ? int64_t(double(predicted->buffers_held) * fraction) : 0;
+  if (strategy_shards(*plan.strategy)) {
+    memory.buffers += share.largest_unit * gathered_unit_bytes(*plan.config);
+  }
+  memory.checkpointing = checkpointing_mode(*plan.config);
+  memory.microbatches_held = held;
+  memory.activations_none = activation_bytes(plan, share, "none", held);
+  memory.activations_selective = activation_bytes(plan, share, "selective", held);
+  memory.activations_full = activation_bytes(plan, share, "full", held);
+  return memory;
+}
+
+// ---- time ----
+
+// Whether the ranks of an `axis` group sit on more than one node: the mesh
+// lays axes out (pp, dp_replicate, dp_shard, cp, tp), tp innermost.
+bool spans_nodes(const MeshContext& mesh, std::initializer_list<Axis> axes,
+                 int64_t ranks_per_node) {
+  static constexpr Axis kOrder[] = {Axis::pp, Axis::dp_replicate, Axis::dp_shard, Axis::cp,
+                                    Axis::tp};
+  int64_t extent = 1;  // stride of the outermost axis of the group x its size
+  bool inside = false;
+  for (const Axis axis : kOrder) {
+    if (std::find(axes.begin(), axes.end(), axis) != axes.end()) inside = true;
+    if (inside) extent *= mesh.axis_size(axis);
+  }
+  return extent > ranks_per_node;
+}
+
+double busbw(const HardwareProfile& hw, bool across_nodes) {
+  return across_nodes ? hw.inter_node_busbw : hw.intra_node_busbw;
+}
+
+struct Communication {
+  double data_parallel = 0;       // seconds per step, overlappable with compute
+  double data_parallel_edge = 0;  // the part no compute can hide (first gather, last reduce)
+  double tensor_parallel = 0;     // exposed
+};
+
+Communication estimate_communication(const Plan& plan, const RankShare& share,
+                                     const HardwareProfile& hw, int64_t microbatches) {
+  const Config& config = *plan.config;
+  const MeshContext& mesh = plan.mesh;
+  Communication comm;
+  const double numel = double(share.numel);
+  if (strategy_shards(*plan.strategy)) {
+    const double n = double(mesh.axis_size(Axis::dp_shard_cp));
+    const double bw = busbw(hw, spans_nodes(mesh, {Axis::dp_shard, Axis::cp}, hw.ranks_per_node));
+    const double gathers =
+        config.distributed.strategy == "megatron_fsdp" && config.distributed.zero_dp_strategy < 3
+            ? 1.0
+            : 2.0;
+    const double moved =
+        (n - 1) / n * numel * (gathers * double(gathered_bytes(config)) + 4.0);  // + reduce-scatter
+    comm.data_parallel = moved / bw;
+    const double r = double(mesh.axis_size(Axis::dp_replicate));
+    if (r > 1) {
+      comm.data_parallel += 2 * (r - 1) / r * 4 * numel / n /
+                            busbw(hw, spans_nodes(mesh, {Axis::dp_replicate}, hw.ranks_per_node));
+    }
+    const double units = double(std::max<int64_t>(share.layers, 1));
+    comm.data_parallel_edge = comm.data_parallel / units;
+  } else {
+    const double n = double(mesh.axis_size(Axis::dp_cp));
+    const double bw = busbw(
+        hw, spans_nodes(mesh, {Axis::dp_replicate, Axis::dp_shard, Axis::cp}, hw.ranks_per_node));
+    comm.data_parallel = 2 * (n - 1) / n * 4 * numel / bw;
+    const double bucket = std::min(config.distributed.bucket_cap_mb * 1e6, 4 * numel);
+    comm.data_parallel_edge = n > 1 ? 2 * (n - 1) / n * bucket / bw : 0;
+  }
+  const double tp = double(mesh.axis_size(Axis::tp));
+  const auto& activations = plan.model->description().activations;
+  if (tp > 1 && activations) {
+    const int64_t batch = mesh.axis_size(Axis::pp) > 1
+                              ? config.distributed.pipeline.pp_microbatch_size
+                              : config.train.micro_batch_size;
+    const double rows = double(batch * config.data.seq_len) / double(mesh.axis_size(Axis::cp));
+    // Two sums of the residual stream per layer forward, two backward.
+    const double per_layer = 4 * 2 * (tp - 1) / tp * rows * double(activations->stream) * 4;
+    const double exposed = config.distributed.enable_async_tensor_parallel ? 0.5 : 1.0;
+    comm.tensor_parallel = exposed * per_layer * double(share.layers) * double(microbatches) /
+                           busbw(hw, spans_nodes(mesh, {Axis::tp}, hw.ranks_per_node));
+  }
+  return comm;
+}
+
+TimeEstimate estimate_time(const Plan& plan, const RankShare& share, const HardwareProfile& hw,
+                           const Estimate& partial, double bubble_fraction, int64_t updated_numel) {
+  const Config& config = *plan.config;
+  const MeshContext& mesh = plan.mesh;
+  TimeEstimate time;
+  const double world = double(mesh.world_size());
+  const double flops = partial.flops_per_token * double(partial.tokens_per_step) / world;
+  const double recompute = checkpointing_mode(config) == "full" ? 4.0 / 3.0 : 1.0;
+  const double rate =
+      partial.matmul_dtype == "bfloat16" ? hw.matmul_flops_bfloat16 : hw.matmul_flops_float32;
+  time.matmul = flops * recompute / rate;
+  // Element-wise passes: what the forward keeps is written once and read by
+  // the backward, and gradients of the same size are written and read.
+  const auto& activations = plan.model->description().activations;
+  const int64_t pp_microbatch = mesh.axis_size(Axis::pp) > 1
+                                    ? config.distributed.pipeline.pp_microbatch_size
+                                    : config.train.micro_batch_size;
+  const double microbatches =
+      double(config.train.global_batch_size) / double(mesh.axis_size(Axis::dp) * pp_microbatch);
+  if (activations) {
+    const double rank_tokens =
+        double(partial.tokens_per_step) / double(mesh.axis_size(Axis::dp_cp));
+    const double floats = kept_per_token(*activations, share, "none", mesh.axis_size(Axis::tp),
+                                         config.distributed.sequence_parallel);
+    time.elementwise = 4.0 * 4.0 * floats * rank_tokens / hw.memory_bandwidth;
+  }
+  // AdamW reads parameter, gradient and both moments and writes three of
+  // them; the gradient norm reads the gradients once more.
+  time.optimizer = 8.0 * 4.0 * double(updated_numel) / hw.memory_bandwidth;
+  time.compute = time.matmul + time.elementwise + time.optimizer;
+  const Communication comm =
+      estimate_communication(plan, share, hw, int64_t(std::ceil(microbatches)));
+  time.communication = comm.data_parallel + comm.tensor_parallel;
+  const double hidden_behind = hw.overlaps_communication ? time.matmul + time.elementwise : 0.0;
+  const double data_parallel_exposed =
+      std::min(comm.data_parallel,
+               std::max(0.0, comm.data_parallel - hidden_behind) + comm.data_parallel_edge);
+  time.exposed_communication = data_parallel_exposed + comm.tensor_parallel;
+  const double busy = time.compute + time.exposed_communication;
+  time.bubble_fraction = bubble_fraction;
+  time.step = busy / (1.0 - bubble_fraction);
+  time.bubble = time.step - busy;
+  time.tokens_per_s = double(partial.tokens_per_step) / time.step;
+  time.mfu = partial.flops_per_token * double(partial.tokens_per_step) / (time.step * world * rate);
+  return time;
+}
+
+std::string bytes_text(double bytes) {
+  return bytes >= kGiB ? fmt::format("{:.2f} GiB", bytes / kGiB)
+                       : fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0));
+}
+
+std::string optional_bytes(const std::optional<int64_t>& bytes) {
+  return bytes ? bytes_text(double(*bytes)) : "not described by the model";
+}
+
+std::string seconds_text(double seconds) {
+  return seconds >= 1 ? fmt::format("{:.3f} s", seconds) : fmt::format("{:.2f} ms", seconds * 1e3);
+}
+
+nlohmann::ordered_json optional_json(const std::optional<int64_t>& value) {
+  return value ? nlohmann::ordered_json(*value) : nlohmann::ordered_json(nullptr);
+}
+
+}  // namespace
+
+HardwareProfile hardware_profile(const std::string& name, int64_t ranks_per_node) {
+  HardwareProfile profile;
+  if (name == "h100-sxm") {
+    profile = h100_sxm();
+  } else if (name == "h200") {
+    profile = h200();
+  } else if (name == "cpu-this-machine") {
+    return cpu_this_machine(ranks_per_node);
+  } else if (name.size() > 5 && name.ends_with(".toml")) {
+    if (access(name.c_str(), R_OK) != 0) {
+      throw Error(MESHRUN_NOT_FOUND, fmt::format("--hardware {}: cannot read the file", name));
+    }
+    profile = profile_from_file(name);
+  } else {
+    throw invalid_argument(fmt::format(
+        "--hardware {}: expected h100-sxm, h200, cpu-this-machine or a .toml profile file", name));
+  }
+  if (ranks_per_node > 0) profile.ranks_per_node = ranks_per_node;
+  return profile;
+}
+
+int64_t MemoryEstimate::total() const {
+  const std::optional<int64_t>& held = checkpointing == "full"        ? activations_full
+                                       : checkpointing == "selective" ? activations_selective
+                                                                      : activations_none;
+  return params + grads + optimizer + buffers + held.value_or(0);
+}
+
+Estimate estimate_run(const Plan& plan, const HardwareProfile& hardware) {
+  if (!plan.model) throw invalid_argument("meshrun plan --estimate: the plan has no model");
+  const Config& config = *plan.config;
+  Estimate estimate;
+  estimate.hardware = hardware;
+  const ModelDescription& description = plan.model->description();
+  estimate.matmul_dtype = matmul_dtype(config, description);
+  estimate.flops_per_token = flops_per_token(description, config.data.seq_len);
+  estimate.tokens_per_step = config.train.global_batch_size * config.data.seq_len;
+  estimate.nodes = (plan.mesh.world_size() + hardware.ranks_per_node - 1) / hardware.ranks_per_node;
+
+  std::vector<RankShare> shares = rank_shares(plan);
+  double bubble = 0;
+  std::vector<int64_t> held(shares.size(), 1);
+  if (plan.mesh.axis_size(Axis::pp) > 1) {
+    const schedule::Simulation simulation = simulate_schedule(plan);
+    bubble = simulation.bubble_fraction;
+    // A (stage, microbatch) pair held is one stage's share of the rank's.
+    const int64_t per_rank = stages_per_rank(plan);
+    for (size_t r = 0; r < shares.size(); ++r) {
+      held[r] = (simulation.peak_activations[r] + per_rank - 1) / per_rank;
+    }
+  }
+  const std::optional<StrategyMemoryPlan> predicted = predict_state_memory(plan);
+  size_t most = 0;
+  for (size_t r = 0; r < shares.size(); ++r) {
+    const MemoryEstimate memory = estimate_memory(plan, predicted, shares[r], held[r]);
+    if (r == 0 || memory.total() > estimate.memory.total()) {
+      estimate.memory = memory;
+      most = r;
+    }
+  }
+  estimate.time =
+      estimate_time(plan, shares[most], hardware, estimate, bubble, estimate.memory.params / 4);
+  return estimate;
+}
+
+std::string estimate_to_text(const Estimate& e) {
+  const MemoryEstimate& m = e.memory;
+  const TimeEstimate& t = e.time;
+  const HardwareProfile& hw = e.hardware;
+  std::string text =
+      fmt::format("estimate  on {}: {} node{} of {} ranks; matmuls in {}\n", hw.name, e.nodes,
+                  e.nodes == 1 ? "" : "s", hw.ranks_per_node, e.matmul_dtype);
+  text += fmt::format("memory    per rank (the rank holding the most): {} of {} ({})\n",
+                      bytes_text(double(m.total())), bytes_text(hw.memory_bytes),
+                      double(m.total()) <= hw.memory_bytes ? "fits" : "does not fit");
+  text += fmt::format("          params {}, grads {}, AdamW moments {}, buffers {}\n",
+                      bytes_text(double(m.params)), bytes_text(double(m.grads)),
+                      bytes_text(double(m.optimizer)), bytes_text(double(m.buffers)));
+  text += fmt::format(
+      "          activations ({} microbatch{} held): no checkpointing {}, selective {}, full {};"
+      " this plan: {}\n",
+      m.microbatches_held, m.microbatches_held == 1 ? "" : "es", optional_bytes(m.activations_none),
+      optional_bytes(m.activations_selective), optional_bytes(m.activations_full), m.checkpointing);
+  text += fmt::format(
+      "step      {}: compute {} (matmuls {}, element-wise {}, optimizer {}), exposed "
+      "communication {} of {}, pipeline bubble {} ({:.1f}%)\n",
+      seconds_text(t.step), seconds_text(t.compute), seconds_text(t.matmul),
+      seconds_text(t.elementwise), seconds_text(t.optimizer), seconds_text(t.exposed_communication),
+      seconds_text(t.communication), seconds_text(t.bubble), 100 * t.bubble_fraction);
+  text += fmt::format(
+      "          {:.0f} tokens/s ({:.0f} per rank), MFU {:.3f} against the GEMM "
+      "rate; {:.4g} FLOPs per token, {} tokens per step\n",
+      t.tokens_per_s, t.tokens_per_s / double(e.nodes * hw.ranks_per_node), t.mfu,
+      e.flops_per_token, e.tokens_per_step);
+  return text;
+}
+
+nlohmann::ordered_json estimate_to_json(const Estimate& e) {
+  const MemoryEstimate& m = e.memory;
+  const TimeEstimate& t = e.time;
+  const HardwareProfile& hw = e.hardware;
+  return {
+      {"hardware",
+       {{"name", hw.name},
+        {"ranks_per_node", hw.ranks_per_node},
+        {"matmul_flops_per_s_float32", hw.matmul_flops_float32},
+        {"matmul_flops_per_s_bfloat16", hw.matmul_flops_bfloat16},
+        {"memory_bandwidth_bytes_per_s", hw.memory_bandwidth},
+        {"memory_bytes", hw.memory_bytes},
+        {"intra_node_busbw_bytes_per_s", hw.intra_node_busbw},
+        {"inter_node_busbw_bytes_per_s", hw.inter_node_busbw}}},
+      {"nodes", e.nodes},
+      {"matmul_dtype", e.matmul_dtype},
+      {"flops_per_token", e.flops_per_token},
+      {"tokens_per_step", e.tokens_per_step},
+      {"memory",
+       {{"params", m.params},
+        {"grads", m.grads},
+        {"optimizer", m.optimizer},
+        {"buffers", m.buffers},
+        {"activations",
+         {{"none", optional_json(m.activations_none)},
+          {"selective", optional_json(m.activations_selective)},
+          {"full", optional_json(m.activations_full)}}},
+        {"checkpointing", m.checkpointing},
+        {"microbatches_held", m.microbatches_held},
+        {"total", m.total()},
+        {"fits", double(m.total()) <= hw.memory_bytes}}},
+      {"time",
+       {{"step", t.step},
+        {"compute", t.compute},
+        {"matmul", t.matmul},
+        {"elementwise", t.elementwise},
+        {"optimizer", t.optimizer},
+        {"communication", t.communication},
+        {"exposed_communication", t.exposed_communication},
+        {"bubble", t.bubble},
+        {"bubble_fraction", t.bubble_fraction},
+        {"tokens_per_s", t.tokens_per_s},
+        {"mfu", t.mfu}}},
+  };
+}
+
+}  // namespace meshrun

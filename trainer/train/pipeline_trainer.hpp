@@ -1,0 +1,102 @@
+// The training of one rank of a pipeline-parallel run (pp > 1): the stages
+// the plan's split puts on this rank, each an FSDP2-sharded model stage
+// over the data-parallel axis, run by the executor through the schedule
+// (a schedule plugin or pp_schedule_csv, lowered and validated), with AdamW
+// on each stage's local shard.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "config/config.hpp"
+#include "pipeline/executor.hpp"
+#include "plan/plan.hpp"
+#include "schedule/schedule.hpp"
+#include "state/checkpoint.hpp"
+#include "state/local_parameters.hpp"
+#include "state/optimizer.hpp"
+#include "strategy/strategy.hpp"
+#include "train/data.hpp"
+#include "train/loop.hpp"
+#include "train/pipeline_stage.hpp"
+
+namespace meshrun::train {
+
+struct PipelineContext {
+  const Config& config;
+  const TokenData& data;
+  const Plan& plan;
+  Communicator& world;
+  Communicator& pipeline;         // pp
+  Communicator& data_parallel;    // dp
+  Communicator& shard_group;      // dp_shard_cp
+  Communicator& replicate_group;  // dp_replicate
+  // ep_shard with expert parallelism (the experts' FSDP2), else null.
+  Communicator* expert_shard_group = nullptr;
+  StageCommunicators computing;  // the axes the model computes over
+  std::string strategy_options;  // the strategy's JSON options
+  std::string output_dir;
+  GemmPeakMeter gemm_peak;
+};
+
+// The schedule the config asks for on `pp` ranks with `stages` stages and
+// `microbatches` microbatches, with communication and FSDP2's sharding
+// actions, validated.
+schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int64_t pp,
+                                     int64_t stages, int64_t microbatches);
+
+class PipelineTrainer : public TrainingRank {
+ public:
+  explicit PipelineTrainer(PipelineContext context);
+  ~PipelineTrainer() override;
+
+  void resume(const CheckpointIndex& index);
+  void run();
+
+  void train_step(int64_t step, StepMetrics& metrics) override;
+  double gradient_norm() override;
+  void optimizer_step(const StepMetrics& metrics) override;
+  std::optional<int64_t> first_nonfinite_gradient() override;
+  std::optional<double> validate() override;
+  MemoryUse memory_use() override;
+  void save_checkpoint(int64_t step) override;
+  void export_weights() override;
+
+ private:
+  struct Held;
+  struct HeldPart;
+  // A strategy over `contents` of `held`'s stage, its shard and its AdamW.
+  HeldPart& add_part(Held& held, const StageContents& contents, Communicator& data_parallel,
+                     Communicator& shard_group, Communicator& replicate_group,
+                     const std::string& options);
+  void build_stages();
+  double forward_for_evaluation(int64_t count);
+  double all_reduce(double value, ReduceOp op, Communicator& over);
+  // Whether this rank adds the loss and the weights of its stage (tp and cp
+  // ranks hold the same).
+  bool counts_model_result() const;
+  // Elements [begin, end) of the stage's local shard in the full model's
+  // flat layout, and the rank's local shards and moments concatenated.
+  std::vector<HeldRange> rank_ranges(bool saved) const;
+  TensorParallelRank tensor_parallel() const {
+    return {*ctx_.plan.tensor_parallel, *ctx_.computing.tp};
+  }
+  std::vector<ShardState> shard_states();
+  // Samples what the rank's stages hold for backward together.
+  void sample_activations();
+
+  PipelineContext ctx_;
+  std::optional<Communicator> alone_;  // the experts' replicate group: this rank
+  int64_t microbatches_ = 0;
+  std::vector<std::unique_ptr<Held>> held_;
+  std::optional<pipeline::Executor> executor_;
+  ActivationMeter activations_;
+  int64_t next_step_ = 0;
+  std::vector<int32_t> tokens_, targets_;
+};
+
+}  // namespace meshrun::train

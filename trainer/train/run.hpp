@@ -1,0 +1,31 @@
+// `meshrun train` outside the CLI's argument handling: the checks made once
+// before any rank starts, and the work of one rank.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "config/config.hpp"
+#include "plan/plan.hpp"
+#include "train/throughput.hpp"
+
+namespace meshrun::train {
+
+// Everything about the input that can fail without starting ranks: the data
+// file and its size against data.seq_len, the batch sizes against the
+// data-parallel size of `plan`, whether the strategy can train, the model,
+// and the checkpoints to start from. Throws input errors naming the key.
+void check_training_input(const Config& config, const Plan& plan);
+
+// One rank: joins the world through config.comm.backend, builds the mesh,
+// the model and the strategy, and trains into `output_dir` (when absent,
+// runs/<rank 0's start time>); mfu divides by what `gemm_peak` measures.
+// Returns the rank's exit status: 0, or 1
+// when a step was not finite (every rank stops there alike; rank 0 says
+// why). Other errors after the world exists end the rank through
+// launch::abort_rank, so mpirun stops the others.
+int train_rank(const Config& config, const std::optional<std::string>& output_dir,
+               const GemmPeakMeter& gemm_peak);
+
+}  // namespace meshrun::train
