@@ -46,25 +46,19 @@ plain_dir="${MESHRUN_BUILD_DIR:-build}"
 sanitize_dir="${MESHRUN_SANITIZE_BUILD_DIR:-build-sanitize}"
 status=0
 if [ $mode = quick ]; then
-  scripts/build.sh "$sweep"
-  # The sanitized tier builds at the lowest priority while the plain tests
-  # run: their ranks leave a third of the cores idle (waiting on each other
-  # and on timeouts), and nice 19 keeps the build out of their way.
-  sanitize_log="$plain_dir/sanitized-tier-build.log"
-  nice -n 19 scripts/build.sh --sanitize "$sweep" --target=meshrun_sanitized_tier \
-    >"$sanitize_log" 2>&1 &
-  sanitize_build=$!
-  ctest --test-dir "$plain_dir" -LE sanitized -j "$jobs" --output-on-failure "$@" || status=$?
-  if ! wait $sanitize_build; then
-    cat "$sanitize_log"
-    echo "meshrun test: the sanitized build failed (its log above: $sanitize_log)" >&2
-    exit 1
-  fi
+  scripts/build.sh "$sweep" -DMESHRUN_PLAIN_TIER=ON
+  scripts/build.sh --sanitize "$sweep" --target=meshrun_sanitized_tier
+  # One more job than cores: the tests that hold one processor mostly wait
+  # (for a timeout, a stopped rank), and multi-rank tests still never run
+  # more ranks than the cores beside another multi-rank test.
+  ctest --test-dir "$plain_dir" -LE sanitized -j $((jobs + 1)) --output-on-failure "$@" ||
+    status=$?
   sanitizer_options
   ctest --test-dir "$sanitize_dir" -L sanitized -j "$jobs" --output-on-failure "$@" || status=$?
 else
   full_dir="${MESHRUN_FULL_BUILD_DIR:-build-full}"
-  MESHRUN_BUILD_DIR="$full_dir" scripts/build.sh "$sweep" -DCMAKE_UNITY_BUILD=OFF
+  MESHRUN_BUILD_DIR="$full_dir" scripts/build.sh "$sweep" -DCMAKE_UNITY_BUILD=OFF \
+    -DMESHRUN_PLAIN_TIER=OFF
   scripts/build.sh --sanitize "$sweep"
   ctest --test-dir "$full_dir" -j "$jobs" --output-on-failure "$@" || status=$?
   sanitizer_options
