@@ -48,11 +48,7 @@ status=0
 if [ $mode = quick ]; then
   scripts/build.sh "$sweep" -DMESHRUN_PLAIN_TIER=ON
   scripts/build.sh --sanitize "$sweep" --target=meshrun_sanitized_tier
-  # One more job than cores: the tests that hold one processor mostly wait
-  # (for a timeout, a stopped rank), and multi-rank tests still never run
-  # more ranks than the cores beside another multi-rank test.
-  ctest --test-dir "$plain_dir" -LE sanitized -j $((jobs + 1)) --output-on-failure "$@" ||
-    status=$?
+  ctest --test-dir "$plain_dir" -LE sanitized -j "$jobs" --output-on-failure "$@" || status=$?
   sanitizer_options
   ctest --test-dir "$sanitize_dir" -L sanitized -j "$jobs" --output-on-failure "$@" || status=$?
 else
