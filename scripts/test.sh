@@ -2,7 +2,7 @@
 # The test command (CI's, through .ci/run). docs/testing.md says which tier
 # catches what and how long each takes on 2 cores.
 #
-#   scripts/test.sh          the quick tier, before every commit (about 13
+#   scripts/test.sh          the quick tier, before every commit (about 16
 #                            minutes from a fresh clone): the plain build
 #                            (build/, Release, -Werror) runs every test but
 #                            those labelled `sanitized`, which the sanitized
