@@ -14,13 +14,16 @@ instructions: operands rounded, float32 GEMM) computes the same products,
 summed in another order: FALLBACK_TOLERANCE.
 
 MFU: each metrics line's flops_per_s is run.json's flops_per_step over the
-step time, and mfu that over run.json's peak.
+step time, and mfu that over run.json's peak: measured, or stated by
+MESHRUN_GEMM_PEAK_FLOPS (which the other train tests set, to skip 0.1 s of
+measuring per run; it is removed here).
 
 Profile: train.profile = true writes DIR/trace.json, one process per rank,
 with step, compute and comm spans; `meshrun trace summary DIR` prints each
 rank's shares, which sum to 1.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -31,13 +34,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 from meshrun_testing import InputErrorAssertions  # noqa: E402
-from test_train import MESHRUN, Runs, TrainTest, losses, metrics  # noqa: E402
+from test_train import MESHRUN, Runs, TrainTest, losses, metrics, run  # noqa: E402
+
+STATED_PEAK = "MESHRUN_GEMM_PEAK_FLOPS"
+os.environ.pop(STATED_PEAK, None)
 
 FSDP2 = ("distributed.strategy=fsdp2",)
 FLOAT32 = ("distributed.mp_policy.param_dtype=float32",)
 LONG = ("train.steps=60", "train.val_every=0", "train.warmup_steps=6")
 BFLOAT16_DRIFT = 5e-3
 FALLBACK_TOLERANCE = 2e-3
+
+
+@contextlib.contextmanager
+def stated_peak(value):
+    os.environ[STATED_PEAK] = value
+    try:
+        yield
+    finally:
+        del os.environ[STATED_PEAK]
 
 
 def run_json(output):
@@ -89,11 +104,12 @@ class Bfloat16(TrainTest):
             self.assertNotIn("matmuls in bfloat16", text)
 
 
-class Utilization(TrainTest):
+class Utilization(TrainTest, InputErrorAssertions):
     def test_every_step_reports_flops_and_mfu_against_the_measured_peak(self):
         output = self.runs.train("mfu", 2)
         record = run_json(output)
         self.assertEqual(record["ranks"], 2)
+        self.assertEqual(record["peak_source"], "measured")
         self.assertGreater(record["peak_flops_per_s"], 1e9)
         # 6 x matmul weights + 12 x layers x width x seq_len for the tiny Llama:
         # per layer q, o 32x32, k, v 32x16, gate, up, down 32x64; lm_head 256x32.
@@ -106,6 +122,29 @@ class Utilization(TrainTest):
             self.assertAlmostEqual(m["mfu"], m["flops_per_s"] / record["peak_flops_per_s"],
                                    delta=1e-9)
             self.assertGreater(m["mfu"], 0)
+
+    def test_a_stated_peak_replaces_the_measurement_of_its_dtype(self):
+        with stated_peak("float32=1.5e11"):
+            output = self.runs.train("stated", 2)
+            bfloat16 = self.runs.train("stated-bfloat16", 1, *FSDP2)
+        record = run_json(output)
+        self.assertEqual(record["peak_source"], STATED_PEAK)
+        self.assertEqual(record["peak_flops_per_s"], 3e11)  # the two ranks' sum
+        for m in metrics(output):
+            self.assertAlmostEqual(m["mfu"], m["flops_per_s"] / 3e11, delta=1e-9)
+        # A dtype the variable does not name is measured.
+        record = run_json(bfloat16)
+        if record["matmul_dtype"] == "bfloat16":
+            self.assertEqual(record["peak_source"], "measured")
+
+    def test_a_bad_stated_peak_is_refused_before_any_rank_starts(self):
+        for value in ["float32", "float32=fast", "float32=-1e11", "float32=inf", "float16=1e11",
+                      "float32=1e11,float32=2e11", "float32=1e11,"]:
+            with stated_peak(value):
+                result = run(self.runs.config, "--nproc-per-node", "2", "--output",
+                             os.path.join(self.runs.root, "refused"))
+            self.assert_input_error(result, STATED_PEAK, "float32 or bfloat16")
+            self.assertFalse(os.path.exists(os.path.join(self.runs.root, "refused")))
 
     def test_bench_peak_measures_both_dtypes(self):
         result = subprocess.run([MESHRUN, "bench", "peak", "--threads", "1", "--seconds", "0.05",

@@ -13,6 +13,7 @@
 Run by ctest: test_faults.py MESHRUN_EXE [TestClass ...]
 """
 
+import concurrent.futures
 import json
 import os
 import re
@@ -103,7 +104,8 @@ class Job:
         """(status, stderr, seconds until it ended)."""
         start = time.monotonic()
         _, stderr = self.process.communicate(timeout=limit)
-        return self.process.returncode, stderr, time.monotonic() - start
+        self.ended_at = time.monotonic()
+        return self.process.returncode, stderr, self.ended_at - start
 
     def leftovers(self):
         """Processes of the job still there after it ended, killed."""
@@ -161,12 +163,39 @@ class BadInput(TrainTest, InputErrorAssertions):
 
 
 class Hangs(TrainTest):
-    def assert_stopped_rank_ends_the_job(self, name, *overrides):
+    """A rank stopped (SIGSTOP) in a pipeline, in fsdp2's collectives and in
+    ring attention's transfers: the others end the job within the comm
+    timeout. The three jobs run at once, since each mostly waits for its
+    timeout; each is timed from the moment its rank was stopped."""
+
+    JOBS = {"pipeline": PIPELINE, "fsdp2": FSDP2, "cp2": (*FSDP2, "distributed.cp_size=2")}
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
         timeout = "comm.timeout_minutes=%g" % (COMM_TIMEOUT_S / 60)
-        job = Job(self.runs, name, 2, timeout, *overrides)
-        job.wait_for_steps()
-        os.kill(job.rank_pid(1), signal.SIGSTOP)
-        status, stderr, seconds = job.finish(limit=COMM_TIMEOUT_S * 5)
+        jobs = {name: Job(cls.runs, name, 2, timeout, *overrides)
+                for name, overrides in cls.JOBS.items()}
+        stopped_at = {}
+        try:
+            for name, job in jobs.items():
+                job.wait_for_steps()
+                os.kill(job.rank_pid(1), signal.SIGSTOP)
+                stopped_at[name] = time.monotonic()
+        except BaseException:
+            for job in jobs.values():
+                job.process.terminate()  # the launcher ends its ranks
+            raise
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            ends = {name: pool.submit(job.finish, COMM_TIMEOUT_S * 5)
+                    for name, job in jobs.items()}
+        cls.ended = {}
+        for name, job in jobs.items():
+            status, stderr, _ = ends[name].result()
+            cls.ended[name] = (job, status, stderr, job.ended_at - stopped_at[name])
+
+    def assert_stopped_rank_ended_the_job(self, name):
+        job, status, stderr, seconds = self.ended[name]
         self.assertEqual(job.leftovers(), [])
         self.assertEqual(status, 3, stderr)
         self.assertLess(seconds, COMM_TIMEOUT_S + GRACE_S, stderr)
@@ -180,14 +209,14 @@ class Hangs(TrainTest):
         self.assertEqual(stderr.splitlines()[-1], "meshrun: error: rank 0 exited with status 3")
 
     def test_stopped_rank_ends_a_pipeline_within_the_timeout(self):
-        self.assert_stopped_rank_ends_the_job("pipeline", *PIPELINE)
+        self.assert_stopped_rank_ended_the_job("pipeline")
 
     def test_stopped_rank_ends_data_parallel_within_the_timeout(self):
-        self.assert_stopped_rank_ends_the_job("fsdp2", *FSDP2)
+        self.assert_stopped_rank_ended_the_job("fsdp2")
 
     def test_stopped_rank_ends_context_parallel_within_the_timeout(self):
         # Ring attention's transfers are in flight when the peer stops.
-        self.assert_stopped_rank_ends_the_job("cp2", *FSDP2, "distributed.cp_size=2")
+        self.assert_stopped_rank_ended_the_job("cp2")
 
 
 class Interrupts(TrainTest):

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <string>
@@ -23,7 +24,14 @@ using meshrun::MeshContext;
 using meshrun::MeshFamily;
 using meshrun::ParallelismSizes;
 
-constexpr int64_t kMaxWorld = 256;
+// Every world up to 256 ranks; MESHRUN_MESH_ORACLE_MAX_WORLD may lower the
+// bound (the quick test tier: 128 ranks, a third of the time under ASan;
+// the full sweep goes to 256).
+int64_t max_world() {
+  const char* value = std::getenv("MESHRUN_MESH_ORACLE_MAX_WORLD");
+  return value != nullptr ? std::clamp<int64_t>(std::atoll(value), 1, 256) : 256;
+}
+
 constexpr size_t kAxisCount = 10;
 
 constexpr std::array<Axis, kAxisCount> kAllAxes = {
@@ -271,11 +279,12 @@ int64_t sampled_ep(const Factorization& f, size_t counter) {
 
 }  // namespace
 
-TEST_CASE("mesh matches the brute-force oracle for every factorization up to 256 ranks",
+TEST_CASE("mesh matches the brute-force oracle for every factorization of up to 256 ranks",
           "[mesh][oracle]") {
   size_t counter = 0;
   int64_t meshes_compared = 0;
-  for (int64_t world = 1; world <= kMaxWorld; ++world) {
+  const int64_t last_world = max_world();
+  for (int64_t world = 1; world <= last_world; ++world) {
     for (const Factorization& f : factorizations(world)) {
       const bool explicit_dp = ++counter % 2 == 0;
       const int64_t ep = sampled_ep(f, counter);
@@ -301,16 +310,20 @@ TEST_CASE("mesh matches the brute-force oracle for every factorization up to 256
                      {MeshFamily::megatron_fsdp, megatron_accepts(f, moe), shape_f},
                      {MeshFamily::ddp, ddp_accepts(f, moe), shape_ddp}};
         for (const auto& c : cases) {
+          // One assertion per difference, not per mesh: Catch's bookkeeping
+          // of 90,000 passing assertions took most of the test's time.
           const std::string difference =
               check_family(sizes, world, c.family, c.accepted, c.expected);
-          INFO(describe(f, c.family, explicit_dp, moe));
-          REQUIRE(difference == "");
+          if (!difference.empty())
+            FAIL(describe(f, c.family, explicit_dp, moe) + ": " + difference);
           meshes_compared += c.accepted ? 1 : 0;
         }
       }
     }
   }
-  CHECK(meshes_compared > 30000);
+  // Over 100 accepted meshes per world size on average (18,155 up to 128
+  // ranks, over 30,000 up to 256): every family is compared, not skipped.
+  CHECK(meshes_compared > 100 * last_world);
 }
 
 TEST_CASE("mesh accepts and rejects sizes exactly as the rules say", "[mesh][oracle]") {

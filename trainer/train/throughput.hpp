@@ -14,24 +14,34 @@
 
 namespace meshrun::train {
 
+// One rank's GEMM peak and where it came from: "measured", or the name of
+// what stated it (meshrun's CLI: the MESHRUN_GEMM_PEAK_FLOPS variable).
+struct GemmPeak {
+  double flops_per_s = 0;
+  std::string source;
+};
+
 // The GEMM rate (FLOP/s) the calling thread sustains in `matmul_dtype`
-// ("float32" or "bfloat16") over about `seconds`. The program that trains
-// supplies it (meshrun's CLI measures through oneDNN, the library the
-// shipped models compute with: plugins/numeric/peak.hpp), so that the core
-// depends on no compute library and a device's own peak can take its place.
-using GemmPeakMeter = std::function<double(const std::string& matmul_dtype, double seconds)>;
+// ("float32" or "bfloat16") over about `seconds`, or a rate the user stated.
+// The program that trains supplies it (meshrun's CLI measures through
+// oneDNN, the library the shipped models compute with:
+// plugins/numeric/peak.hpp), so that the core depends on no compute library
+// and a device's own peak can take its place.
+using GemmPeakMeter = std::function<GemmPeak(const std::string& matmul_dtype, double seconds)>;
 
 struct Throughput {
   std::string matmul_dtype;  // "float32" or "bfloat16"
   double flops_per_token = 0;
   double flops_per_step = 0;    // flops_per_token x the tokens of a step
   double peak_flops_per_s = 0;  // the GEMM peak of all ranks together
+  std::string peak_source;      // rank 0's GemmPeak::source
 };
 
 // Collective over `world`: every rank measures with `gemm_peak` the GEMM
 // rate its core sustains in the run's matmul dtype for about `seconds` (at
 // once, so ranks sharing a core measure their share), and the rates are
-// summed. Rank 0 writes OUTPUT/run.json.
+// summed (a stated rate is summed the same way). Rank 0 writes
+// OUTPUT/run.json.
 Throughput measure_throughput(const Config& config, const ModelDescription& description,
                               int64_t tokens_per_step, Communicator& world,
                               const std::string& output_dir, const GemmPeakMeter& gemm_peak,

@@ -1,6 +1,7 @@
 #include "engine.hpp"
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <utility>
 
@@ -133,6 +134,12 @@ std::string Engine::timed_out() {
 }
 
 void Engine::start() {
+  // A process started without a launcher is an MPI singleton, for which Open
+  // MPI forks a daemon (orted) so that it could spawn processes later:
+  // 0.2 s of every one-rank run, and meshrun never spawns. The environment
+  // may still ask for the daemon (OMPI_MCA_ess_singleton_isolated=0); other
+  // MPIs ignore the variable. Set here, before the engine's thread exists.
+  setenv("OMPI_MCA_ess_singleton_isolated", "1", 0);
   auto started = std::make_shared<Completion>();
   thread_ = std::thread([this, started] {
     try {
