@@ -2,14 +2,15 @@
 # The test command (CI's, through .ci/run). docs/testing.md says which tier
 # catches what and how long each takes on 2 cores.
 #
-#   scripts/test.sh          the quick tier, before every commit (about 16
+#   scripts/test.sh          the quick tier, before every commit (about 14
 #                            minutes from a fresh clone): the plain build
 #                            (build/, Release, -Werror) runs every test but
 #                            those labelled `sanitized`, which the sanitized
 #                            build (build-sanitize/: clang, ASan + UBSan,
 #                            libFuzzer) builds and runs: unit, parser, ABI,
 #                            fuzz-regression and plugin-loading tests and a
-#                            multi-rank training run per strategy
+#                            multi-rank training run per strategy, at nice 19
+#                            beside the plain tests
 #   scripts/test.sh --full   the full sweep: every test in a sanitized build
 #                            of everything and in a Release build compiled
 #                            file by file (build-full/: no unity, so a
