@@ -3,8 +3,11 @@
 # (cmake/MeshrunCuda.cmake says why). scripts/test.sh builds such a tree
 # with clang in build-sanitize/ (docs/testing.md).
 #
-# -O1 (after the build type's level, so it wins) keeps the instrumented code
-# fast enough for its tests; the model kernels keep their own -O3. Line
+# -O0 (after the build type's level, so it wins): instrumented code compiles
+# in about half the time of -O1 (docs/decisions.md). The files whose tests
+# are long loops are compiled at MESHRUN_SANITIZE_LOOP_OPTIONS (-O1: the
+# mesh, its oracle, the models' double-precision references), the model
+# kernels at their own -O3. Line
 # tables (-g1) are all the reports need, at a fraction of full debug
 # information's compile time. Assertions are on (-UNDEBUG): a sanitized
 # build is there to find what is wrong. Every report fails its test: UBSan aborts
@@ -22,7 +25,8 @@ endif()
 
 set(MESHRUN_SANITIZE_FLAGS -fsanitize=address,undefined -fno-sanitize-recover=undefined
   -fno-omit-frame-pointer)
-add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${MESHRUN_SANITIZE_FLAGS};-O1;-g1;-UNDEBUG>")
+add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${MESHRUN_SANITIZE_FLAGS};-O0;-g1;-UNDEBUG>")
+set(MESHRUN_SANITIZE_LOOP_OPTIONS -O1)
 add_link_options("$<$<LINK_LANGUAGE:C,CXX>:${MESHRUN_SANITIZE_FLAGS}>")
 # core/support/sanitized_keep_loaded.cpp replaces dlclose for the process:
 # every executable takes it from libmeshrun_core.a and exports it.
