@@ -65,11 +65,13 @@ class ShapeScanner {
   // or blank, or after a dot between the parts of a key (a."b"). Glued to a
   // bare word or number (181"abc, and 4."abc: in a value the dot is the
   // number's) toml++ reads it as more of that token, non-ASCII characters
-  // after it included.
+  // after it included; so it does after an '=' inside such a token (1'='x),
+  // which is not the one that ends a key.
   bool opens_string() const {
     if (at_ == 0) return true;
     const char before = text_[at_ - 1];
     if (before == '.') return key_mode_;
+    if (before == '=') return at_ - 1 == key_equals_at_;
     for (const char separator : {' ', '\t', '\r', '\n', '=', '[', '{', ','}) {
       if (before == separator) return true;
     }
@@ -95,6 +97,7 @@ class ShapeScanner {
       nest_deeper(depth_ + 1);
     } else if (c == '=') {
       key_mode_ = false;
+      key_equals_at_ = at_;
     } else if (c == '}') {
       close();
       return;
@@ -244,6 +247,7 @@ class ShapeScanner {
   size_t at_ = 0;
   int64_t line_ = 1, column_ = 1;
   size_t statement_start_ = 0;
+  size_t key_equals_at_ = std::string_view::npos;  // the '=' that ended the last key
   bool key_mode_ = true;
   int table_depth_ = 0;   // of the last [table] header
   int depth_ = 1;         // of the node being read

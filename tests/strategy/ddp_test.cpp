@@ -155,8 +155,11 @@ void refuses_bad_input(Context& c, const meshrun::PluginLoader& loader) {
       {R"([1, 2])", "JSON object"},
       {R"({"bucket_cap_mb": )", "not JSON"},
   };
-  for (const auto& [options, key] : bad_options) {
-    c.checker.expect_error("options " + options, MESHRUN_INVALID_ARGUMENT, {key},
+  // A named element, not a structured binding: clang before 16 cannot
+  // capture a binding in a lambda.
+  for (const auto& bad : bad_options) {
+    const std::string& options = bad.first;
+    c.checker.expect_error("options " + options, MESHRUN_INVALID_ARGUMENT, {bad.second},
                            [&] { Strategy(c.ddp, c.world, model.buffers(), options); });
   }
   Strategy strategy(c.ddp, c.world, model.buffers(), kOptions);
