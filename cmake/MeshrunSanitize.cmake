@@ -5,7 +5,7 @@
 #
 # -O0 (after the build type's level, so it wins): instrumented code compiles
 # in about half the time of -O1 (docs/decisions.md). The files whose tests
-# are long loops are compiled at MESHRUN_SANITIZE_LOOP_OPTIONS (-O1: the
+# are long loops are compiled at MESHRUN_SANITIZE_LOOP_OPTIONS (-O1: the comm test,
 # mesh, its oracle, the models' double-precision references), the model
 # kernels at their own -O3. Line
 # tables (-g1) are all the reports need, at a fraction of full debug

@@ -50,7 +50,7 @@ class ShapeScanner {
   void step() {
     const char c = peek();
     if (c == '#') return skip_comment();
-    if ((c == '"' || c == '\'') && opens_string()) return skip_string(c);
+    if ((c == '"' || c == '\'') && starts_token()) return skip_string(c);
     if (c == '\n') {
       advance();
       if (open_.empty()) start_statement();
@@ -61,21 +61,18 @@ class ShapeScanner {
     value_char(c);
   }
 
-  // A quote opens a string only where TOML can have one: after a separator
-  // or blank, or after a dot between the parts of a key (a."b"). Glued to a
-  // bare word or number (181"abc, and 4."abc: in a value the dot is the
-  // number's) toml++ reads it as more of that token, non-ASCII characters
-  // after it included; so it does after an '=' inside such a token (1'='x),
-  // which is not the one that ends a key.
-  bool opens_string() const {
+  // A quote opens a string, and a bracket or brace an array or inline
+  // table, only where TOML can start one: first on a line or after a blank,
+  // or right after the separator that ends what came before (the '=' that
+  // ends a key, an opening bracket or brace, an array's comma, a dot between
+  // the parts of a key: a."b"). Glued to a bare word or number (181"abc,
+  // 4."abc: in a value the dot is the number's; 1'='x, 0=<["x) toml++ reads
+  // it as more of that token, non-ASCII characters after it included.
+  bool starts_token() const {
     if (at_ == 0) return true;
     const char before = text_[at_ - 1];
-    if (before == '.') return key_mode_;
-    if (before == '=') return at_ - 1 == key_equals_at_;
-    for (const char separator : {' ', '\t', '\r', '\n', '=', '[', '{', ','}) {
-      if (before == separator) return true;
-    }
-    return false;
+    if (before == ' ' || before == '\t' || before == '\r' || before == '\n') return true;
+    return at_ - 1 == separator_at_;
   }
 
   void refuse_non_ascii(char c) const {
@@ -94,10 +91,11 @@ class ShapeScanner {
     if (c == '[' && open_.empty() && at_ == first_non_blank()) return read_header();
     if (c == '.') {
       key_bytes_ = 0;
+      separator_at_ = at_;
       nest_deeper(depth_ + 1);
     } else if (c == '=') {
       key_mode_ = false;
-      key_equals_at_ = at_;
+      separator_at_ = at_;
     } else if (c == '}') {
       close();
       return;
@@ -108,7 +106,8 @@ class ShapeScanner {
   }
 
   void value_char(char c) {
-    if (c == '[' || c == '{') {
+    if ((c == '[' || c == '{') && starts_token()) {
+      separator_at_ = at_;
       open_.push_back({depth_, c == '{'});
       key_mode_ = c == '{';
       key_bytes_ = 0;
@@ -117,6 +116,7 @@ class ShapeScanner {
       close();
       return;
     } else if (c == ',' && !open_.empty()) {
+      separator_at_ = at_;
       depth_ = open_.back().depth + 1;
       key_mode_ = open_.back().table;
       key_bytes_ = 0;
@@ -140,7 +140,7 @@ class ShapeScanner {
     key_bytes_ = 0;
     while (at_ < text_.size() && peek() != '\n' && peek() != '#') {
       const char c = peek();
-      if ((c == '"' || c == '\'') && opens_string()) {
+      if ((c == '"' || c == '\'') && starts_token()) {
         skip_string(c);
         continue;
       }
@@ -148,6 +148,7 @@ class ShapeScanner {
       refuse_non_ascii(c);
       if (c == '[' || c == '.') {
         key_bytes_ = 0;
+        separator_at_ = at_;
         nest_deeper(depth_ + 2);
       } else if (c != ' ' && c != '\t') {
         count_key_byte();
@@ -247,7 +248,7 @@ class ShapeScanner {
   size_t at_ = 0;
   int64_t line_ = 1, column_ = 1;
   size_t statement_start_ = 0;
-  size_t key_equals_at_ = std::string_view::npos;  // the '=' that ended the last key
+  size_t separator_at_ = std::string_view::npos;  // the last separator read (starts_token)
   bool key_mode_ = true;
   int table_depth_ = 0;   // of the last [table] header
   int depth_ = 1;         // of the node being read
