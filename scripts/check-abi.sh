@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Compares meshrun's exported C ABI with the committed baseline (abi/baseline/).
 #
-#   scripts/check-abi.sh [check|update] [--lib LIBMESHRUN] [--plugin PLUGIN]
+#   scripts/check-abi.sh [check|update] [--lib LIBMESHRUN] [--plugin PLUGIN] [--kit LIBKIT]
 #
-# Dumps, with abidw, the ABI of libmeshrun.so (the host API) and of one shipped
-# plugin (its meshrun_plugin_get_api reaches every plugin-ABI struct), keeping
+# Dumps, with abidw, the ABI of libmeshrun.so (the host API), of one shipped
+# plugin (its meshrun_plugin_get_api reaches every plugin-ABI struct) and of
+# libmeshrun_kit.so (the model kit, meshrun/kit.h), keeping
 # only types defined in abi/include/meshrun/. `check` (the default) compares
 # the dumps with abi/baseline/<library>.abi; `update` rewrites the baselines.
 #
@@ -23,10 +24,11 @@ headers="$root/abi/include/meshrun"
 baseline_dir="$root/abi/baseline"
 lib="$root/build/lib/libmeshrun.so"
 plugin="$root/build/lib/meshrun/plugins/meshrun_strategy_ddp.so"
+kit="$root/build/lib/libmeshrun_kit.so"
 mode=check
 
 usage() {
-  echo "usage: $0 [check|update] [--lib LIBMESHRUN] [--plugin PLUGIN]" >&2
+  echo "usage: $0 [check|update] [--lib LIBMESHRUN] [--plugin PLUGIN] [--kit LIBKIT]" >&2
   exit 1
 }
 
@@ -35,6 +37,7 @@ while (($#)); do
     check | update) mode="$1" ;;
     --lib) lib="${2:?--lib needs a path}"; shift ;;
     --plugin) plugin="${2:?--plugin needs a path}"; shift ;;
+    --kit) kit="${2:?--kit needs a path}"; shift ;;
     -h | --help) usage ;;
     *) echo "check-abi: unknown argument '$1'" >&2; usage ;;
   esac
@@ -171,7 +174,7 @@ baseline_name() {
   echo "${base%%.so*}"
 }
 
-for binary in "$lib" "$plugin"; do
+for binary in "$lib" "$plugin" "$kit"; do
   name="$(baseline_name "$binary")"
   if [[ "$mode" == update ]]; then
     mkdir -p "$baseline_dir"

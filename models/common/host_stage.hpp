@@ -217,10 +217,12 @@ class HostModel {
   using Family = typename Plugin::Family;
   using Config = typename Family::Config;
 
-  HostModel(const meshrun_host_services& host, const char* config_json)
-      : host_(host),
-        config_(Plugin::read_config(config_json)),
-        parameters_(Family::parameters(config_)) {}
+  HostModel(const meshrun_host_services& host, const char* config_json) requires requires {
+    Plugin::read_config(config_json);
+  } : HostModel(host, Plugin::read_config(config_json)) {
+  }
+  HostModel(const meshrun_host_services& host, Config config)
+      : host_(host), config_(std::move(config)), parameters_(Family::parameters(config_)) {}
 
   const meshrun_host_services& host() const { return host_; }
   const Config& config() const { return config_; }

@@ -216,9 +216,13 @@ void layernorm_backward(Real* dx, Real* d_weight, Real* d_bias, const Real* dy, 
 //   x'_i       = x_i cos - x_{i+d/2} sin
 //   x'_{i+d/2} = x_{i+d/2} cos + x_i sin
 
+//
+// Partial rotary embeddings (Phi's partial_rotary_factor) turn only the
+// first rotary_dim channels of each head, with d = rotary_dim above.
 template <typename Real>
 struct RotaryTable {
   int64_t half_dim = 0;
+  int64_t head_dim = 0;   // the distance between heads in a row
   std::vector<Real> cos;  // [seq_len, half_dim]
   std::vector<Real> sin;  // [seq_len, half_dim]
 
@@ -226,14 +230,16 @@ struct RotaryTable {
   RotaryTable(int64_t head_dim, int64_t seq_len, double theta)
       : RotaryTable(head_dim, counting(seq_len), theta) {}
   // Row t turns by the angles of positions[t] (a context-parallel rank's
-  // rows are not contiguous).
-  RotaryTable(int64_t head_dim, const std::vector<int64_t>& positions, double theta)
-      : half_dim(head_dim / 2),
+  // rows are not contiguous); rotary_dim 0 turns the whole head.
+  RotaryTable(int64_t head_dim, const std::vector<int64_t>& positions, double theta,
+              int64_t rotary_dim = 0)
+      : half_dim((rotary_dim > 0 ? rotary_dim : head_dim) / 2),
+        head_dim(head_dim),
         cos(positions.size() * size_t(half_dim)),
         sin(positions.size() * size_t(half_dim)) {
     for (size_t t = 0; t < positions.size(); ++t) {
       for (int64_t i = 0; i < half_dim; ++i) {
-        const double inv_freq = std::pow(theta, -2.0 * double(i) / double(head_dim));
+        const double inv_freq = std::pow(theta, -2.0 * double(i) / double(2 * half_dim));
         const double angle = double(positions[t]) * inv_freq;
         cos[t * size_t(half_dim) + size_t(i)] = Real(std::cos(angle));
         sin[t * size_t(half_dim) + size_t(i)] = Real(std::sin(angle));
@@ -261,7 +267,7 @@ void rotate_heads(Real* x, const RotaryTable<Real>& table, int64_t batch, int64_
       const Real* sin = table.sin.data() + t * half;
       Real* row = x + (b * seq_len + t) * row_stride;
       for (int64_t h = 0; h < heads; ++h) {
-        Real* first = row + h * 2 * half;
+        Real* first = row + h * table.head_dim;
         Real* second = first + half;
         for (int64_t i = 0; i < half; ++i) {
           const Real x1 = first[i];

@@ -6,6 +6,7 @@
 #include <limits>
 #include <numbers>
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace meshrun::models {
@@ -96,6 +97,29 @@ void init_normal(const std::vector<ParameterView>& parameters, uint64_t seed, in
   const ParameterView& view = parameters.at(size_t(index));
   for (int64_t i = 0; i < view.numel; ++i) {
     values[i] = float(stddev * standard_normal(generator));
+  }
+}
+
+bool adjacent_views(const ParameterView* first, const ParameterView* last, bool backward) {
+  for (const ParameterView* view = first; view < last; ++view) {
+    if (view->data + view->numel != view[1].data ||
+        (backward && view->grad + view->numel != view[1].grad)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void require_attention_heads(int64_t hidden_size, int64_t heads, int64_t kv_heads) {
+  if (hidden_size % heads != 0) {
+    throw std::invalid_argument("model.hidden_size: " + std::to_string(hidden_size) +
+                                " must be divisible by model.num_attention_heads (" +
+                                std::to_string(heads) + ")");
+  }
+  if (heads % kv_heads != 0) {
+    throw std::invalid_argument("model.num_key_value_heads: model.num_attention_heads (" +
+                                std::to_string(heads) + ") must be divisible by it (" +
+                                std::to_string(kv_heads) + ")");
   }
 }
 

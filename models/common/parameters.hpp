@@ -64,6 +64,16 @@ struct SizeKey {
 void require_addressable(const std::vector<ParameterView>& parameters,
                          std::initializer_list<SizeKey> keys);
 
+// Whether views [first, last] lie one after another in the host's storage
+// (and their gradients too when `backward`): a fused projection's weights
+// may then be used as one matrix (meshrun/model.h).
+bool adjacent_views(const ParameterView* first, const ParameterView* last, bool backward);
+
+// Throws std::invalid_argument("model.<key>: ...") unless hidden_size
+// divides into num_attention_heads heads and those into groups of
+// num_key_value_heads, the Hugging Face names.
+void require_attention_heads(int64_t hidden_size, int64_t heads, int64_t kv_heads);
+
 // Fills `values` with parameters[index]'s normal(0, stddev) initial values
 // for `seed`. The draws come from one splitmix64 + Box-Muller stream over the
 // model's matrices (the parameters of two or more dimensions) in order, each

@@ -204,6 +204,11 @@ void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const fl
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
                                       TensorParallelGroup& tp);
+// The lookup with sequence parallelism: out [rows / tp, dim] = this rank's
+// rows of the sum over ranks, through scratch [rows, dim].
+void sequence_parallel_embedding_forward(float* out, float* scratch, const int32_t* tokens,
+                                         const float* table, int64_t rows, int64_t dim,
+                                         const VocabShard& shard, TensorParallelGroup& tp);
 // d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens this rank holds.
 void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
                                        int64_t rows, int64_t dim, const VocabShard& shard);

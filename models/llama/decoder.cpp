@@ -157,23 +157,8 @@ HeadActivations::HeadActivations(const DecoderPass& pass)
 
 int64_t HeadActivations::bytes() const { return bytes_of(final_norm, final_rstd, logits); }
 
-namespace {
-
-// Whether views [first, last] lie one after another in the host's storage.
-bool adjacent(const ParameterView* first, const ParameterView* last, bool backward) {
-  for (const ParameterView* view = first; view < last; ++view) {
-    if (view->data + view->numel != view[1].data ||
-        (backward && view->grad + view->numel != view[1].grad)) {
-      return false;
-    }
-  }
-  return true;
-}
-
-}  // namespace
-
 void check_attention_storage(const ParameterView* layer, bool backward) {
-  if (!adjacent(&layer[kQ], &layer[kV], backward)) {
+  if (!models::adjacent_views(&layer[kQ], &layer[kV], backward)) {
     throw std::invalid_argument("the host gave " +
                                 layer[kQ].name.substr(0, layer[kQ].name.rfind(".self_attn")) +
                                 " storage that is not one block in parameter order");
@@ -185,7 +170,7 @@ void check_attention_storage(const ParameterView* layer, bool backward) {
 void Llama::check_layer_storage(std::span<const ParameterView> views, bool backward) {
   const ParameterView* layer = views.data();
   check_attention_storage(layer, backward);
-  if (!adjacent(&layer[kGate], &layer[kUp], backward)) {
+  if (!models::adjacent_views(&layer[kGate], &layer[kUp], backward)) {
     throw std::invalid_argument("llama: the host gave " +
                                 layer[kGate].name.substr(0, layer[kGate].name.rfind(".mlp")) +
                                 " storage that is not one block in parameter order");
@@ -200,9 +185,9 @@ void Llama::embedding_forward(Pass& pass, const ParameterView* embedding, const 
                                              pass.embedding_vocab, group);
     return;
   }
-  models::vocab_parallel_embedding_lookup(pass.projection.data(), tokens, embedding->data,
-                                          pass.rows(), pass.hidden, pass.embedding_vocab);
-  models::reduce_scatter_rows(group, pass.projection.data(), out, pass.stream_rows(), pass.hidden);
+  models::sequence_parallel_embedding_forward(out, pass.projection.data(), tokens, embedding->data,
+                                              pass.rows(), pass.hidden, pass.embedding_vocab,
+                                              group);
 }
 
 void Llama::embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens) {

@@ -22,14 +22,7 @@ void require(bool condition, const std::string& message) {
 }  // namespace
 
 void check_config(const LlamaConfig& c) {
-  require(c.hidden_size % c.num_attention_heads == 0,
-          "model.hidden_size: " + std::to_string(c.hidden_size) +
-              " must be divisible by model.num_attention_heads (" +
-              std::to_string(c.num_attention_heads) + ")");
-  require(c.num_attention_heads % c.num_key_value_heads == 0,
-          "model.num_key_value_heads: model.num_attention_heads (" +
-              std::to_string(c.num_attention_heads) + ") must be divisible by it (" +
-              std::to_string(c.num_key_value_heads) + ")");
+  models::require_attention_heads(c.hidden_size, c.num_attention_heads, c.num_key_value_heads);
   const int64_t head_dim = c.hidden_size / c.num_attention_heads;
   require(head_dim % 2 == 0,
           "model.hidden_size: the head dimension model.hidden_size / model.num_attention_heads = " +

@@ -25,35 +25,11 @@ if (($# < 4 || $# > 5)); then
 fi
 source_dir="$1" build_dir="$2" cmake="$3" c_compiler="$4" ninja="${5:-}"
 
-tmp="$(mktemp -d "${TMPDIR:-/tmp}/meshrun-oot-model.XXXXXX")"
-if [[ "${MESHRUN_KEEP_TMP:-0}" == 1 ]]; then
-  trap 'echo "kept $tmp"' EXIT
-else
-  trap 'rm -rf "$tmp"' EXIT
-fi
-prefix="$tmp/prefix"
+source "$(dirname "${BASH_SOURCE[0]}")/out_of_tree_steps.sh"
 example="$source_dir/examples/c_model"
 plugin_dir="$tmp/plugin-build"
 plugin="$plugin_dir/meshrun_model_byte_mlp.so"
 meshrun="$prefix/bin/meshrun"
-unset MESHRUN_PLUGIN_PATH
-
-fail() {
-  echo "FAILED: $*" >&2
-  exit 1
-}
-
-# Runs a step quietly; on failure shows its output and stops.
-step() {
-  local what="$1" log
-  shift
-  log="$tmp/$(tr -c 'a-z0-9\n' '_' <<<"$what").log"
-  echo "== $what"
-  if ! "$@" >"$log" 2>&1; then
-    cat "$log" >&2
-    fail "$what: '$*' exited with an error (output above)"
-  fi
-}
 
 step "install the build" "$cmake" --install "$build_dir" --prefix "$prefix"
 

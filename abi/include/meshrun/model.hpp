@@ -31,7 +31,9 @@
 //       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys);
 //
 // The table's backward_input and backward_weight are set when MyStage has
-// both (a split backward for zero-bubble schedules), else NULL.
+// both (a split backward for zero-bubble schedules), else NULL; its
+// model_create when MyModel is made from (host, config_json), else the
+// caller sets it (the model kit's plugins make theirs from a composition).
 //
 // A stage reaches the host through ModelHooks, whose calls throw HostError.
 #ifndef MESHRUN_MODEL_HPP_
@@ -125,7 +127,7 @@ class ModelTable {
     api.struct_size = sizeof(meshrun_model_api);
     api.model_type = model_type;
     api.config_keys = config_keys;
-    api.model_create = &model_create;
+    if constexpr (kMadeFromConfig) api.model_create = &model_create;
     api.model_destroy = &model_destroy;
     api.describe = &describe;
     api.init_parameter = &init_parameter;
@@ -145,6 +147,8 @@ class ModelTable {
   }
 
  private:
+  static constexpr bool kMadeFromConfig =
+      std::is_constructible_v<Model, const meshrun_host_services&, const char*>;
   static constexpr bool kSplitsBackward = detail::SplitsBackward<Stage>::value;
   static constexpr bool kReportsStatistics = detail::ReportsStatistics<Stage>::value;
 

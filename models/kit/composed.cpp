@@ -1,0 +1,550 @@
+#include "kit/composed.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "common/stage_impl.hpp"
+#include "common/support.hpp"
+
+template class meshrun::models::TransformerStage<meshrun::kit::Composed>;
+
+namespace meshrun::kit {
+
+using namespace kernels;
+using models::bytes_of;
+using models::LinearWeight;
+using models::WeightLayout;
+
+constexpr WeightLayout kOutIn = WeightLayout::out_in;
+
+Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
+           bool sequence_parallel, const models::ParallelBlocks& blocks,
+           const models::ContextParallel& cp)
+    : composition(c),
+      tp(tp),
+      replicated(tp),
+      blocks(blocks),
+      sequence_parallel(sequence_parallel),
+      attention{batch, seq_len, blocks.local(Block::attention, c.num_attention_heads, tp),
+                blocks.local(Block::attention, c.num_key_value_heads, tp), c.head_dim()},
+      hidden(c.hidden_size),
+      intermediate(blocks.local(Block::mlp, c.intermediate_size, tp)),
+      embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
+      head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
+      attend(attention, cp, Composed::kName),
+      rotary(attention.head_dim, attend.positions(), c.rope_theta, c.rotary_dim()),
+      transient(c.tensors.size()),
+      d_qkv(rows() * attention.qkv_dim()),
+      d_attention(rows() * attention.q_dim()),
+      d_hidden(rows() * 2 * intermediate),
+      d_act(rows() * intermediate),
+      d_norm(rows() * hidden) {
+  models::require(!sequence_parallel || c.sequence_parallel_refusal.empty(), Composed::kName,
+                  "sequence parallelism: " + c.sequence_parallel_refusal);
+  models::require(!sequence_parallel || rows() % tp.size() == 0, Composed::kName,
+                  "sequence parallelism shards the " + std::to_string(rows()) +
+                      " rows of a micro-batch over " + std::to_string(tp.size()) +
+                      " tp ranks, which do not divide them");
+  d_residual.resize(size_t(stream_numel()));
+  if (sequence_parallel) {
+    stream.resize(size_t(stream_numel()));
+    projection.resize(size_t(rows() * hidden));
+    d_gathered.resize(size_t(rows() * hidden));
+    d_norm_weight.resize(size_t(hidden));
+    d_norm_bias.resize(size_t(hidden));
+  }
+  for (const LayerOp& op : c.ops) {
+    if (!op.keeps_output) {
+      transient[size_t(op.output)].resize(size_t(stream_numel()));
+    }
+  }
+}
+
+std::vector<float> Pass::take() {
+  if (spare.empty()) return std::vector<float>(size_t(stream_numel()));
+  std::vector<float> buffer = std::move(spare.back());
+  spare.pop_back();
+  return buffer;
+}
+
+std::vector<float> Pass::take_zeroed() {
+  std::vector<float> buffer = take();
+  std::fill(buffer.begin(), buffer.end(), 0.0f);
+  return buffer;
+}
+
+void Pass::give(std::vector<float>&& buffer) { spare.push_back(std::move(buffer)); }
+
+LayerActivations::LayerActivations(const Pass& pass)
+    : composition(&pass.composition),
+      tensors(pass.composition.tensors.size()),
+      ops(pass.composition.ops.size()) {
+  const auto N = size_t(pass.rows()), I = size_t(pass.intermediate);
+  const auto n = size_t(pass.stream_rows());
+  const kernels::AttentionShape& shape = pass.attention;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const LayerOp& op = composition->ops[i];
+    OpActivations& kept = ops[i];
+    if (op.keeps_output) tensors[size_t(op.output)].resize(size_t(pass.numel_of(op)));
+    if (is_norm(op.op)) kept.rstd.resize(n);
+    if (op.op == Op::layernorm) kept.mean.resize(n);
+    if (op.op == Op::attention) {
+      kept.qkv.resize(N * size_t(shape.qkv_dim()));
+      kept.lse.resize(size_t(shape.lse_size()));
+      kept.attention.resize(N * size_t(shape.q_dim()));
+    }
+    if (is_mlp(op.op)) {
+      kept.hidden.resize(N * I * (op.op == Op::swiglu_mlp ? 2 : 1));
+      kept.act.resize(N * I);
+    }
+  }
+}
+
+int64_t LayerActivations::bytes() const {
+  int64_t total = 0;
+  for (const auto& tensor : tensors) total += bytes_of(tensor);
+  for (const OpActivations& kept : ops) {
+    total +=
+        bytes_of(kept.rstd, kept.mean, kept.qkv, kept.lse, kept.attention, kept.hidden, kept.act);
+  }
+  return total;
+}
+
+HeadActivations::HeadActivations(const Pass& pass)
+    : norm(size_t(pass.rows() * pass.hidden)),
+      rstd(size_t(pass.stream_rows())),
+      mean(pass.composition.final_norm == Op::layernorm ? size_t(pass.stream_rows()) : 0),
+      logits(size_t(pass.rows() * pass.head_vocab.size)) {}
+
+int64_t HeadActivations::bytes() const { return bytes_of(norm, rstd, mean, logits); }
+
+namespace {
+
+// The views of an op's fused input projection: its weights, its biases,
+// the output projection's weight and bias (of views past `views` if none).
+struct Projections {
+  int64_t inputs;  // q, k, v: 3; gate, up: 2; fc1: 1
+  const ParameterView* views;
+  const LayerOp& op;
+  const ParameterView& in_weight() const { return views[0]; }
+  const ParameterView& in_bias() const { return views[inputs]; }
+  const ParameterView& out_weight() const { return views[inputs * (op.bias_in ? 2 : 1)]; }
+  const ParameterView& out_bias() const { return (&out_weight())[1]; }
+};
+
+Projections projections(const ParameterView* layer, const LayerOp& op) {
+  const int64_t inputs = op.op == Op::attention ? 3 : op.op == Op::swiglu_mlp ? 2 : 1;
+  return {inputs, layer + op.first_view, op};
+}
+
+// The element-wise steps, out of line: selective checkpointing computes
+// them again in the backward, and one copy of the code gives the same bits.
+[[gnu::noinline]] void norm_out_of_line(float* y, float* mean, float* rstd, const float* x,
+                                        const ParameterView* views, Op op, const Pass& pass) {
+  const double eps = pass.composition.norm_eps;
+  if (op == Op::rmsnorm) {
+    rmsnorm_forward(y, rstd, x, views[0].data, pass.stream_rows(), pass.hidden, eps);
+  } else {
+    layernorm_forward(y, mean, rstd, x, views[0].data, views[1].data, pass.stream_rows(),
+                      pass.hidden, eps);
+  }
+}
+
+// A norm on the stream's rows into y; with sequence parallelism, when an
+// attention or MLP reads it, first into the pass's rows and gathered.
+void norm_forward(Pass& pass, float* y, OpActivations& kept, const float* x,
+                  const ParameterView* views, const LayerOp& op) {
+  const bool gather = pass.sequence_parallel && op.gathered_output;
+  float* rows = gather ? pass.stream.data() : y;
+  norm_out_of_line(rows, kept.mean.data(), kept.rstd.data(), x, views, op.op, pass);
+  if (gather) models::gather_rows(pass.tp, rows, y, pass.stream_rows(), pass.hidden);
+}
+
+// The norm's backward on the stream's rows: dx += through the norm; with
+// sequence parallelism each rank has its rows' share of the weight's (and
+// bias's) gradient, which is summed over tp.
+void norm_weights_backward(Pass& pass, Op op, const ParameterView* views, float* dx,
+                           const float* dy, const float* x, const float* mean, const float* rstd,
+                           WeightGradients& gradients) {
+  const int64_t n = pass.stream_rows(), H = pass.hidden;
+  const bool shared = pass.sequence_parallel;
+  float* d_weight = shared ? pass.d_norm_weight.data() : views[0].grad;
+  float* d_bias =
+      shared ? pass.d_norm_bias.data() : (op == Op::layernorm ? views[1].grad : nullptr);
+  if (shared) {
+    std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
+    std::fill(pass.d_norm_bias.begin(), pass.d_norm_bias.end(), 0.0f);
+  }
+  if (op == Op::rmsnorm) {
+    rmsnorm_backward(dx, d_weight, dy, x, views[0].data, rstd, n, H);
+  } else {
+    layernorm_backward(dx, d_weight, d_bias, dy, x, views[0].data, mean, rstd, n, H);
+  }
+  const int64_t vectors = op == Op::layernorm ? 2 : 1;
+  for (int64_t v = 0; v < vectors && shared; ++v) {
+    float* partial = v == 0 ? d_weight : d_bias;
+    pass.tp.all_reduce_sum(partial, H);
+    for (int64_t i = 0; i < H; ++i) views[v].grad[i] += partial[i];
+  }
+  for (int64_t v = vectors - 1; v >= 0; --v) gradients.vector_ready(views[v]);
+}
+
+[[gnu::noinline]] void activation_out_of_line(OpActivations& kept, const LayerOp& op,
+                                              const Pass& pass) {
+  if (op.op == Op::swiglu_mlp) {
+    swiglu_forward(kept.act.data(), kept.hidden.data(), pass.rows(), pass.intermediate);
+  } else {
+    gelu_forward(kept.act.data(), kept.hidden.data(), pass.rows() * pass.intermediate);
+  }
+}
+
+// Where a layer's tensors are: its input, the caller's output, what the
+// activations keep, the pass's scratch.
+struct Tensors {
+  Pass& pass;
+  LayerActivations& saved;
+  const float* x;
+  float* out;
+  float* operator[](int tensor) const {
+    if (tensor == 0) return const_cast<float*>(x);
+    if (tensor + 1 == int(saved.tensors.size())) return out;
+    std::vector<float>& kept = saved.tensors[size_t(tensor)];
+    return kept.empty() ? pass.transient[size_t(tensor)].data() : kept.data();
+  }
+};
+
+// y = the row-parallel output projection of x [rows, width], summed over
+// the block's group: all of it, or the rank's rows (sequence parallel);
+// then its bias.
+void output_projection(Pass& pass, const Projections& p, Block block, const float* x, int64_t width,
+                       float* y) {
+  const int64_t N = pass.rows(), H = pass.hidden;
+  TensorParallelGroup& group = pass.group(block);
+  if (!pass.sequence_parallel) {
+    linear_forward(y, x, p.out_weight().data, N, width, H);
+    models::reduce_partial_sums(group, y, N * H);
+  } else {
+    linear_forward(pass.projection.data(), x, p.out_weight().data, N, width, H);
+    models::reduce_scatter_rows(group, pass.projection.data(), y, pass.stream_rows(), H);
+  }
+  if (p.op.bias_out) bias_forward(y, p.out_bias().data, pass.stream_rows(), H);
+}
+
+void attention_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept,
+                       float* y) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden;
+  linear_forward(kept.qkv.data(), in, p.in_weight().data, N, H, shape.qkv_dim());
+  if (p.op.bias_in) bias_forward(kept.qkv.data(), p.in_bias().data, N, shape.qkv_dim());
+  rotary_forward(kept.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                 shape.heads + shape.kv_heads, shape.qkv_dim());
+  pass.attend.forward(kept.attention.data(), kept.lse.data(), kept.qkv.data());
+  output_projection(pass, p, Block::attention, kept.attention.data(), shape.q_dim(), y);
+}
+
+void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept, float* y) {
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
+  const int64_t width = p.inputs * I;
+  linear_forward(kept.hidden.data(), in, p.in_weight().data, N, H, width);
+  if (p.op.bias_in) bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
+  activation_out_of_line(kept, p.op, pass);
+  output_projection(pass, p, Block::mlp, kept.act.data(), I, y);
+}
+
+// The gradients of a layer's tensors during its backward: a buffer each,
+// empty until something flows into it.
+struct Gradients {
+  Pass& pass;
+  std::vector<std::vector<float>> of;
+
+  // Adds `buffer` into tensor t's gradient, taking the buffer when it has none.
+  void add(int t, std::vector<float>&& buffer) {
+    std::vector<float>& g = of[size_t(t)];
+    if (g.empty()) {
+      g = std::move(buffer);
+      return;
+    }
+    for (size_t i = 0; i < g.size(); ++i) g[i] += buffer[i];
+    pass.give(std::move(buffer));
+  }
+  void add_copy(int t, const std::vector<float>& values) {
+    std::vector<float> copy = pass.take();
+    std::copy(values.begin(), values.end(), copy.begin());
+    add(t, std::move(copy));
+  }
+  std::vector<float>& accumulating(int t) {
+    if (of[size_t(t)].empty()) of[size_t(t)] = pass.take_zeroed();
+    return of[size_t(t)];
+  }
+};
+
+// The input of an op's fused projection, as the weight gradient receives
+// it (which may move it away): the kept tensor itself when this op is its
+// last reader in the backward, else a copy.
+std::vector<float> copy_of(const float* values, int input, const Pass& pass) {
+  const int64_t numel =
+      input == 0 ? pass.stream_numel() : pass.numel_of(pass.composition.ops[size_t(input - 1)]);
+  return std::vector<float>(values, values + numel);
+}
+
+// The gradient of an attention's or MLP's output [rows, hidden], from its
+// stream's gradient: gathered from the ranks' rows with sequence
+// parallelism.
+const float* block_output_gradient(Pass& pass, const std::vector<float>& dy) {
+  if (!pass.sequence_parallel) return dy.data();
+  models::gather_rows(pass.tp, dy.data(), pass.d_gathered.data(), pass.stream_rows(), pass.hidden);
+  return pass.d_gathered.data();
+}
+
+// Computes the input gradient of the fused projection from dy (width
+// columns), summed over the block's group (or reduce-scattered to the
+// stream's rows, sequence parallel) while its weight gradient is
+// computed, and adds it to the op's input's gradient.
+void projection_input_backward(Pass& pass, const Projections& p, Block block, float* dy,
+                               int64_t width, const Tensors& tensors, Gradients& grads,
+                               WeightGradients& gradients) {
+  const int64_t N = pass.rows(), H = pass.hidden;
+  std::vector<float> d_input = pass.take();
+  float* full = pass.sequence_parallel ? pass.projection.data() : d_input.data();
+  linear_backward_input(full, dy, p.in_weight().data, N, H, width);
+  TensorParallelGroup& group = pass.group(block);
+  if (pass.sequence_parallel) {
+    group.start_reduce_scatter_sum(full, d_input.data(), pass.stream_numel());
+  } else if (group.size() > 1) {
+    group.start_all_reduce_sum(full, N * H);
+  }
+  const int input = p.op.input;
+  std::vector<float> own;
+  std::vector<float>& x = input != 0 && p.op.last_input_reader
+                              ? tensors.saved.tensors[size_t(input)]
+                              : (own = copy_of(tensors[input], input, pass));
+  gradients.linear({&p.in_weight(), &p.in_weight() + p.inputs - 1, kOutIn, N, H, width}, dy, x);
+  group.wait_started();
+  grads.add(input, std::move(d_input));
+}
+
+void output_bias_backward(const Projections& p, const float* dy, int64_t rows, int64_t hidden,
+                          WeightGradients& gradients) {
+  if (!p.op.bias_out) return;
+  bias_backward(p.out_bias().grad, dy, rows, hidden);
+  gradients.vector_ready(p.out_bias());
+}
+
+void input_bias_backward(const Projections& p, const float* dy, int64_t rows, int64_t width,
+                         WeightGradients& gradients) {
+  if (!p.op.bias_in) return;
+  bias_backward(p.in_bias().grad, dy, rows, width);
+  for (int64_t k = p.inputs - 1; k >= 0; --k) gradients.vector_ready((&p.in_bias())[k]);
+}
+
+void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy,
+                        OpActivations& kept, const Tensors& tensors, Gradients& grads,
+                        WeightGradients& gradients) {
+  const AttentionShape& shape = pass.attention;
+  const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
+  const float* d_out = block_output_gradient(pass, dy);
+  linear_backward_input(pass.d_attention.data(), d_out, p.out_weight().data, N, Q, H);
+  pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), kept.qkv.data(),
+                       kept.attention.data(), kept.lse.data());
+  gradients.linear({&p.out_weight(), &p.out_weight(), kOutIn, N, Q, H}, d_out, kept.attention);
+  output_bias_backward(p, d_out, N, H, gradients);
+  rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                  shape.heads + shape.kv_heads, shape.qkv_dim());
+  input_bias_backward(p, pass.d_qkv.data(), N, shape.qkv_dim(), gradients);
+  projection_input_backward(pass, p, Block::attention, pass.d_qkv.data(), shape.qkv_dim(), tensors,
+                            grads, gradients);
+}
+
+// d_act = dy down^T; through the activation into d_hidden; then as the
+// attention's input projection.
+void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpActivations& kept,
+                  const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
+  const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
+  const float* d_out = block_output_gradient(pass, dy);
+  linear_backward_input(pass.d_act.data(), d_out, p.out_weight().data, N, I, H);
+  gradients.linear({&p.out_weight(), &p.out_weight(), kOutIn, N, I, H}, d_out, kept.act);
+  output_bias_backward(p, d_out, N, H, gradients);
+  if (p.op.op == Op::swiglu_mlp) {
+    swiglu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N, I);
+  } else {
+    gelu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N * I);
+  }
+  input_bias_backward(p, pass.d_hidden.data(), N, p.inputs * I, gradients);
+  projection_input_backward(pass, p, Block::mlp, pass.d_hidden.data(), p.inputs * I, tensors, grads,
+                            gradients);
+}
+
+}  // namespace
+
+// A fused projection's views follow one another in parameter order; the
+// host must lay them out so too (meshrun/model.h).
+void Composed::check_layer_storage(std::span<const ParameterView> layer, bool backward) {
+  const auto ends_with = [](const std::string& name, const char* suffix) {
+    const size_t n = std::char_traits<char>::length(suffix);
+    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+  };
+  for (size_t i = 0; i < layer.size(); ++i) {
+    const std::string& name = layer[i].name;
+    const size_t fused = ends_with(name, "q_proj.weight") || ends_with(name, "q_proj.bias") ? 3
+                         : ends_with(name, "gate_proj.weight") || ends_with(name, "gate_proj.bias")
+                             ? 2
+                             : 1;
+    if (fused > 1 && !models::adjacent_views(&layer[i], &layer[i + fused - 1], backward)) {
+      throw std::invalid_argument("kit: the host gave " + name +
+                                  " and the projections fused with it storage that is not one "
+                                  "block in parameter order");
+    }
+  }
+}
+
+void Composed::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                                 float* out) {
+  TensorParallelGroup& group = pass.group(Block::embedding);
+  if (!pass.sequence_parallel) {
+    models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
+                                             pass.embedding_vocab, group);
+    return;
+  }
+  models::sequence_parallel_embedding_forward(out, pass.projection.data(), tokens, embedding->data,
+                                              pass.rows(), pass.hidden, pass.embedding_vocab,
+                                              group);
+}
+
+void Composed::embedding_backward(Pass& pass, const ParameterView* embedding,
+                                  const int32_t* tokens) {
+  models::vocab_parallel_embedding_backward(embedding->grad, tokens,
+                                            block_output_gradient(pass, pass.d_residual),
+                                            pass.rows(), pass.hidden, pass.embedding_vocab);
+}
+
+void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                             LayerActivations& saved, float* out) {
+  const Tensors tensors{pass, saved, x, out};
+  const std::vector<LayerOp>& ops = pass.composition.ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const LayerOp& op = ops[i];
+    OpActivations& kept = saved.ops[i];
+    float* y = tensors[op.output];
+    if (is_norm(op.op)) {
+      norm_forward(pass, y, kept, tensors[op.input], layer + op.first_view, op);
+    } else if (op.op == Op::attention) {
+      attention_forward(pass, projections(layer, op), tensors[op.input], kept, y);
+    } else if (is_mlp(op.op)) {
+      mlp_forward(pass, projections(layer, op), tensors[op.input], kept, y);
+    } else {
+      residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
+    }
+  }
+}
+
+// On entry pass.d_residual holds dL/d(out); on exit dL/dx.
+void Composed::layer_backward(Pass& pass, const ParameterView* layer, const float* x,
+                              LayerActivations& saved, WeightGradients& gradients) {
+  const Tensors tensors{pass, saved, x, nullptr};
+  const std::vector<LayerOp>& ops = pass.composition.ops;
+  Gradients grads{pass, std::vector<std::vector<float>>(saved.tensors.size())};
+  grads.of.back() = std::move(pass.d_residual);
+  for (size_t i = ops.size(); i-- > 0;) {
+    const LayerOp& op = ops[i];
+    std::vector<float> dy = std::move(grads.of[size_t(op.output)]);
+    if (is_norm(op.op)) {
+      const OpActivations& kept = saved.ops[i];
+      norm_weights_backward(pass, op.op, layer + op.first_view, grads.accumulating(op.input).data(),
+                            dy.data(), tensors[op.input], kept.mean.data(), kept.rstd.data(),
+                            gradients);
+    } else if (op.op == Op::attention) {
+      attention_backward(pass, projections(layer, op), dy, saved.ops[i], tensors, grads, gradients);
+    } else if (is_mlp(op.op)) {
+      mlp_backward(pass, projections(layer, op), dy, saved.ops[i], tensors, grads, gradients);
+    } else {
+      grads.add_copy(op.input2, dy);
+      grads.add(op.input, std::move(dy));
+      continue;
+    }
+    pass.give(std::move(dy));
+  }
+  pass.d_residual = std::move(grads.of.front());
+}
+
+std::vector<std::vector<float>*> Composed::elementwise(LayerActivations& saved) {
+  std::vector<std::vector<float>*> buffers;
+  const std::vector<LayerOp>& ops = saved.composition->ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const LayerOp& op = ops[i];
+    OpActivations& kept = saved.ops[i];
+    if (is_norm(op.op)) {
+      if (op.keeps_output) buffers.push_back(&saved.tensors[size_t(op.output)]);
+      buffers.push_back(&kept.rstd);
+      if (op.op == Op::layernorm) buffers.push_back(&kept.mean);
+    }
+    if (is_mlp(op.op)) buffers.push_back(&kept.act);
+  }
+  return buffers;
+}
+
+void Composed::recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
+                                     LayerActivations& saved) {
+  const Tensors tensors{pass, saved, x, pass.transient.back().data()};
+  const std::vector<LayerOp>& ops = pass.composition.ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const LayerOp& op = ops[i];
+    if (is_norm(op.op)) {
+      norm_forward(pass, tensors[op.output], saved.ops[i], tensors[op.input], layer + op.first_view,
+                   op);
+    } else if (is_mlp(op.op)) {
+      activation_out_of_line(saved.ops[i], op, pass);
+    }
+  }
+}
+
+double Composed::head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                              const float* x, const int32_t* targets, HeadActivations& saved) {
+  const Composition& c = pass.composition;
+  const int64_t N = pass.rows(), H = pass.hidden, V = pass.head_vocab.size;
+  const bool gather = pass.sequence_parallel;
+  float* rows = gather ? pass.stream.data() : saved.norm.data();
+  norm_out_of_line(rows, saved.mean.data(), saved.rstd.data(), x, head, c.final_norm, pass);
+  if (gather) models::gather_rows(pass.tp, rows, saved.norm.data(), pass.stream_rows(), H);
+  TensorParallelGroup& group = pass.group(Block::head);
+  if (!c.lm_head_bias) {
+    return models::lm_head_loss_forward(saved.logits.data(), saved.norm.data(), lm_head, targets, N,
+                                        H, pass.head_vocab, group);
+  }
+  linear_forward(saved.logits.data(), saved.norm.data(), lm_head.data, N, H, V);
+  bias_forward(saved.logits.data(), head[c.final_norm_views()].data, N, V);
+  return models::vocab_parallel_cross_entropy_forward(saved.logits.data(), targets, N,
+                                                      pass.head_vocab, group);
+}
+
+void Composed::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                             const float* x, const int32_t* targets, float loss_scale,
+                             HeadActivations& saved, WeightGradients& gradients) {
+  const Composition& c = pass.composition;
+  const int64_t N = pass.rows(), H = pass.hidden, V = pass.head_vocab.size;
+  std::vector<float>& d_norm = pass.d_norm;
+  if (!c.lm_head_bias) {
+    models::lm_head_loss_backward(d_norm.data(), saved.logits.data(), lm_head, saved.norm, targets,
+                                  loss_scale, N, H, pass.head_vocab, gradients);
+  } else {
+    const ParameterView& bias = head[c.final_norm_views()];
+    models::vocab_parallel_cross_entropy_backward(saved.logits.data(), targets, N, pass.head_vocab,
+                                                  loss_scale);
+    bias_backward(bias.grad, saved.logits.data(), N, V);
+    gradients.vector_ready(bias);
+    linear_backward_input(d_norm.data(), saved.logits.data(), lm_head.data, N, H, V);
+    gradients.linear({&lm_head, &lm_head, kOutIn, N, H, V}, saved.logits.data(), saved.norm);
+  }
+  TensorParallelGroup& group = pass.group(Block::head);
+  const float* dy = d_norm.data();
+  if (pass.sequence_parallel) {
+    group.reduce_scatter_sum(d_norm.data(), pass.stream.data(), pass.stream_numel());
+    dy = pass.stream.data();
+  } else {
+    models::reduce_partial_sums(group, d_norm.data(), N * H);
+  }
+  pass.d_residual.assign(size_t(pass.stream_numel()), 0.0f);
+  norm_weights_backward(pass, c.final_norm, head, pass.d_residual.data(), dy, x, saved.mean.data(),
+                        saved.rstd.data(), gradients);
+}
+
+}  // namespace meshrun::kit

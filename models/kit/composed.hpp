@@ -1,0 +1,150 @@
+// The compute of a kit-composed model: the family of
+// models::TransformerStage (common/stage.hpp) whose decoder layer is the
+// composition's list of ops, run forward in order and backward in reverse.
+// A tensor's gradient is one [rows, hidden] buffer: an ADD hands its own to
+// its first addend and a copy to its second, the others sum into it, and an
+// attention's or MLP's input gradient is summed over tp before it joins.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/context_parallel.hpp"
+#include "common/layers.hpp"
+#include "common/stage.hpp"
+#include "kit/composition.hpp"
+
+namespace meshrun::kit {
+
+using models::Block;
+using models::TensorParallelGroup;
+using models::WeightGradients;
+
+// What every layer of a pass at one (batch, seq_len) shares: the sizes
+// (of one tp rank for a parallel block), the rotary table, scratch, and the
+// gradient buffers a backward passes between tensors.
+struct Pass {
+  Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
+       bool sequence_parallel, const models::ParallelBlocks& blocks,
+       const models::ContextParallel& cp);
+  int64_t rows() const { return attention.batch * attention.seq_len; }
+  // With sequence parallelism the residual stream between the attention
+  // and MLP blocks (every tensor but their inputs) holds the rank's rows
+  // only (common/tensor_parallel.hpp).
+  int64_t stream_rows() const { return sequence_parallel ? rows() / tp.size() : rows(); }
+  int64_t stream_numel() const { return stream_rows() * hidden; }
+  // The elements of a tensor that op `writer` writes.
+  int64_t numel_of(const LayerOp& writer) const {
+    return sequence_parallel && writer.gathered_output ? rows() * hidden : stream_numel();
+  }
+  TensorParallelGroup& group(Block block) { return blocks.group(block, tp, replicated); }
+  // A [rows, hidden] buffer, of undefined contents or zeroed; and back.
+  std::vector<float> take();
+  std::vector<float> take_zeroed();
+  void give(std::vector<float>&& buffer);
+
+  const Composition& composition;
+  TensorParallelGroup& tp;
+  models::ReplicatedOver replicated;
+  models::ParallelBlocks blocks;
+  bool sequence_parallel;
+  kernels::AttentionShape attention;
+  int64_t hidden, intermediate;
+  models::VocabShard embedding_vocab, head_vocab;
+  models::SequenceAttention attend;    // over the cp ranks, with its scratch
+  kernels::RotaryTable<float> rotary;  // of the rows' positions in their sequence
+  // Per tensor, the outputs no backward reads (an ADD's addends, and the
+  // layer's output as selective recomputation writes it): scratch.
+  std::vector<std::vector<float>> transient;
+  // The residual stream's gradient [rows, hidden], as the stage hands it.
+  std::vector<float> d_residual;
+  std::vector<float> d_qkv, d_attention, d_hidden, d_act;
+  std::vector<float> d_norm;  // the final norm's output gradient [rows, hidden]
+  // Sequence parallelism's scratch: a norm's rows before they are gathered,
+  // a row-parallel output before it is reduce-scattered and a projection's
+  // input gradient before it is [rows, hidden]; a gathered gradient
+  // [rows, hidden]; a norm's weight and bias gradients before their sum
+  // over tp [hidden].
+  std::vector<float> stream, projection, d_gathered, d_norm_weight, d_norm_bias;
+  std::vector<std::vector<float>> spare;  // take()'s buffers
+};
+
+// What an op's forward keeps for its backward: a norm's 1/rms or 1/std
+// (and mean); attention's q/k/v after rotary, log-sum-exps and output; an
+// MLP's input projection and activation.
+struct OpActivations {
+  std::vector<float> rstd, mean, qkv, lse, attention, hidden, act;
+};
+
+struct LayerActivations {
+  explicit LayerActivations(const Pass& pass);
+  int64_t bytes() const;
+
+  const Composition* composition;
+  std::vector<std::vector<float>> tensors;  // the kept outputs [rows, hidden], by tensor
+  std::vector<OpActivations> ops;
+};
+
+struct HeadActivations {
+  explicit HeadActivations(const Pass& pass);
+  int64_t bytes() const;
+
+  // [N, H] (gathered with sequence parallelism), [n], [n] (LayerNorm) with
+  // n the stream's rows
+  std::vector<float> norm, rstd, mean;
+  std::vector<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
+};
+
+struct Composed {
+  using Config = Composition;
+  using Pass = kit::Pass;
+  using LayerActivations = kit::LayerActivations;
+  using HeadActivations = kit::HeadActivations;
+  static constexpr const char* kName = "kit";
+  static constexpr int64_t kEmbeddingTensors = 1;
+  static constexpr bool kSequenceParallel = true;
+
+  static void check_config(const Config& /*config*/) {}
+  static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
+  static std::vector<ParameterView> parameters(const Config& config) {
+    return kit::parameters(config);
+  }
+  static void init_parameter(const Config& /*config*/, const std::vector<ParameterView>& parameters,
+                             uint64_t seed, int64_t index, float* values) {
+    kit::init_parameter(parameters, seed, index, values);
+  }
+  // Throws std::invalid_argument unless each fused projection's weights
+  // (q/k/v, gate/up) and biases lie one after another in the host's storage.
+  static void check_layer_storage(std::span<const ParameterView> layer, bool backward);
+  static void check_tensor_parallel(const Config& config, int64_t tp,
+                                    const models::ParallelBlocks& blocks) {
+    kit::check_tensor_parallel(config, tp, blocks);
+  }
+  static std::optional<Block> tensor_parallel_block(const std::string& parameter) {
+    return kit::tensor_parallel_block(parameter);
+  }
+
+  static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
+                                float* out);
+  static void embedding_backward(Pass& pass, const ParameterView* embedding, const int32_t* tokens);
+  static void layer_forward(Pass& pass, const ParameterView* layer, const float* x,
+                            LayerActivations& saved, float* out);
+  static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
+                             LayerActivations& saved, WeightGradients& gradients);
+  // The norms' outputs and statistics and the MLPs' activations.
+  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved);
+  static void recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
+                                    LayerActivations& saved);
+  static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                             const float* x, const int32_t* targets, HeadActivations& saved);
+  static void head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
+                            const float* x, const int32_t* targets, float loss_scale,
+                            HeadActivations& saved, WeightGradients& gradients);
+};
+
+}  // namespace meshrun::kit
+
+extern template class meshrun::models::TransformerStage<meshrun::kit::Composed>;

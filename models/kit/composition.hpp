@@ -1,0 +1,107 @@
+// A kit-composed model (meshrun/kit.h) as the kit computes it: the sizes,
+// the decoder layer's ops over numbered tensors, checked once when the
+// model is made, and what follows from them alone — the parameters in
+// Hugging Face's names, their tensor-parallel placement and blocks, the
+// pipeline modules and the description's size figures. composed.hpp
+// computes it.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/description.hpp"
+#include "common/parameters.hpp"
+#include "common/tensor_parallel.hpp"
+#include "meshrun/kit.h"
+
+namespace meshrun::kit {
+
+using models::ParameterView;
+
+enum class Op {
+  rmsnorm = MESHRUN_KIT_RMSNORM,
+  layernorm = MESHRUN_KIT_LAYERNORM,
+  attention = MESHRUN_KIT_ATTENTION,
+  swiglu_mlp = MESHRUN_KIT_SWIGLU_MLP,
+  gelu_mlp = MESHRUN_KIT_GELU_MLP,
+  add = MESHRUN_KIT_ADD,
+};
+
+inline bool is_norm(Op op) { return op == Op::rmsnorm || op == Op::layernorm; }
+inline bool is_mlp(Op op) { return op == Op::swiglu_mlp || op == Op::gelu_mlp; }
+
+// An op of the decoder layer. Tensors are numbered: 0 is the layer's input
+// "x", op i writes tensor i + 1.
+struct LayerOp {
+  Op op;
+  std::string name;
+  bool bias_in = false, bias_out = false;
+  int input = 0, input2 = -1, output = 0;
+  // Its parameters: views [first_view, first_view + views) of a layer.
+  int64_t first_view = 0, views = 0;
+  // Whether a backward reads its output's values (a norm, attention or MLP
+  // reads it), so a forward keeps it; else it is scratch of the pass.
+  bool keeps_output = false;
+  // Whether this op is the last one in the backward to read its input's
+  // values, so the input may move to a split backward's weight pass.
+  bool last_input_reader = false;
+  // Whether an attention or MLP reads its output: with sequence parallelism
+  // the output is then gathered from every tp rank's rows.
+  bool gathered_output = false;
+};
+
+struct Composition {
+  std::string model_type, architecture, layer_class;
+  int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
+  int64_t num_attention_heads = 0, num_key_value_heads = 0;
+  double norm_eps = 0, rope_theta = 10000, partial_rotary_factor = 1;
+  bool tie_word_embeddings = false, lm_head_bias = false;
+  Op final_norm = Op::rmsnorm;
+  std::string final_norm_name = "model.norm", attention_output_name = "o_proj";
+  std::vector<LayerOp> ops;
+  std::vector<std::string> tensors;  // names, "x" first
+  // Why the layer cannot compute sequence parallelism, or empty: it can
+  // when every attention and MLP reads a norm's output that only attention
+  // and MLPs read (the norm then runs on the rank's rows and gathers).
+  std::string sequence_parallel_refusal;
+  nlohmann::ordered_json config_extra = nlohmann::ordered_json::object();
+
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t rotary_dim() const { return int64_t(double(head_dim()) * partial_rotary_factor); }
+  int64_t q_dim() const { return num_attention_heads * head_dim(); }
+  int64_t kv_dim() const { return num_key_value_heads * head_dim(); }
+  int64_t attention_ops() const;
+  // The head's views on the last stage: the final norm's weight (and bias),
+  // lm_head's bias, then lm_head's weight unless tied.
+  int64_t final_norm_views() const { return final_norm == Op::layernorm ? 2 : 1; }
+};
+
+// The composition of `spec`, checked, for a [model] config whose set keys
+// are `user_config` (a JSON object). Throws std::invalid_argument: sizes as
+// "model.<key>: ...", ops as "kit: layer op <i> '<name>' ...".
+Composition compose(const meshrun_kit_model_spec& spec, const std::string& model_type,
+                    const nlohmann::ordered_json& user_config);
+
+// Every parameter in the kit's order: model.embed_tokens.weight; per layer
+// each op's (kit.h); the final norm's; lm_head.bias; lm_head.weight unless
+// tied. Each with its tensor-parallel placement.
+std::vector<ParameterView> parameters(const Composition& c);
+// Matrices ~ normal(0, 0.02), norm weights 1, biases 0.
+void init_parameter(const std::vector<ParameterView>& parameters, uint64_t seed, int64_t index,
+                    float* values);
+
+// The tp block of a parameter the kit computes over tp, by its name alone
+// (the projections' names are the kit's own).
+std::optional<models::Block> tensor_parallel_block(const std::string& parameter);
+std::vector<models::BlockSpec> tensor_parallel_blocks(const Composition& c);
+void check_tensor_parallel(const Composition& c, int64_t tp, const models::ParallelBlocks& blocks);
+
+models::ModelModules modules(const Composition& c);
+// The description JSON (meshrun/model.h).
+std::string describe(const Composition& c, const std::vector<ParameterView>& parameters);
+
+}  // namespace meshrun::kit

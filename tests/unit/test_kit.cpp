@@ -1,0 +1,220 @@
+// The model kit's composition (models/kit): compositions that do not line
+// up are refused naming the op; a Qwen2-like and a Phi-like composition
+// (every op kind, every bias, a parallel block, partial rotary, a final
+// LayerNorm, lm_head's bias) have each parameter's gradient match central
+// differences of their own loss; checkpointing, pipeline stages and split
+// backwards give exactly the results of the whole model.
+//
+// Tolerances: the gradient check differences the float32 loss (~5, rounded
+// to ~5e-7) over steps of 2 x 1e-2, so ~3e-5 of noise, plus the O(eps^2)
+// truncation of curvature on these tiny weights; 1e-3 absolute + 2e-2
+// relative keeps a margin of ~10x on what was seen (at most 1.3e-4) and
+// still catches a missing term, which is O(the gradient). Stages and
+// recomputation run the same kernels on the same shapes in the same order:
+// equal bit for bit.
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "finite_differences.hpp"
+#include "kit/composed.hpp"
+#include "stage_fixture.hpp"
+
+namespace kit_test {
+
+using Catch::Matchers::Contains;
+using meshrun::kit::Composed;
+using meshrun::kit::Composition;
+using meshrun::models::ParameterView;
+using stage_fixture::Batch;
+using stage_fixture::random_batch;
+using KitModel = stage_fixture::OwnedModel<Composed>;
+using Chain = stage_fixture::Chain<Composed>;
+
+constexpr int64_t kBatch = 2, kSeqLen = 6, kVocab = 11;
+constexpr int32_t kBiases = MESHRUN_KIT_BIAS_IN | MESHRUN_KIT_BIAS_OUT;
+
+const meshrun_kit_op kQwen2Layer[] = {
+    {MESHRUN_KIT_RMSNORM, 0, "input_layernorm", "x", nullptr, "n1"},
+    {MESHRUN_KIT_ATTENTION, MESHRUN_KIT_BIAS_IN, "self_attn", "n1", nullptr, "a"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "x", "a", "h"},
+    {MESHRUN_KIT_RMSNORM, 0, "post_attention_layernorm", "h", nullptr, "n2"},
+    {MESHRUN_KIT_SWIGLU_MLP, 0, "mlp", "n2", nullptr, "m"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "h", "m", "out"},
+};
+
+const meshrun_kit_op kPhiLayer[] = {
+    {MESHRUN_KIT_LAYERNORM, 0, "input_layernorm", "x", nullptr, "n"},
+    {MESHRUN_KIT_ATTENTION, kBiases, "self_attn", "n", nullptr, "a"},
+    {MESHRUN_KIT_GELU_MLP, kBiases, "mlp", "n", nullptr, "m"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "a", "m", "am"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "x", "am", "out"},
+};
+
+meshrun_kit_model_spec base_spec(int64_t layers) {
+  meshrun_kit_model_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.vocab_size = kVocab;
+  spec.hidden_size = 8;
+  spec.intermediate_size = 12;
+  spec.num_hidden_layers = layers;
+  spec.num_attention_heads = 2;
+  spec.num_key_value_heads = 1;
+  spec.norm_eps = 1e-5;
+  spec.rope_theta = 100.0;
+  spec.partial_rotary_factor = 1.0;
+  spec.final_norm = MESHRUN_KIT_RMSNORM;
+  return spec;
+}
+
+Composition qwen2_like(int64_t layers) {
+  meshrun_kit_model_spec spec = base_spec(layers);
+  spec.ops = kQwen2Layer;
+  spec.num_ops = 6;
+  return meshrun::kit::compose(spec, "qwen2", nlohmann::ordered_json::object());
+}
+
+Composition phi_like(int64_t layers) {
+  meshrun_kit_model_spec spec = base_spec(layers);
+  spec.ops = kPhiLayer;
+  spec.num_ops = 5;
+  spec.partial_rotary_factor = 0.5;
+  spec.final_norm = MESHRUN_KIT_LAYERNORM;
+  spec.final_norm_name = "model.final_layernorm";
+  spec.attention_output_name = "dense";
+  spec.lm_head_bias = 1;
+  return meshrun::kit::compose(spec, "phi", nlohmann::ordered_json::object());
+}
+
+// Weights of a trained model's magnitude: norm weights around 1, biases
+// and matrices far enough from 0 that every term of the backward shows.
+void randomize(KitModel& model, uint32_t seed) {
+  std::mt19937 engine(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (ParameterView& view : model.parameters()) {
+    const bool embedding = view.name.rfind("model.embed_tokens", 0) == 0;
+    const bool norm_weight = view.shape.size() == 1 && view.name.ends_with("norm.weight");
+    const float scale = embedding ? 1.0f : view.shape.size() == 1 ? 0.2f : 0.4f;
+    for (int64_t i = 0; i < view.numel; ++i) {
+      view.data[i] = (norm_weight ? 1.0f : 0.0f) + scale * normal(engine);
+    }
+  }
+}
+
+TEST_CASE("kit parameters: Hugging Face names in the kit's order, fused projections adjacent",
+          "[kit]") {
+  const auto names = [](const Composition& c) {
+    std::vector<std::string> all;
+    for (const ParameterView& view : meshrun::kit::parameters(c)) all.push_back(view.name);
+    return all;
+  };
+  const std::string p = "model.layers.0.";
+  CHECK(names(qwen2_like(1)) ==
+        std::vector<std::string>{"model.embed_tokens.weight", p + "input_layernorm.weight",
+                                 p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                 p + "self_attn.v_proj.weight", p + "self_attn.q_proj.bias",
+                                 p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias",
+                                 p + "self_attn.o_proj.weight",
+                                 p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight",
+                                 p + "mlp.up_proj.weight", p + "mlp.down_proj.weight",
+                                 "model.norm.weight", "lm_head.weight"});
+  const std::vector<std::string> phi = names(phi_like(1));
+  CHECK(phi.back() == "lm_head.weight");
+  CHECK(phi[phi.size() - 2] == "lm_head.bias");
+  CHECK(std::count(phi.begin(), phi.end(), p + "self_attn.dense.bias") == 1);
+  CHECK(std::count(phi.begin(), phi.end(), p + "mlp.fc1.bias") == 1);
+}
+
+TEST_CASE("kit gradients of every parameter match central differences of the loss", "[kit]") {
+  const Composition composition = GENERATE(qwen2_like(2), phi_like(2));
+  INFO(composition.model_type);
+  KitModel model(composition);
+  randomize(model, 5);
+  const Batch batch = random_batch(kVocab, kBatch, kSeqLen, 6);
+  model.zero_grad();
+  model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  model.backward();
+  for (ParameterView& view : model.parameters()) {
+    const std::vector<float> analytic(view.grad, view.grad + view.numel);
+    const int64_t checked = std::min<int64_t>(view.numel, 6);
+    const auto numeric = finite_differences::central(view.data, checked, 1e-2, [&] {
+      return double(model.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen));
+    });
+    finite_differences::require_close(view.name, analytic.data(), numeric, 1e-3, 2e-2);
+  }
+}
+
+std::vector<Batch> random_batches(int count) {
+  std::vector<Batch> batches;
+  for (int i = 0; i < count; ++i) batches.push_back(random_batch(kVocab, kBatch, kSeqLen, 20 + i));
+  return batches;
+}
+
+TEST_CASE("kit stages, split backwards and checkpointing give exactly the whole model's results",
+          "[kit][stage]") {
+  const Composition composition = GENERATE(qwen2_like(4), phi_like(4));
+  INFO(composition.model_type);
+  KitModel model(composition);
+  randomize(model, 8);
+  const std::vector<Batch> batches = random_batches(4);
+  const std::vector<meshrun::models::StageLayout> two_stages = {{0, 2, true, false},
+                                                                {2, 4, false, true}};
+  Chain whole(model, {{0, 4, true, true}}, kBatch, kSeqLen);
+  Chain split(model, two_stages, kBatch, kSeqLen);
+  CHECK(split.run("F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3", batches, 0.25f) ==
+        whole.run("F0 B0 F1 B1 F2 B2 F3 B3", batches, 0.25f));
+  CHECK(split.gradients() == whole.gradients());
+  stage_fixture::check_checkpointing_is_exact(model, two_stages, batches, kBatch, kSeqLen);
+}
+
+// Each malformed layer, refused when the model is made, naming the op.
+TEST_CASE("kit compositions that do not line up are refused naming the op", "[kit]") {
+  struct Case {
+    std::vector<meshrun_kit_op> ops;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {{{MESHRUN_KIT_RMSNORM, 0, "norm", "x", nullptr, "n"},
+        {MESHRUN_KIT_SWIGLU_MLP, 0, "mlp", "n3", nullptr, "out"}},
+       "kit: layer op 1 'mlp' reads 'n3', which no earlier op writes (written so far: x, n)"},
+      {{{MESHRUN_KIT_RMSNORM, 0, "norm", "x", nullptr, "n"},
+        {MESHRUN_KIT_ADD, 0, nullptr, "x", "n", "n"}},
+       "kit: layer op 1 (ADD) writes 'n', which is written already"},
+      {{{MESHRUN_KIT_RMSNORM, 0, "norm", "x", nullptr, "n"},
+        {MESHRUN_KIT_RMSNORM, 0, "norm", "n", nullptr, "out"}},
+       "kit: layer op 1 'norm' has the name of an earlier op"},
+      {{{MESHRUN_KIT_RMSNORM, 0, "norm", "x", nullptr, "n"},
+        {MESHRUN_KIT_ATTENTION, 0, "attn", "x", nullptr, "out"}},
+       "kit: layer op 0 'norm' writes 'n', which no later op reads"},
+      {{{MESHRUN_KIT_RMSNORM, 0, "norm", "x", nullptr, "n"}},
+       "kit: layer op 0 'norm' is the last op and writes 'n'; the last op writes the layer's "
+       "output, 'out'"},
+      {{{MESHRUN_KIT_RMSNORM, MESHRUN_KIT_BIAS_IN, "norm", "x", nullptr, "out"}},
+       "kit: layer op 0 'norm' has flags 1; only ATTENTION and the MLPs take"},
+      {{{MESHRUN_KIT_ADD, 0, nullptr, "x", nullptr, "out"}},
+       "kit: layer op 0 (ADD) is an ADD without input2"},
+      {{{9, 0, "conv", "x", nullptr, "out"}}, "kit: layer op 0 'conv' has op 9; valid:"},
+      {{{MESHRUN_KIT_GELU_MLP, 0, nullptr, "x", nullptr, "out"}},
+       "kit: layer op 0 (ADD) is a GELU_MLP without a name"},
+  };
+  for (const Case& c : cases) {
+    meshrun_kit_model_spec spec = base_spec(1);
+    spec.ops = c.ops.data();
+    spec.num_ops = int64_t(c.ops.size());
+    INFO(c.message);
+    CHECK_THROWS_WITH(meshrun::kit::compose(spec, "bad", nlohmann::ordered_json::object()),
+                      Contains(c.message));
+  }
+  meshrun_kit_model_spec odd_heads = base_spec(1);
+  odd_heads.ops = kQwen2Layer;
+  odd_heads.num_ops = 6;
+  odd_heads.num_attention_heads = 3;
+  CHECK_THROWS_WITH(
+      meshrun::kit::compose(odd_heads, "bad", nlohmann::ordered_json::object()),
+      Contains("model.hidden_size: 8 must be divisible by model.num_attention_heads"));
+}
+
+}  // namespace kit_test
