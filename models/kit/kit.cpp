@@ -16,6 +16,7 @@
 
 struct meshrun_kit_config {
   meshrun::models::ConfigReader reader;
+  const char* json;
 };
 
 namespace {
@@ -44,7 +45,7 @@ void require(bool condition, const char* what) {
 
 // Runs the plugin's compose over the config, then checks what it made.
 Composition composed(const meshrun_kit_plugin& plugin, const char* config_json) {
-  const meshrun_kit_config config{meshrun::models::ConfigReader(config_json)};
+  const meshrun_kit_config config{meshrun::models::ConfigReader(config_json), config_json};
   meshrun_kit_model_spec spec{};
   spec.struct_size = sizeof spec;
   spec.rope_theta = 10000.0;
@@ -108,6 +109,10 @@ MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_config_boolean(const meshrun_kit_c
     require(out != nullptr, "meshrun_kit_config_boolean: out");
     *out = reader.boolean(key, fallback != 0) ? 1 : 0;
   });
+}
+
+MESHRUN_KIT_EXPORT const char* meshrun_kit_config_json(const meshrun_kit_config* config) {
+  return config != nullptr ? config->json : nullptr;
 }
 
 MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_model_create(const meshrun_kit_plugin* plugin,

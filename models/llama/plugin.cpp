@@ -1,23 +1,31 @@
-// The Llama model plugin (meshrun/model.h, model_type "llama"): the
-// configuration from [model], the description (parameters, units, modules,
-// the Hugging Face config.json) and stages of the model over the host's
-// hooks (common/host_stage.hpp).
+// The Llama model plugin (meshrun/model.h, model_type "llama"), composed
+// from the model kit (meshrun/kit.h): Hugging Face's LlamaForCausalLM layer
+// as a list of the kit's layers, over the [model] keys, defaults and checks
+// of llama/model.hpp. The kit computes it; the hand-written Llama family
+// (llama/decoder.hpp), which Mixtral builds on, is its oracle in the tests
+// (tests/kit: equal bit for bit under every parallelism).
 #include <nlohmann/json.hpp>
 
+#include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "common/config_reader.hpp"
-#include "common/host_stage.hpp"
 #include "llama/model.hpp"
-#include "llama/stage.hpp"
+#include "meshrun/kit.h"
+#include "meshrun/plugin.hpp"
 
 namespace {
 
 using meshrun::llama::LlamaConfig;
-using meshrun::llama::ParameterView;
-using meshrun::models::ModelModules;
-using nlohmann::ordered_json;
+
+const meshrun_kit_op kLayer[] = {
+    {MESHRUN_KIT_RMSNORM, 0, "input_layernorm", "x", nullptr, "n1"},
+    {MESHRUN_KIT_ATTENTION, 0, "self_attn", "n1", nullptr, "a"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "x", "a", "h"},
+    {MESHRUN_KIT_RMSNORM, 0, "post_attention_layernorm", "h", nullptr, "n2"},
+    {MESHRUN_KIT_SWIGLU_MLP, 0, "mlp", "n2", nullptr, "m"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "h", "m", "out"},
+};
 
 const char* const kConfigKeys[] = {"vocab_size",
                                    "hidden_size",
@@ -31,91 +39,55 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "tie_word_embeddings",
                                    nullptr};
 
-struct LlamaPlugin {
-  using Family = meshrun::llama::Llama;
+// Hugging Face's config.json keys beyond the sizes, resolved.
+std::string hf_config(const LlamaConfig& c) {
+  return nlohmann::ordered_json{{"head_dim", c.hidden_size / c.num_attention_heads},
+                                {"hidden_act", "silu"},
+                                {"max_position_embeddings", c.max_position_embeddings},
+                                {"rms_norm_eps", c.rms_norm_eps},
+                                {"rope_theta", c.rope_theta},
+                                {"attention_bias", false},
+                                {"mlp_bias", false}}
+      .dump();
+}
 
-  static LlamaConfig read_config(const char* config_json) {
-    return meshrun::llama::read_decoder_config(meshrun::models::ConfigReader(config_json), {});
+meshrun_error* compose(const meshrun_kit_config* config, meshrun_kit_model_spec* spec) {
+  // The kit copies the spec before the model is made, on this thread.
+  thread_local std::string config_json;
+  try {
+    const LlamaConfig c = meshrun::llama::read_decoder_config(
+        meshrun::models::ConfigReader(meshrun_kit_config_json(config)), {});
+    spec->vocab_size = c.vocab_size;
+    spec->hidden_size = c.hidden_size;
+    spec->intermediate_size = c.intermediate_size;
+    spec->num_hidden_layers = c.num_hidden_layers;
+    spec->num_attention_heads = c.num_attention_heads;
+    spec->num_key_value_heads = c.num_key_value_heads;
+    spec->norm_eps = c.rms_norm_eps;
+    spec->rope_theta = c.rope_theta;
+    spec->tie_word_embeddings = c.tie_word_embeddings;
+    config_json = hf_config(c);
+  } catch (const std::invalid_argument& e) {
+    return meshrun::plugin::make_error(MESHRUN_INVALID_ARGUMENT, e.what());
   }
+  spec->num_ops = sizeof kLayer / sizeof kLayer[0];
+  spec->ops = kLayer;
+  spec->architecture = "LlamaForCausalLM";
+  spec->layer_class = "LlamaDecoderLayer";
+  spec->config_json = config_json.c_str();
+  return nullptr;
+}
 
-  static ordered_json hf_config(const LlamaConfig& c) {
-    return {{"architectures", {"LlamaForCausalLM"}},
-            {"model_type", "llama"},
-            {"vocab_size", c.vocab_size},
-            {"hidden_size", c.hidden_size},
-            {"intermediate_size", c.intermediate_size},
-            {"num_hidden_layers", c.num_hidden_layers},
-            {"num_attention_heads", c.num_attention_heads},
-            {"num_key_value_heads", c.num_key_value_heads},
-            {"tie_word_embeddings", c.tie_word_embeddings},
-            {"head_dim", c.hidden_size / c.num_attention_heads},
-            {"hidden_act", "silu"},
-            {"max_position_embeddings", c.max_position_embeddings},
-            {"rms_norm_eps", c.rms_norm_eps},
-            {"rope_theta", c.rope_theta},
-            {"attention_bias", false},
-            {"mlp_bias", false}};
-  }
-
-  static ModelModules modules(const LlamaConfig& config) {
-    return meshrun::llama::decoder_modules(config.tie_word_embeddings);
-  }
-
-  // Weights a token meets in matmuls: per layer q, k, v, o and the SwiGLU's
-  // gate, up and down; then the lm_head (the embedding itself is a lookup).
-  static int64_t matmul_parameters(const LlamaConfig& c) {
-    const int64_t head_dim = c.hidden_size / c.num_attention_heads;
-    const int64_t attention =
-        2 * c.hidden_size * (c.hidden_size + c.num_key_value_heads * head_dim);
-    const int64_t mlp = 3 * c.hidden_size * c.intermediate_size;
-    return c.num_hidden_layers * (attention + mlp) + c.vocab_size * c.hidden_size;
-  }
-
-  // What decoder.hpp's LayerActivations and HeadActivations hold per token:
-  // norm1, rstd1, h, norm2, rstd2 whole; qkv, the heads' log-sum-exps, the
-  // attention output, gate_up and mlp split over tp; selective
-  // checkpointing drops the norms and mlp (Llama::elementwise).
-  static meshrun::models::ActivationsPerToken activations(const LlamaConfig& c) {
-    const int64_t h = c.hidden_size, heads = c.num_attention_heads;
-    const int64_t head_dim = h / heads;
-    const int64_t qkv = (heads + 2 * c.num_key_value_heads) * head_dim;
-    return {3 * h + 2,   qkv + heads + heads * head_dim + 3 * c.intermediate_size,
-            2 * h + 2,   c.intermediate_size,
-            h,           h + 1,
-            c.vocab_size};
-  }
-
-  static std::string describe(const LlamaConfig& config,
-                              const std::vector<ParameterView>& parameters) {
-    return meshrun::models::describe_model(
-        {{"config", hf_config(config)},
-         {"vocab_size", config.vocab_size},
-         {"max_seq_len", nullptr},
-         {"num_layers_key", "num_hidden_layers"},
-         {"sequence_parallel", Family::kSequenceParallel},
-         {"autocast_dtypes", {"bfloat16"}},
-         {"unit_class", "LlamaDecoderLayer"},
-         {"context_parallel",
-          {{"heads", config.num_attention_heads}, {"kv_heads", config.num_key_value_heads}}},
-         {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
-         {"flops", meshrun::models::flops_json(matmul_parameters(config), config.num_hidden_layers,
-                                               config.hidden_size)},
-         {"activations", meshrun::models::activations_json(activations(config))}},
-        parameters, config.num_hidden_layers, modules(config));
-  }
-};
-
-const meshrun_model_api kModelApi =
-    meshrun::plugin::ModelTable<meshrun::models::HostModel<LlamaPlugin>,
-                                meshrun::models::HostStage<LlamaPlugin>>::make("llama",
-                                                                               kConfigKeys);
-
-const meshrun_plugin_api kApi = meshrun::models::model_plugin_api(
-    "llama", MESHRUN_PLUGIN_VERSION,
-    "Llama (LlamaForCausalLM): RMSNorm, rotary attention with grouped key/value heads, "
-    "SwiGLU; GEMMs through oneDNN in float32 or bfloat16; pipeline stages with split backward",
-    &kModelApi);
+const meshrun_kit_plugin llama = {
+    sizeof(meshrun_kit_plugin),
+    "llama",
+    MESHRUN_PLUGIN_VERSION,
+    "Llama (LlamaForCausalLM), composed from the model kit: RMSNorm, rotary attention with "
+    "grouped key/value heads, SwiGLU; GEMMs through oneDNN in float32 or bfloat16; pipeline "
+    "stages with split backward",
+    kConfigKeys,
+    compose};
 
 }  // namespace
 
-extern "C" const meshrun_plugin_api* meshrun_plugin_get_api(void) { return &kApi; }
+MESHRUN_KIT_DEFINE_PLUGIN(llama)

@@ -1,8 +1,9 @@
-"""Benchmark: a kit-composed Llama against the hand-written one.
+"""Benchmark: the kit-composed Llama against the hand-written one.
 
 Trains the reference model (examples/llama-tiny.toml, bfloat16 matmuls
-under fsdp2) as model_type "llama" (models/llama) and as "kit_llama"
-(tests/kit/kit_llama.c, composed from meshrun/kit.h), alternating them over
+under fsdp2) as model_type "llama" (models/llama/plugin.cpp, composed from
+meshrun/kit.h) and as "hand_llama" (tests/kit/hand_llama.cpp, the
+hand-written Llama family it replaced), alternating them over
 --rounds rounds (the machine is shared and noisy), and prints each one's
 median tokens/s (the first step, which allocates, left out; each model's
 best round) and kit / hand-written (goal: >= 0.97).
@@ -23,7 +24,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "..", "examples", "llama-tiny.toml")
-MODELS = ("llama", "kit_llama")
+MODELS = ("hand_llama", "llama")
 
 
 def tokens_per_s(args, output, model_type):
@@ -54,7 +55,7 @@ def main():
     for model in MODELS:
         print(f"{model}: tokens/s per round " + ", ".join(f"{t:.0f}" for t in runs[model]) +
               f"; best {best[model]:.0f}")
-    print(f"kit_llama / llama: {best['kit_llama'] / best['llama']:.3f} (goal >= 0.97)")
+    print(f"llama (kit) / hand_llama: {best['llama'] / best['hand_llama']:.3f} (goal >= 0.97)")
 
 
 if __name__ == "__main__":

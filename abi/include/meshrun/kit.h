@@ -182,6 +182,11 @@ MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_config_boolean(const meshrun_kit_c
                                                              const char* key, int32_t fallback,
                                                              int32_t* out);
 
+/* The [model] keys the user set, as the JSON object model_create was given:
+ * for a plugin that reads them with a JSON parser of its own. Owned by
+ * `config`, valid during the compose call; NULL when `config` is NULL. */
+MESHRUN_KIT_EXPORT const char* meshrun_kit_config_json(const meshrun_kit_config* config);
+
 /* Makes a model of `plugin` (the model table's model_create, which
  * MESHRUN_KIT_DEFINE_PLUGIN routes here): compose, then the composition
  * checked. Errors: compose's; INVALID_ARGUMENT for a composition or sizes
