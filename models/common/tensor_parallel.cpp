@@ -121,9 +121,13 @@ void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const f
   tp.all_reduce_sum(out, rows * dim);
 }
 
-void sequence_parallel_embedding_forward(float* out, float* scratch, const int32_t* tokens,
-                                         const float* table, int64_t rows, int64_t dim,
-                                         const VocabShard& shard, TensorParallelGroup& tp) {
+void embedding_into_stream(float* out, float* scratch, const int32_t* tokens, const float* table,
+                           int64_t rows, int64_t dim, const VocabShard& shard,
+                           TensorParallelGroup& tp, bool sequence_parallel) {
+  if (!sequence_parallel) {
+    vocab_parallel_embedding_forward(out, tokens, table, rows, dim, shard, tp);
+    return;
+  }
   vocab_parallel_embedding_lookup(scratch, tokens, table, rows, dim, shard);
   reduce_scatter_rows(tp, scratch, out, rows / tp.size(), dim);
 }

@@ -204,11 +204,12 @@ void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const fl
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
                                       TensorParallelGroup& tp);
-// The lookup with sequence parallelism: out [rows / tp, dim] = this rank's
-// rows of the sum over ranks, through scratch [rows, dim].
-void sequence_parallel_embedding_forward(float* out, float* scratch, const int32_t* tokens,
-                                         const float* table, int64_t rows, int64_t dim,
-                                         const VocabShard& shard, TensorParallelGroup& tp);
+// The lookup as the residual stream holds it: every row summed over the
+// ranks, or with sequence parallelism out [rows / tp, dim] = this rank's
+// rows of the sum, through scratch [rows, dim].
+void embedding_into_stream(float* out, float* scratch, const int32_t* tokens, const float* table,
+                           int64_t rows, int64_t dim, const VocabShard& shard,
+                           TensorParallelGroup& tp, bool sequence_parallel);
 // d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens this rank holds.
 void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
                                        int64_t rows, int64_t dim, const VocabShard& shard);

@@ -399,15 +399,9 @@ void Composed::check_layer_storage(std::span<const ParameterView> layer, bool ba
 
 void Composed::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                                  float* out) {
-  TensorParallelGroup& group = pass.group(Block::embedding);
-  if (!pass.sequence_parallel) {
-    models::vocab_parallel_embedding_forward(out, tokens, embedding->data, pass.rows(), pass.hidden,
-                                             pass.embedding_vocab, group);
-    return;
-  }
-  models::sequence_parallel_embedding_forward(out, pass.projection.data(), tokens, embedding->data,
-                                              pass.rows(), pass.hidden, pass.embedding_vocab,
-                                              group);
+  models::embedding_into_stream(out, pass.projection.data(), tokens, embedding->data, pass.rows(),
+                                pass.hidden, pass.embedding_vocab, pass.group(Block::embedding),
+                                pass.sequence_parallel);
 }
 
 void Composed::embedding_backward(Pass& pass, const ParameterView* embedding,

@@ -84,6 +84,18 @@ void add_attention_parameters(std::vector<ParameterView>& views, const LlamaConf
   add_parameter(views, prefix + "post_attention_layernorm.weight", {H}, layer);
 }
 
+const char* const kDecoderConfigKeys[] = {"vocab_size",
+                                          "hidden_size",
+                                          "intermediate_size",
+                                          "num_hidden_layers",
+                                          "num_attention_heads",
+                                          "num_key_value_heads",
+                                          "max_position_embeddings",
+                                          "rms_norm_eps",
+                                          "rope_theta",
+                                          "tie_word_embeddings",
+                                          nullptr};
+
 LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig c) {
   c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
   c.hidden_size = reader.dimension("hidden_size", c.hidden_size);

@@ -58,6 +58,9 @@ void add_attention_parameters(std::vector<ParameterView>& views, const LlamaConf
 // embedding, the layers, the head (final norm and lm_head, inseparable: the
 // loss needs both; a tied lm_head uses the embedding).
 LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig defaults);
+// The keys read_decoder_config reads, NULL-terminated (meshrun/model.h
+// config_keys).
+extern const char* const kDecoderConfigKeys[];
 models::ModelModules decoder_modules(bool tie_word_embeddings);
 
 // Megatron-LM's tensor parallelism as AutoModel's Llama plan places it:

@@ -27,18 +27,6 @@ const meshrun_kit_op kLayer[] = {
     {MESHRUN_KIT_ADD, 0, nullptr, "h", "m", "out"},
 };
 
-const char* const kConfigKeys[] = {"vocab_size",
-                                   "hidden_size",
-                                   "intermediate_size",
-                                   "num_hidden_layers",
-                                   "num_attention_heads",
-                                   "num_key_value_heads",
-                                   "max_position_embeddings",
-                                   "rms_norm_eps",
-                                   "rope_theta",
-                                   "tie_word_embeddings",
-                                   nullptr};
-
 // Hugging Face's config.json keys beyond the sizes, resolved.
 std::string hf_config(const LlamaConfig& c) {
   return nlohmann::ordered_json{{"head_dim", c.hidden_size / c.num_attention_heads},
@@ -85,7 +73,7 @@ const meshrun_kit_plugin llama = {
     "Llama (LlamaForCausalLM), composed from the model kit: RMSNorm, rotary attention with "
     "grouped key/value heads, SwiGLU; GEMMs through oneDNN in float32 or bfloat16; pipeline "
     "stages with split backward",
-    kConfigKeys,
+    meshrun::llama::kDecoderConfigKeys,
     compose};
 
 }  // namespace

@@ -19,18 +19,6 @@ using meshrun::llama::ParameterView;
 using meshrun::models::ModelModules;
 using nlohmann::ordered_json;
 
-const char* const kConfigKeys[] = {"vocab_size",
-                                   "hidden_size",
-                                   "intermediate_size",
-                                   "num_hidden_layers",
-                                   "num_attention_heads",
-                                   "num_key_value_heads",
-                                   "max_position_embeddings",
-                                   "rms_norm_eps",
-                                   "rope_theta",
-                                   "tie_word_embeddings",
-                                   nullptr};
-
 struct LlamaPlugin {
   using Family = meshrun::llama::Llama;
 
@@ -105,10 +93,10 @@ struct LlamaPlugin {
   }
 };
 
-const meshrun_model_api kModelApi =
-    meshrun::plugin::ModelTable<meshrun::models::HostModel<LlamaPlugin>,
-                                meshrun::models::HostStage<LlamaPlugin>>::make("hand_llama",
-                                                                               kConfigKeys);
+const meshrun_model_api kModelApi = meshrun::plugin::ModelTable<
+    meshrun::models::HostModel<LlamaPlugin>,
+    meshrun::models::HostStage<LlamaPlugin>>::make("hand_llama",
+                                                   meshrun::llama::kDecoderConfigKeys);
 
 const meshrun_plugin_api kApi = meshrun::models::model_plugin_api(
     "hand_llama", MESHRUN_PLUGIN_VERSION,
