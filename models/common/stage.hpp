@@ -27,7 +27,7 @@
 //     0..L-1, the rest in the root unit L;
 //   init_parameter(config, parameters, seed, index, values): one's initial
 //     values, independent of the others'
-//   kEmbeddingTensors: the views of the embedding (the first root
+//   embedding_tensors(config): the views of the embedding (the first root
 //     parameters; a tied lm_head is the first of them); a layer's views are
 //     those of its unit the stage holds (all, or with expert parallelism
 //     its own experts' only)
@@ -37,8 +37,8 @@
 //   check_tensor_parallel(config, tp_size, blocks): the model splits its
 //     parallel blocks over tp ranks (throws std::invalid_argument if not);
 //     parameters() say each one's placement (ParameterView::tp)
-//   tensor_parallel_blocks(): its BlockSpecs; tensor_parallel_block(name):
-//     the Block of a parameter it computes over tp
+//   tensor_parallel_blocks(): its BlockSpecs; tensor_parallel_block(config,
+//     name): the Block of a parameter it computes over tp
 //   Pass(config, batch, seq_len, tp, sequence_parallel, blocks, cp[, ep]): what a
 //     forward at one shape shares (seq_len: the rank's rows of each
 //     sequence, all of them without context parallelism, whose attention

@@ -36,7 +36,8 @@ class TransformerStage<Family>::AnnouncedGradients : public ImmediateWeightGradi
  private:
   void ready(const ParameterView& view) override {
     const bool embedding =
-        stage_.layout_.embedding && &view - stage_.parameters_.data() < Family::kEmbeddingTensors;
+        stage_.layout_.embedding &&
+        &view - stage_.parameters_.data() < Family::embedding_tensors(stage_.config_);
     if (!embedding) stage_.hooks_.gradient_ready(view.index);
   }
   TransformerStage& stage_;
@@ -202,7 +203,10 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
 // its whole block; a sharded view has the rank's extent.
 template <class Family>
 void TransformerStage<Family>::localize(const Placements& placements) {
-  blocks_ = planned_blocks(parameters_, placements, &Family::tensor_parallel_block, Family::kName);
+  const auto block_of = [this](const std::string& name) {
+    return Family::tensor_parallel_block(config_, name);
+  };
+  blocks_ = planned_blocks(parameters_, placements, block_of, Family::kName);
   if (config_.tie_word_embeddings) blocks_.set(Block::head, blocks_[Block::embedding]);
   for (ParameterView& view : parameters_) {
     const auto found = placements.of.find(view.name);
@@ -265,7 +269,8 @@ void TransformerStage<Family>::select_parameters() {
     if (in_layers && (parameters_.empty() || parameters_.back().unit != view.unit)) {
       layer_first_view_.push_back(int64_t(parameters_.size()));
     }
-    const bool in_embedding = view.unit == root && root_views++ < Family::kEmbeddingTensors;
+    const bool in_embedding =
+        view.unit == root && root_views++ < Family::embedding_tensors(config_);
     const bool in_head = view.unit == root && !in_embedding && layout_.head;
     head_views += in_head ? 1 : 0;
     if (in_layers || (in_embedding && layout_.embedding) || in_head) {
@@ -513,7 +518,7 @@ void TransformerStage<Family>::finish(
 template <class Family>
 void TransformerStage<Family>::announce_embedding(bool skip_lm_head) {
   if (!layout_.embedding) return;
-  for (int64_t v = Family::kEmbeddingTensors - 1; v >= 0; --v) {
+  for (int64_t v = Family::embedding_tensors(config_) - 1; v >= 0; --v) {
     if (!(skip_lm_head && config_.tie_word_embeddings && v == lm_head_index_)) {
       hooks_.gradient_ready(parameters_[size_t(v)].index);
     }

@@ -226,7 +226,7 @@ void settle(ParallelBlocks& blocks, std::array<const ParameterView*, 4>& decided
 }  // namespace
 
 ParallelBlocks planned_blocks(const std::vector<ParameterView>& views, const Placements& placements,
-                              BlockOf block_of, const char* family) {
+                              const BlockOf& block_of, const char* family) {
   ParallelBlocks blocks;
   std::array<const ParameterView*, 4> decided{};
   for (const ParameterView& view : views) {

@@ -27,6 +27,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <optional>
@@ -243,8 +244,8 @@ Placements plan_placements(const char* plan_json);
 // std::invalid_argument naming the parameter when the plan places one
 // other than as the family computes it (`view.tp`) or "replicate", or
 // replicates part of a block only.
-using BlockOf = std::optional<Block> (*)(const std::string& parameter);
+using BlockOf = std::function<std::optional<Block>(const std::string& parameter)>;
 ParallelBlocks planned_blocks(const std::vector<ParameterView>& views, const Placements& placements,
-                              BlockOf block_of, const char* family);
+                              const BlockOf& block_of, const char* family);
 
 }  // namespace meshrun::models

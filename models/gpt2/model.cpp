@@ -56,6 +56,62 @@ void check_config(const Gpt2Config& c) {
   }
 }
 
+const char* const kConfigKeys[] = {"vocab_size",
+                                   "n_positions",
+                                   "n_embd",
+                                   "n_layer",
+                                   "n_head",
+                                   "n_inner",
+                                   "activation_function",
+                                   "layer_norm_epsilon",
+                                   "initializer_range",
+                                   "tie_word_embeddings",
+                                   "resid_pdrop",
+                                   "embd_pdrop",
+                                   "attn_pdrop",
+                                   nullptr};
+
+Gpt2Config read_config(const models::ConfigReader& reader) {
+  Gpt2Config c;
+  c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
+  c.n_positions = reader.dimension("n_positions", c.n_positions);
+  c.n_embd = reader.dimension("n_embd", c.n_embd);
+  c.n_layer = reader.integer("n_layer", c.n_layer, 1, models::kMaxLayers);
+  c.n_head = reader.integer("n_head", c.n_head);
+  c.n_inner = reader.nullable_integer("n_inner", 4 * c.n_embd);
+  reader.choice("activation_function", "gelu_new", {"gelu_new"});
+  c.layer_norm_epsilon = reader.positive_number("layer_norm_epsilon", c.layer_norm_epsilon);
+  c.initializer_range = reader.positive_number("initializer_range", c.initializer_range);
+  c.tie_word_embeddings = reader.boolean("tie_word_embeddings", c.tie_word_embeddings);
+  for (const char* dropout : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) {
+    reader.require_number(dropout, 0.0, "training here has no dropout");
+  }
+  check_config(c);
+  return c;
+}
+
+nlohmann::ordered_json hf_config(const Gpt2Config& c) {
+  return {{"architectures", {"GPT2LMHeadModel"}},
+          {"model_type", "gpt2"},
+          {"vocab_size", c.vocab_size},
+          {"n_positions", c.n_positions},
+          {"n_ctx", c.n_positions},
+          {"n_embd", c.n_embd},
+          {"n_layer", c.n_layer},
+          {"n_head", c.n_head},
+          {"n_inner", c.n_inner},
+          {"activation_function", "gelu_new"},
+          {"resid_pdrop", 0.0},
+          {"embd_pdrop", 0.0},
+          {"attn_pdrop", 0.0},
+          {"layer_norm_epsilon", c.layer_norm_epsilon},
+          {"initializer_range", c.initializer_range},
+          {"scale_attn_weights", true},
+          {"scale_attn_by_inverse_layer_idx", false},
+          {"reorder_and_upcast_attn", false},
+          {"tie_word_embeddings", c.tie_word_embeddings}};
+}
+
 std::optional<Block> tensor_parallel_block(const std::string& name) {
   return kParallelModules.block(name);
 }

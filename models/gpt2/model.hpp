@@ -12,6 +12,9 @@
 #include <optional>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "common/config_reader.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -40,6 +43,17 @@ using models::ParameterView;
 // Throws std::invalid_argument("model.<key>: ...") for sizes the
 // architecture cannot take (the counts themselves are positive).
 void check_config(const Gpt2Config& config);
+
+// The [model] keys GPT2Config's names (kConfigKeys, NULL-terminated) set,
+// checked. The dropout keys are taken at 0 only, so that a Hugging Face
+// config.json reads as it is and the exported one says what was trained.
+// Throws std::invalid_argument("model.<key>: ...").
+extern const char* const kConfigKeys[];
+Gpt2Config read_config(const models::ConfigReader& reader);
+
+// Every key GPT2Config reads for the compute of GPT2LMHeadModel, resolved;
+// n_ctx as Hugging Face's GPT-2 checkpoints write it.
+nlohmann::ordered_json hf_config(const Gpt2Config& config);
 
 // Every parameter in Hugging Face's order: transformer.wte.weight [V, E],
 // transformer.wpe.weight [P, E]; per layer N, in unit N,

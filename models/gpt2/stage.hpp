@@ -108,7 +108,7 @@ struct Gpt2 {
   using LayerActivations = BlockActivations;
   using HeadActivations = gpt2::HeadActivations;
   static constexpr const char* kName = "gpt2";
-  static constexpr int64_t kEmbeddingTensors = 2;
+  static int64_t embedding_tensors(const Config& /*config*/) { return 2; }
 
   static void check_config(const Config& config) { gpt2::check_config(config); }
   static int64_t num_layers(const Config& config) { return config.n_layer; }
@@ -122,7 +122,8 @@ struct Gpt2 {
                                     const models::ParallelBlocks& blocks) {
     gpt2::check_tensor_parallel(config, tp, blocks);
   }
-  static std::optional<models::Block> tensor_parallel_block(const std::string& parameter) {
+  static std::optional<models::Block> tensor_parallel_block(const Config& /*config*/,
+                                                            const std::string& parameter) {
     return gpt2::tensor_parallel_block(parameter);
   }
   // The residual stream stays replicated over tp ranks.

@@ -15,7 +15,30 @@ using models::bytes_of;
 using models::LinearWeight;
 using models::WeightLayout;
 
-constexpr WeightLayout kOutIn = WeightLayout::out_in;
+namespace {
+
+// The projections' GEMMs in the composition's layout (layers.hpp): y = x
+// W^T for torch.nn.Linear's [out, in] weights, y = x W for Conv1D's [in,
+// out].
+struct Layout {
+  decltype(&linear_forward<float>) forward;
+  decltype(&linear_backward_input<float>) backward_input;
+  WeightLayout weights;
+};
+
+Layout layout_of(const Composition& c) {
+  if (c.conv1d) {
+    return {&conv1d_forward<float>, &conv1d_backward_input<float>, WeightLayout::in_out};
+  }
+  return {&linear_forward<float>, &linear_backward_input<float>, WeightLayout::out_in};
+}
+
+std::vector<int64_t> rotary_positions(const Composition& c,
+                                      const models::SequenceAttention& attend) {
+  return c.learned_positions() ? std::vector<int64_t>{} : attend.positions();
+}
+
+}  // namespace
 
 Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
            bool sequence_parallel, const models::ParallelBlocks& blocks,
@@ -32,7 +55,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
       embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
       head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
       attend(attention, cp, Composed::kName),
-      rotary(attention.head_dim, attend.positions(), c.rope_theta, c.rotary_dim()),
+      rotary(attention.head_dim, rotary_positions(c, attend), c.rope_theta, c.rotary_dim()),
       transient(c.tensors.size()),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
@@ -45,6 +68,20 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
                   "sequence parallelism shards the " + std::to_string(rows()) +
                       " rows of a micro-batch over " + std::to_string(tp.size()) +
                       " tp ranks, which do not divide them");
+  if (c.learned_positions()) {
+    const int64_t sequence = seq_len * cp.size();
+    models::require(sequence <= c.max_position_embeddings, Composed::kName,
+                    "seq_len " + std::to_string(sequence) + " is beyond " +
+                        c.size_name("max_position_embeddings") + " " +
+                        std::to_string(c.max_position_embeddings) + " (" + c.position_weight() +
+                        " has a row per position)");
+    const std::vector<int64_t>& in_sequence = attend.positions();
+    positions.resize(size_t(rows()));
+    for (int64_t r = 0; r < rows(); ++r) {
+      positions[size_t(r)] = int32_t(in_sequence[size_t(r % seq_len)]);
+    }
+    projection.resize(size_t(rows() * hidden));
+  }
   d_residual.resize(size_t(stream_numel()));
   if (sequence_parallel) {
     stream.resize(size_t(stream_numel()));
@@ -123,18 +160,20 @@ namespace {
 // The views of an op's fused input projection: its weights, its biases,
 // the output projection's weight and bias (of views past `views` if none).
 struct Projections {
-  int64_t inputs;  // q, k, v: 3; gate, up: 2; fc1: 1
+  int64_t inputs;  // q, k, v: 3; gate, up: 2; fc1 or a fused Conv1D: 1
   const ParameterView* views;
   const LayerOp& op;
+  Layout layout;
   const ParameterView& in_weight() const { return views[0]; }
   const ParameterView& in_bias() const { return views[inputs]; }
   const ParameterView& out_weight() const { return views[inputs * (op.bias_in ? 2 : 1)]; }
   const ParameterView& out_bias() const { return (&out_weight())[1]; }
 };
 
-Projections projections(const ParameterView* layer, const LayerOp& op) {
-  const int64_t inputs = op.op == Op::attention ? 3 : op.op == Op::swiglu_mlp ? 2 : 1;
-  return {inputs, layer + op.first_view, op};
+Projections projections(const Pass& pass, const ParameterView* layer, const LayerOp& op) {
+  const int64_t fused = op.op == Op::attention ? 3 : op.op == Op::swiglu_mlp ? 2 : 1;
+  const Composition& c = pass.composition;
+  return {c.conv1d ? 1 : fused, layer + op.first_view, op, layout_of(c)};
 }
 
 // The element-wise steps, out of line: selective checkpointing computes
@@ -221,10 +260,10 @@ void output_projection(Pass& pass, const Projections& p, Block block, const floa
   const int64_t N = pass.rows(), H = pass.hidden;
   TensorParallelGroup& group = pass.group(block);
   if (!pass.sequence_parallel) {
-    linear_forward(y, x, p.out_weight().data, N, width, H);
+    p.layout.forward(y, x, p.out_weight().data, N, width, H);
     models::reduce_partial_sums(group, y, N * H);
   } else {
-    linear_forward(pass.projection.data(), x, p.out_weight().data, N, width, H);
+    p.layout.forward(pass.projection.data(), x, p.out_weight().data, N, width, H);
     models::reduce_scatter_rows(group, pass.projection.data(), y, pass.stream_rows(), H);
   }
   if (p.op.bias_out) bias_forward(y, p.out_bias().data, pass.stream_rows(), H);
@@ -234,10 +273,12 @@ void attention_forward(Pass& pass, const Projections& p, const float* in, OpActi
                        float* y) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden;
-  linear_forward(kept.qkv.data(), in, p.in_weight().data, N, H, shape.qkv_dim());
+  p.layout.forward(kept.qkv.data(), in, p.in_weight().data, N, H, shape.qkv_dim());
   if (p.op.bias_in) bias_forward(kept.qkv.data(), p.in_bias().data, N, shape.qkv_dim());
-  rotary_forward(kept.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
-                 shape.heads + shape.kv_heads, shape.qkv_dim());
+  if (!pass.composition.learned_positions()) {
+    rotary_forward(kept.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                   shape.heads + shape.kv_heads, shape.qkv_dim());
+  }
   pass.attend.forward(kept.attention.data(), kept.lse.data(), kept.qkv.data());
   output_projection(pass, p, Block::attention, kept.attention.data(), shape.q_dim(), y);
 }
@@ -245,7 +286,7 @@ void attention_forward(Pass& pass, const Projections& p, const float* in, OpActi
 void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept, float* y) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const int64_t width = p.inputs * I;
-  linear_forward(kept.hidden.data(), in, p.in_weight().data, N, H, width);
+  p.layout.forward(kept.hidden.data(), in, p.in_weight().data, N, H, width);
   if (p.op.bias_in) bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
   activation_out_of_line(kept, p.op, pass);
   output_projection(pass, p, Block::mlp, kept.act.data(), I, y);
@@ -306,7 +347,7 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   const int64_t N = pass.rows(), H = pass.hidden;
   std::vector<float> d_input = pass.take();
   float* full = pass.sequence_parallel ? pass.projection.data() : d_input.data();
-  linear_backward_input(full, dy, p.in_weight().data, N, H, width);
+  p.layout.backward_input(full, dy, p.in_weight().data, N, H, width);
   TensorParallelGroup& group = pass.group(block);
   if (pass.sequence_parallel) {
     group.start_reduce_scatter_sum(full, d_input.data(), pass.stream_numel());
@@ -318,7 +359,8 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   std::vector<float>& x = input != 0 && p.op.last_input_reader
                               ? tensors.saved.tensors[size_t(input)]
                               : (own = copy_of(tensors[input], input, pass));
-  gradients.linear({&p.in_weight(), &p.in_weight() + p.inputs - 1, kOutIn, N, H, width}, dy, x);
+  gradients.linear({&p.in_weight(), &p.in_weight() + p.inputs - 1, p.layout.weights, N, H, width},
+                   dy, x);
   group.wait_started();
   grads.add(input, std::move(d_input));
 }
@@ -343,13 +385,16 @@ void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   const float* d_out = block_output_gradient(pass, dy);
-  linear_backward_input(pass.d_attention.data(), d_out, p.out_weight().data, N, Q, H);
+  p.layout.backward_input(pass.d_attention.data(), d_out, p.out_weight().data, N, Q, H);
   pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), kept.qkv.data(),
                        kept.attention.data(), kept.lse.data());
-  gradients.linear({&p.out_weight(), &p.out_weight(), kOutIn, N, Q, H}, d_out, kept.attention);
+  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, Q, H}, d_out,
+                   kept.attention);
   output_bias_backward(p, d_out, N, H, gradients);
-  rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
-                  shape.heads + shape.kv_heads, shape.qkv_dim());
+  if (!pass.composition.learned_positions()) {
+    rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
+                    shape.heads + shape.kv_heads, shape.qkv_dim());
+  }
   input_bias_backward(p, pass.d_qkv.data(), N, shape.qkv_dim(), gradients);
   projection_input_backward(pass, p, Block::attention, pass.d_qkv.data(), shape.qkv_dim(), tensors,
                             grads, gradients);
@@ -361,8 +406,8 @@ void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpAc
                   const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const float* d_out = block_output_gradient(pass, dy);
-  linear_backward_input(pass.d_act.data(), d_out, p.out_weight().data, N, I, H);
-  gradients.linear({&p.out_weight(), &p.out_weight(), kOutIn, N, I, H}, d_out, kept.act);
+  p.layout.backward_input(pass.d_act.data(), d_out, p.out_weight().data, N, I, H);
+  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, I, H}, d_out, kept.act);
   output_bias_backward(p, d_out, N, H, gradients);
   if (p.op.op == Op::swiglu_mlp) {
     swiglu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N, I);
@@ -397,18 +442,30 @@ void Composed::check_layer_storage(std::span<const ParameterView> layer, bool ba
   }
 }
 
+// out = embed_tokens[tokens] (+ wpe[positions]) on the stream's rows.
 void Composed::embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,
                                  float* out) {
-  models::embedding_into_stream(out, pass.projection.data(), tokens, embedding->data, pass.rows(),
+  models::embedding_into_stream(out, pass.projection.data(), tokens, embedding[0].data, pass.rows(),
                                 pass.hidden, pass.embedding_vocab, pass.group(Block::embedding),
                                 pass.sequence_parallel);
+  if (!pass.composition.learned_positions()) return;
+  const int64_t first = pass.sequence_parallel ? pass.tp.rank() * pass.stream_rows() : 0;
+  kernels::embedding_forward(pass.projection.data(), pass.positions.data() + first,
+                             embedding[1].data, pass.stream_rows(), pass.hidden);
+  residual_forward(out, out, pass.projection.data(), pass.stream_numel());
 }
 
+// The position table's gradient from every row, so that each tp rank holds
+// all of it (the table is replicated).
 void Composed::embedding_backward(Pass& pass, const ParameterView* embedding,
                                   const int32_t* tokens) {
-  models::vocab_parallel_embedding_backward(embedding->grad, tokens,
-                                            block_output_gradient(pass, pass.d_residual),
-                                            pass.rows(), pass.hidden, pass.embedding_vocab);
+  const float* dy = block_output_gradient(pass, pass.d_residual);
+  models::vocab_parallel_embedding_backward(embedding[0].grad, tokens, dy, pass.rows(), pass.hidden,
+                                            pass.embedding_vocab);
+  if (pass.composition.learned_positions()) {
+    kernels::embedding_backward(embedding[1].grad, pass.positions.data(), dy, pass.rows(),
+                                pass.hidden);
+  }
 }
 
 void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
@@ -422,9 +479,9 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
     if (is_norm(op.op)) {
       norm_forward(pass, y, kept, tensors[op.input], layer + op.first_view, op);
     } else if (op.op == Op::attention) {
-      attention_forward(pass, projections(layer, op), tensors[op.input], kept, y);
+      attention_forward(pass, projections(pass, layer, op), tensors[op.input], kept, y);
     } else if (is_mlp(op.op)) {
-      mlp_forward(pass, projections(layer, op), tensors[op.input], kept, y);
+      mlp_forward(pass, projections(pass, layer, op), tensors[op.input], kept, y);
     } else {
       residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
     }
@@ -447,9 +504,10 @@ void Composed::layer_backward(Pass& pass, const ParameterView* layer, const floa
                             dy.data(), tensors[op.input], kept.mean.data(), kept.rstd.data(),
                             gradients);
     } else if (op.op == Op::attention) {
-      attention_backward(pass, projections(layer, op), dy, saved.ops[i], tensors, grads, gradients);
+      attention_backward(pass, projections(pass, layer, op), dy, saved.ops[i], tensors, grads,
+                         gradients);
     } else if (is_mlp(op.op)) {
-      mlp_backward(pass, projections(layer, op), dy, saved.ops[i], tensors, grads, gradients);
+      mlp_backward(pass, projections(pass, layer, op), dy, saved.ops[i], tensors, grads, gradients);
     } else {
       grads.add_copy(op.input2, dy);
       grads.add(op.input, std::move(dy));
@@ -526,7 +584,8 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
     bias_backward(bias.grad, saved.logits.data(), N, V);
     gradients.vector_ready(bias);
     linear_backward_input(d_norm.data(), saved.logits.data(), lm_head.data, N, H, V);
-    gradients.linear({&lm_head, &lm_head, kOutIn, N, H, V}, saved.logits.data(), saved.norm);
+    gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, N, H, V}, saved.logits.data(),
+                     saved.norm);
   }
   TensorParallelGroup& group = pass.group(Block::head);
   const float* dy = d_norm.data();

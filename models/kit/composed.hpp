@@ -54,8 +54,11 @@ struct Pass {
   kernels::AttentionShape attention;
   int64_t hidden, intermediate;
   models::VocabShard embedding_vocab, head_vocab;
-  models::SequenceAttention attend;    // over the cp ranks, with its scratch
-  kernels::RotaryTable<float> rotary;  // of the rows' positions in their sequence
+  models::SequenceAttention attend;  // over the cp ranks, with its scratch
+  // Of the rows' positions in their sequence: rotary's angles, or the
+  // learned position table's rows [rows].
+  kernels::RotaryTable<float> rotary;
+  std::vector<int32_t> positions;
   // Per tensor, the outputs no backward reads (an ADD's addends, and the
   // layer's output as selective recomputation writes it): scratch.
   std::vector<std::vector<float>> transient;
@@ -104,7 +107,7 @@ struct Composed {
   using LayerActivations = kit::LayerActivations;
   using HeadActivations = kit::HeadActivations;
   static constexpr const char* kName = "kit";
-  static constexpr int64_t kEmbeddingTensors = 1;
+  static int64_t embedding_tensors(const Config& config) { return config.embedding_views(); }
   static constexpr bool kSequenceParallel = true;
 
   static void check_config(const Config& /*config*/) {}
@@ -112,9 +115,9 @@ struct Composed {
   static std::vector<ParameterView> parameters(const Config& config) {
     return kit::parameters(config);
   }
-  static void init_parameter(const Config& /*config*/, const std::vector<ParameterView>& parameters,
+  static void init_parameter(const Config& config, const std::vector<ParameterView>& parameters,
                              uint64_t seed, int64_t index, float* values) {
-    kit::init_parameter(parameters, seed, index, values);
+    kit::init_parameter(config, parameters, seed, index, values);
   }
   // Throws std::invalid_argument unless each fused projection's weights
   // (q/k/v, gate/up) and biases lie one after another in the host's storage.
@@ -123,8 +126,9 @@ struct Composed {
                                     const models::ParallelBlocks& blocks) {
     kit::check_tensor_parallel(config, tp, blocks);
   }
-  static std::optional<Block> tensor_parallel_block(const std::string& parameter) {
-    return kit::tensor_parallel_block(parameter);
+  static std::optional<Block> tensor_parallel_block(const Config& config,
+                                                    const std::string& parameter) {
+    return kit::tensor_parallel_block(config, parameter);
   }
 
   static void embedding_forward(Pass& pass, const ParameterView* embedding, const int32_t* tokens,

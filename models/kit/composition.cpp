@@ -1,7 +1,9 @@
 #include "kit/composition.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
+#include <utility>
 
 namespace meshrun::kit {
 
@@ -152,10 +154,30 @@ void check_wiring(const std::vector<LayerOp>& ops, const std::vector<std::string
   }
 }
 
+std::string size_setting(const Composition& c, const char* size) {
+  return "model." + c.size_name(size);
+}
+
+void check_positions(const Composition& c) {
+  if (c.learned_positions()) {
+    require(c.max_position_embeddings > 0,
+            "kit: a learned position embedding needs max_position_embeddings, its rows");
+    return;
+  }
+  require(c.max_position_embeddings >= 0,
+          size_setting(c, "max_position_embeddings") + ": must not be negative");
+  require(c.rope_theta > 0, "model.rope_theta: must be positive");
+  require(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1,
+          "model.partial_rotary_factor: must be in (0, 1]");
+  require(c.attention_ops() == 0 || (c.rotary_dim() >= 2 && c.rotary_dim() % 2 == 0),
+          "model.partial_rotary_factor: rotates " + std::to_string(c.rotary_dim()) +
+              " channels of a head of " + std::to_string(c.head_dim()) +
+              "; rotary embeddings rotate channel pairs, so it must be even and positive");
+}
+
 void check_sizes(const Composition& c) {
-  const auto positive = [](int64_t value, const char* key) {
-    require(value > 0,
-            std::string("model.") + key + ": must be positive, got " + std::to_string(value));
+  const auto positive = [&](int64_t value, const char* size) {
+    require(value > 0, size_setting(c, size) + ": must be positive, got " + std::to_string(value));
   };
   positive(c.vocab_size, "vocab_size");
   positive(c.hidden_size, "hidden_size");
@@ -164,18 +186,57 @@ void check_sizes(const Composition& c) {
   positive(c.num_attention_heads, "num_attention_heads");
   positive(c.num_key_value_heads, "num_key_value_heads");
   require(c.num_hidden_layers <= models::kMaxLayers,
-          "model.num_hidden_layers: at most " + std::to_string(models::kMaxLayers));
+          size_setting(c, "num_hidden_layers") + ": at most " + std::to_string(models::kMaxLayers));
   models::require_attention_heads(c.hidden_size, c.num_attention_heads, c.num_key_value_heads);
   require(c.norm_eps > 0, "kit: norm_eps must be positive");
-  require(c.rope_theta > 0, "model.rope_theta: must be positive");
-  require(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1,
-          "model.partial_rotary_factor: must be in (0, 1]");
-  require(c.attention_ops() == 0 || (c.rotary_dim() >= 2 && c.rotary_dim() % 2 == 0),
-          "model.partial_rotary_factor: rotates " + std::to_string(c.rotary_dim()) +
-              " channels of a head of " + std::to_string(c.head_dim()) +
-              "; rotary embeddings rotate channel pairs, so it must be even and positive");
+  require(c.initializer_range > 0, "kit: initializer_range must be positive");
+  check_positions(c);
   require(!(c.tie_word_embeddings && c.lm_head_bias),
           "kit: lm_head_bias with tie_word_embeddings: a tied lm_head has no bias of its own");
+}
+
+// GPT-2's Conv1D layout names GELU MLPs and multi-head attention only.
+void check_conv1d(const Composition& c, const meshrun_kit_model_spec& spec) {
+  if (!c.conv1d) return;
+  for (size_t i = 0; i < c.ops.size(); ++i) {
+    const OpChecker check{spec.ops[i], int64_t(i)};
+    check.require(c.ops[i].op != Op::swiglu_mlp,
+                  "is a SWIGLU_MLP, which MESHRUN_KIT_CONV1D projections do not name (GELU_MLP: "
+                  "c_fc, c_proj)");
+    check.require(c.ops[i].op != Op::attention || c.num_key_value_heads == c.num_attention_heads,
+                  "is an ATTENTION with grouped key/value heads, which a fused c_attn of "
+                  "MESHRUN_KIT_CONV1D projections cannot shard: num_key_value_heads must be "
+                  "num_attention_heads");
+  }
+}
+
+// The module names: [A-Za-z0-9_.]+, as a parameter name's components.
+std::string module_name(const char* value, const char* fallback, const char* field) {
+  const std::string name = text(value, fallback);
+  require(name.find_first_not_of("abcdefghijklmnopqrstuvwxyz"
+                                 "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.") == std::string::npos &&
+              name.front() != '.' && name.back() != '.',
+          std::string("kit: ") + field + " '" + name + "' is not a module name ([A-Za-z0-9_.]+)");
+  return name;
+}
+
+const char* const kSizes[] = {
+    "vocab_size",          "hidden_size",         "intermediate_size",      "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"};
+
+ordered_json checked_size_keys(const char* json) {
+  if (json == nullptr) return ordered_json::object();
+  ordered_json keys = ordered_json::parse(json, nullptr, false);
+  require(keys.is_object(), "kit: size_keys is not a JSON object");
+  for (const auto& [size, key] : keys.items()) {
+    require(std::find(std::begin(kSizes), std::end(kSizes), size) != std::end(kSizes),
+            "kit: size_keys names '" + size +
+                "'; valid: vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
+                "num_attention_heads, num_key_value_heads, max_position_embeddings");
+    require(key.is_null() || (key.is_string() && !key.get<std::string>().empty()),
+            "kit: size_keys." + size + " must be a config.json key or null");
+  }
+  return keys;
 }
 
 // An op's parameters, as add_op_parameters below makes them.
@@ -198,11 +259,37 @@ int64_t parameter_count(const LayerOp& op) {
   return 0;
 }
 
+int64_t conv1d_parameter_count(const LayerOp& op) {
+  if (is_norm(op.op) || op.op == Op::add) return parameter_count(op);
+  return 2 + (op.bias_in ? 1 : 0) + (op.bias_out ? 1 : 0);
+}
+
 }  // namespace
+
+std::string Composition::size_key(const std::string& size) const {
+  if (!size_keys.contains(size)) return size;
+  const ordered_json& key = size_keys.at(size);
+  return key.is_null() ? "" : key.get<std::string>();
+}
+
+std::string Composition::size_name(const std::string& size) const {
+  const std::string key = size_key(size);
+  return key.empty() ? size : key;
+}
 
 int64_t Composition::attention_ops() const {
   return std::count_if(ops.begin(), ops.end(),
                        [](const LayerOp& op) { return op.op == Op::attention; });
+}
+
+meshrun_kit_model_spec default_spec() {
+  meshrun_kit_model_spec spec{};
+  spec.struct_size = sizeof spec;
+  spec.rope_theta = 10000.0;
+  spec.partial_rotary_factor = 1.0;
+  spec.initializer_range = 0.02;
+  spec.final_norm = MESHRUN_KIT_RMSNORM;
+  return spec;
 }
 
 Composition compose(const meshrun_kit_model_spec& spec, const std::string& model_type,
@@ -217,16 +304,30 @@ Composition compose(const meshrun_kit_model_spec& spec, const std::string& model
   c.num_hidden_layers = spec.num_hidden_layers;
   c.num_attention_heads = spec.num_attention_heads;
   c.num_key_value_heads = spec.num_key_value_heads;
+  c.max_position_embeddings = spec.max_position_embeddings;
   c.norm_eps = spec.norm_eps;
   c.rope_theta = spec.rope_theta;
   c.partial_rotary_factor = spec.partial_rotary_factor;
+  c.initializer_range = spec.initializer_range;
   c.tie_word_embeddings = spec.tie_word_embeddings != 0;
   c.lm_head_bias = spec.lm_head_bias != 0;
   require(spec.final_norm == MESHRUN_KIT_RMSNORM || spec.final_norm == MESHRUN_KIT_LAYERNORM,
           "kit: final_norm must be MESHRUN_KIT_RMSNORM or MESHRUN_KIT_LAYERNORM");
   c.final_norm = Op(spec.final_norm);
-  c.final_norm_name = text(spec.final_norm_name, "model.norm");
-  c.attention_output_name = text(spec.attention_output_name, "o_proj");
+  require(spec.projections == MESHRUN_KIT_LINEAR || spec.projections == MESHRUN_KIT_CONV1D,
+          "kit: projections must be MESHRUN_KIT_LINEAR or MESHRUN_KIT_CONV1D");
+  c.conv1d = spec.projections == MESHRUN_KIT_CONV1D;
+  c.scale_output_init = spec.scale_output_init != 0;
+  c.final_norm_name = module_name(spec.final_norm_name, "model.norm", "final_norm_name");
+  c.attention_output_name = module_name(spec.attention_output_name, c.conv1d ? "c_proj" : "o_proj",
+                                        "attention_output_name");
+  c.embedding_name = module_name(spec.embedding_name, "model.embed_tokens", "embedding_name");
+  c.layers_name = module_name(spec.layers_name, "model.layers", "layers_name");
+  if (spec.position_embedding_name != nullptr) {
+    c.position_embedding_name =
+        module_name(spec.position_embedding_name, "", "position_embedding_name");
+  }
+  c.size_keys = checked_size_keys(spec.size_keys);
   require(spec.num_ops > 0 && spec.ops != nullptr, "kit: the decoder layer has no ops");
   c.tensors = {"x"};
   for (int64_t i = 0; i < spec.num_ops; ++i) {
@@ -238,10 +339,11 @@ Composition compose(const meshrun_kit_model_spec& spec, const std::string& model
   int64_t view = 0;
   for (LayerOp& op : c.ops) {
     op.first_view = view;
-    op.views = parameter_count(op);
+    op.views = c.conv1d ? conv1d_parameter_count(op) : parameter_count(op);
     view += op.views;
   }
   check_sizes(c);
+  check_conv1d(c, spec);
   if (spec.config_json != nullptr) {
     c.config_extra = ordered_json::parse(spec.config_json, nullptr, false);
     require(c.config_extra.is_object(), "kit: config_json is not a JSON object");
@@ -256,76 +358,102 @@ Composition compose(const meshrun_kit_model_spec& spec, const std::string& model
 
 namespace {
 
+// Appends parameter `name` of `unit`, computed over tp as `tp`.
+void add(std::vector<ParameterView>& views, std::string name, std::vector<int64_t> shape,
+         int64_t unit, const char* tp) {
+  add_parameter(views, std::move(name), std::move(shape), unit);
+  views.back().tp = tp;
+}
+
+// An op's projections as torch.nn.Linear: the input projections' weights
+// [rows, H] (column-parallel), their biases, the output projection's
+// weight [H, width] (row-parallel) and bias.
+void add_linear_projections(std::vector<ParameterView>& views, const Composition& c,
+                            const LayerOp& op, const std::string& p, int64_t layer) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  std::vector<std::pair<const char*, int64_t>> inputs;
+  if (op.op == Op::attention) {
+    inputs = {{"q_proj", c.q_dim()}, {"k_proj", c.kv_dim()}, {"v_proj", c.kv_dim()}};
+  } else if (op.op == Op::swiglu_mlp) {
+    inputs = {{"gate_proj", I}, {"up_proj", I}};
+  } else {
+    inputs = {{"fc1", I}};
+  }
+  const std::string output = op.op == Op::attention    ? c.attention_output_name
+                             : op.op == Op::swiglu_mlp ? "down_proj"
+                                                       : "fc2";
+  const int64_t width = op.op == Op::attention ? c.q_dim() : I;
+  for (const auto& [name, rows] : inputs)
+    add(views, p + name + ".weight", {rows, H}, layer, "shard(0)");
+  if (op.bias_in) {
+    for (const auto& [name, rows] : inputs)
+      add(views, p + name + ".bias", {rows}, layer, "shard(0)");
+  }
+  add(views, p + output + ".weight", {H, width}, layer, "shard(1)");
+  if (op.bias_out) add(views, p + output + ".bias", {H}, layer, "replicate");
+}
+
+// An op's projections as GPT-2's Conv1D: each weight [in, out] followed by
+// its bias; q/k/v fused as c_attn, each rank's columns of q, k and v.
+void add_conv1d_projections(std::vector<ParameterView>& views, const Composition& c,
+                            const LayerOp& op, const std::string& p, int64_t layer) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  const bool attention = op.op == Op::attention;
+  const std::string input = attention ? "c_attn" : "c_fc";
+  const std::string output = attention ? c.attention_output_name : "c_proj";
+  const int64_t width = attention ? c.q_dim() : I, columns = attention ? 3 * width : I;
+  add(views, p + input + ".weight", {H, columns}, layer, attention ? "shard(1,3)" : "shard(1)");
+  if (op.bias_in)
+    add(views, p + input + ".bias", {columns}, layer, attention ? "shard(0,3)" : "shard(0)");
+  add(views, p + output + ".weight", {width, H}, layer, "shard(0)");
+  if (op.bias_out) add(views, p + output + ".bias", {H}, layer, "replicate");
+}
+
 // The parameters of op `op` of layer `layer`, appended.
 void add_op_parameters(std::vector<ParameterView>& views, const Composition& c, const LayerOp& op,
                        int64_t layer) {
-  const std::string p = "model.layers." + std::to_string(layer) + "." + op.name + ".";
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  const auto linears = [&](std::initializer_list<std::pair<const char*, int64_t>> inputs,
-                           const std::string& output, int64_t output_in) {
-    for (const auto& [name, rows] : inputs)
-      add_parameter(views, p + name + ".weight", {rows, H}, layer);
-    if (op.bias_in) {
-      for (const auto& [name, rows] : inputs)
-        add_parameter(views, p + name + ".bias", {rows}, layer);
-    }
-    add_parameter(views, p + output + ".weight", {H, output_in}, layer);
-    if (op.bias_out) add_parameter(views, p + output + ".bias", {H}, layer);
-  };
-  switch (op.op) {
-    case Op::rmsnorm:
-      add_parameter(views, p + "weight", {H}, layer);
-      break;
-    case Op::layernorm:
-      add_parameter(views, p + "weight", {H}, layer);
-      add_parameter(views, p + "bias", {H}, layer);
-      break;
-    case Op::attention:
-      linears({{"q_proj", c.q_dim()}, {"k_proj", c.kv_dim()}, {"v_proj", c.kv_dim()}},
-              c.attention_output_name, c.q_dim());
-      break;
-    case Op::swiglu_mlp:
-      linears({{"gate_proj", I}, {"up_proj", I}}, "down_proj", I);
-      break;
-    case Op::gelu_mlp:
-      linears({{"fc1", I}}, "fc2", I);
-      break;
-    case Op::add:
-      break;
+  const std::string p = c.layer_prefix() + std::to_string(layer) + "." + op.name + ".";
+  const int64_t H = c.hidden_size;
+  if (is_norm(op.op)) {
+    add(views, p + "weight", {H}, layer, "replicate");
+    if (op.op == Op::layernorm) add(views, p + "bias", {H}, layer, "replicate");
+  } else if (op.op != Op::add) {
+    (c.conv1d ? add_conv1d_projections : add_linear_projections)(views, c, op, p, layer);
   }
-}
-
-// The projection a parameter belongs to: its name's next-to-last component.
-std::string projection_of(const std::string& parameter) {
-  const size_t last = parameter.rfind('.');
-  if (last == std::string::npos) return "";
-  const size_t before = parameter.rfind('.', last - 1);
-  return parameter.substr(before == std::string::npos ? 0 : before + 1,
-                          last - (before == std::string::npos ? 0 : before + 1));
 }
 
 bool is_bias(const std::string& parameter) {
   return parameter.size() > 5 && parameter.compare(parameter.size() - 5, 5, ".bias") == 0;
 }
 
-const std::vector<std::string> kColumnParallel = {"q_proj",    "k_proj",  "v_proj",
-                                                  "gate_proj", "up_proj", "fc1"};
-const std::vector<std::string> kRowParallel = {"down_proj", "fc2"};
-
-bool contains(const std::vector<std::string>& names, const std::string& name) {
-  return std::find(names.begin(), names.end(), name) != names.end();
+bool starts_with(const std::string& text, const std::string& prefix) {
+  return text.compare(0, prefix.size(), prefix) == 0;
 }
 
-// How the kit computes a parameter over tp (meshrun/model.h "tp").
-std::string placement(const Composition& c, const std::string& parameter) {
-  if (parameter == "model.embed_tokens.weight" || parameter.rfind("lm_head.", 0) == 0) {
-    return "shard(0)";
+// The op of layer parameter `parameter` and the rest of its name past the
+// op's ("o_proj.weight"), or null for a parameter outside the layers.
+std::pair<const LayerOp*, std::string> layer_op_of(const Composition& c,
+                                                   const std::string& parameter) {
+  const std::string prefix = c.layer_prefix();
+  if (!starts_with(parameter, prefix)) return {nullptr, ""};
+  const size_t op_start = parameter.find('.', prefix.size());
+  if (op_start == std::string::npos) return {nullptr, ""};
+  const std::string in_layer = parameter.substr(op_start + 1);
+  for (const LayerOp& op : c.ops) {
+    if (!op.name.empty() && starts_with(in_layer, op.name + ".")) {
+      return {&op, in_layer.substr(op.name.size() + 1)};
+    }
   }
-  if (parameter.rfind("model.layers.", 0) != 0) return "replicate";
-  const std::string projection = projection_of(parameter);
-  if (contains(kColumnParallel, projection)) return "shard(0)";
-  const bool row = contains(kRowParallel, projection) || projection == c.attention_output_name;
-  return row && !is_bias(parameter) ? "shard(1)" : "replicate";
+  return {nullptr, ""};
+}
+
+// An output projection's weight: what scale_output_init scales.
+bool is_output_projection_weight(const Composition& c, const std::string& parameter) {
+  const auto [op, rest] = layer_op_of(c, parameter);
+  if (op == nullptr || is_bias(rest)) return false;
+  if (op->op == Op::attention) return rest == c.attention_output_name + ".weight";
+  const char* output = c.conv1d ? "c_proj" : op->op == Op::swiglu_mlp ? "down_proj" : "fc2";
+  return is_mlp(op->op) && rest == std::string(output) + ".weight";
 }
 
 }  // namespace
@@ -333,58 +461,73 @@ std::string placement(const Composition& c, const std::string& parameter) {
 std::vector<ParameterView> parameters(const Composition& c) {
   const int64_t H = c.hidden_size, root = c.num_hidden_layers;
   std::vector<ParameterView> views;
-  add_parameter(views, "model.embed_tokens.weight", {c.vocab_size, H}, root);
+  add(views, c.embedding_weight(), {c.vocab_size, H}, root, "shard(0)");
+  if (c.learned_positions()) {
+    add(views, c.position_weight(), {c.max_position_embeddings, H}, root, "replicate");
+  }
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     for (const LayerOp& op : c.ops) add_op_parameters(views, c, op, layer);
   }
-  add_parameter(views, c.final_norm_name + ".weight", {H}, root);
-  if (c.final_norm == Op::layernorm) add_parameter(views, c.final_norm_name + ".bias", {H}, root);
-  if (c.lm_head_bias) add_parameter(views, "lm_head.bias", {c.vocab_size}, root);
-  if (!c.tie_word_embeddings) add_parameter(views, "lm_head.weight", {c.vocab_size, H}, root);
-  for (ParameterView& view : views) view.tp = placement(c, view.name);
-  models::require_addressable(views, {{"vocab_size", c.vocab_size},
-                                      {"hidden_size", H},
-                                      {"intermediate_size", c.intermediate_size}});
+  add(views, c.final_norm_name + ".weight", {H}, root, "replicate");
+  if (c.final_norm == Op::layernorm) {
+    add(views, c.final_norm_name + ".bias", {H}, root, "replicate");
+  }
+  if (c.lm_head_bias) add(views, "lm_head.bias", {c.vocab_size}, root, "shard(0)");
+  if (!c.tie_word_embeddings) add(views, "lm_head.weight", {c.vocab_size, H}, root, "shard(0)");
+  const std::string vocab = c.size_name("vocab_size"), hidden = c.size_name("hidden_size");
+  const std::string intermediate = c.size_name("intermediate_size");
+  const std::string positions = c.size_name("max_position_embeddings");
+  models::require_addressable(views, {{vocab.c_str(), c.vocab_size},
+                                      {hidden.c_str(), H},
+                                      {intermediate.c_str(), c.intermediate_size},
+                                      {positions.c_str(), c.max_position_embeddings}});
   return views;
 }
 
-void init_parameter(const std::vector<ParameterView>& parameters, uint64_t seed, int64_t index,
-                    float* values) {
+void init_parameter(const Composition& c, const std::vector<ParameterView>& parameters,
+                    uint64_t seed, int64_t index, float* values) {
   const ParameterView& view = parameters.at(size_t(index));
-  if (view.shape.size() > 1) return models::init_normal(parameters, seed, index, 0.02, values);
-  const bool norm_weight = !is_bias(view.name) && view.name.find("_proj.") == std::string::npos &&
-                           view.name.find(".fc") == std::string::npos;
-  std::fill_n(values, view.numel, norm_weight ? 1.0f : 0.0f);
+  if (view.shape.size() > 1) {
+    // GPT-2's scaling of the projections into the residual stream, which
+    // num_hidden_layers layers' worth add up.
+    const bool scaled = c.scale_output_init && is_output_projection_weight(c, view.name);
+    const double scale = scaled ? 1.0 / std::sqrt(2.0 * double(c.num_hidden_layers)) : 1.0;
+    return models::init_normal(parameters, seed, index, c.initializer_range * scale, values);
+  }
+  std::fill_n(values, view.numel, is_bias(view.name) ? 0.0f : 1.0f);
 }
 
-std::optional<Block> tensor_parallel_block(const std::string& parameter) {
-  if (parameter == "model.embed_tokens.weight") return Block::embedding;
-  if (parameter.rfind("lm_head.", 0) == 0) return Block::head;
-  if (parameter.rfind("model.layers.", 0) != 0) return std::nullopt;
-  const std::string projection = projection_of(parameter);
-  if (contains({"gate_proj", "up_proj", "down_proj", "fc1", "fc2"}, projection)) return Block::mlp;
-  // The attention's output projection has an author's name: every other
-  // layer parameter a plan places is attention's.
-  return Block::attention;
+std::optional<Block> tensor_parallel_block(const Composition& c, const std::string& parameter) {
+  if (parameter == c.embedding_weight()) return Block::embedding;
+  if (starts_with(parameter, "lm_head.")) return Block::head;
+  const LayerOp* op = layer_op_of(c, parameter).first;
+  if (op == nullptr || !(op->op == Op::attention || is_mlp(op->op))) return std::nullopt;
+  return op->op == Op::attention ? Block::attention : Block::mlp;
 }
 
 std::vector<models::BlockSpec> tensor_parallel_blocks(const Composition& c) {
-  models::BlockSpec embedding{Block::embedding, {{"model.embed_tokens", "rowwise"}}};
+  models::BlockSpec embedding{Block::embedding, {{c.embedding_name, "rowwise"}}};
   models::BlockSpec attention{Block::attention, {}}, mlp{Block::mlp, {}};
   for (const LayerOp& op : c.ops) {
-    const std::string p = "model.layers.*." + op.name + ".";
+    const std::string p = c.layer_prefix() + "*." + op.name + ".";
+    std::vector<std::string> columns;
+    std::string rows;
     if (op.op == Op::attention) {
-      for (const char* name : {"q_proj", "k_proj", "v_proj"})
-        attention.modules.push_back({p + name, "colwise"});
-      attention.modules.push_back({p + c.attention_output_name, "rowwise"});
+      columns = c.conv1d ? std::vector<std::string>{"c_attn"}
+                         : std::vector<std::string>{"q_proj", "k_proj", "v_proj"};
+      rows = c.attention_output_name;
     } else if (op.op == Op::swiglu_mlp) {
-      mlp.modules.push_back({p + "gate_proj", "colwise"});
-      mlp.modules.push_back({p + "up_proj", "colwise"});
-      mlp.modules.push_back({p + "down_proj", "rowwise"});
+      columns = {"gate_proj", "up_proj"};
+      rows = "down_proj";
     } else if (op.op == Op::gelu_mlp) {
-      mlp.modules.push_back({p + "fc1", "colwise"});
-      mlp.modules.push_back({p + "fc2", "rowwise"});
+      columns = {c.conv1d ? "c_fc" : "fc1"};
+      rows = c.conv1d ? "c_proj" : "fc2";
+    } else {
+      continue;
     }
+    models::BlockSpec& block = op.op == Op::attention ? attention : mlp;
+    for (const std::string& name : columns) block.modules.push_back({p + name, "colwise"});
+    block.modules.push_back({p + rows, "rowwise"});
   }
   std::vector<models::BlockSpec> specs{embedding};
   if (!attention.modules.empty()) specs.push_back(attention);
@@ -394,38 +537,60 @@ std::vector<models::BlockSpec> tensor_parallel_blocks(const Composition& c) {
 }
 
 void check_tensor_parallel(const Composition& c, int64_t tp, const models::ParallelBlocks& blocks) {
+  const std::string heads = c.size_name("num_attention_heads");
+  const std::string kv_heads = c.size_name("num_key_value_heads");
+  const std::string intermediate = c.size_name("intermediate_size");
+  const std::string vocab = c.size_name("vocab_size");
   models::require_divisible(
-      {{"num_attention_heads", c.num_attention_heads, blocks[Block::attention]},
-       {"num_key_value_heads", c.num_key_value_heads, blocks[Block::attention]},
-       {"intermediate_size", c.intermediate_size, blocks[Block::mlp]},
-       {"vocab_size", c.vocab_size, blocks[Block::embedding] || blocks[Block::head]}},
+      {{heads.c_str(), c.num_attention_heads, blocks[Block::attention]},
+       {kv_heads.c_str(), c.num_key_value_heads, blocks[Block::attention]},
+       {intermediate.c_str(), c.intermediate_size, blocks[Block::mlp]},
+       {vocab.c_str(), c.vocab_size, blocks[Block::embedding] || blocks[Block::head]}},
       tp);
 }
 
+// The token and position embeddings stay together: the first stage adds them.
 models::ModelModules modules(const Composition& c) {
-  const std::string embedding = "model.embed_tokens.weight";
+  const std::string embedding = c.embedding_weight();
   std::vector<std::string> norm{c.final_norm_name + ".weight"};
   if (c.final_norm == Op::layernorm) norm.push_back(c.final_norm_name + ".bias");
   std::vector<std::string> lm_head{c.tie_word_embeddings ? embedding : "lm_head.weight"};
   if (c.lm_head_bias) lm_head.push_back("lm_head.bias");
-  return {{{"model.embed_tokens", {embedding}, ""}},
-          "model.layers.",
+  std::vector<models::ModuleSpec> embeddings{{c.embedding_name, {embedding}, ""}};
+  if (c.learned_positions()) {
+    embeddings.front().group = "embeddings";
+    embeddings.push_back({c.position_embedding_name, {c.position_weight()}, "embeddings"});
+  }
+  return {embeddings,
+          c.layer_prefix(),
           {{c.final_norm_name, norm, "head"}, {"lm_head", lm_head, "head"}}};
 }
 
 namespace {
 
+// The sizes under their config.json keys; then the plugin's keys and the
+// user's; then the sizes again, so that a key the user left to the model
+// (n_inner = null) says what was made.
 ordered_json hf_config(const Composition& c) {
-  ordered_json config = {{"architectures", {c.architecture}},
-                         {"model_type", c.model_type},
-                         {"vocab_size", c.vocab_size},
-                         {"hidden_size", c.hidden_size},
-                         {"intermediate_size", c.intermediate_size},
-                         {"num_hidden_layers", c.num_hidden_layers},
-                         {"num_attention_heads", c.num_attention_heads},
-                         {"num_key_value_heads", c.num_key_value_heads},
-                         {"tie_word_embeddings", c.tie_word_embeddings}};
+  ordered_json config = {{"architectures", {c.architecture}}, {"model_type", c.model_type}};
+  const auto write_sizes = [&] {
+    const std::pair<const char*, int64_t> sizes[] = {
+        {"vocab_size", c.vocab_size},
+        {"max_position_embeddings", c.max_position_embeddings},
+        {"hidden_size", c.hidden_size},
+        {"intermediate_size", c.intermediate_size},
+        {"num_hidden_layers", c.num_hidden_layers},
+        {"num_attention_heads", c.num_attention_heads},
+        {"num_key_value_heads", c.num_key_value_heads}};
+    for (const auto& [size, value] : sizes) {
+      const std::string key = c.size_key(size);
+      if (!key.empty() && value > 0) config[key] = value;
+    }
+    config["tie_word_embeddings"] = c.tie_word_embeddings;
+  };
+  write_sizes();
   for (const auto& [key, value] : c.config_extra.items()) config[key] = value;
+  write_sizes();
   return config;
 }
 
@@ -468,9 +633,10 @@ std::string describe(const Composition& c, const std::vector<ParameterView>& par
   ordered_json fields = {{"config", hf_config(c)},
                          {"vocab_size", c.vocab_size},
                          {"max_seq_len", nullptr},
-                         {"num_layers_key", "num_hidden_layers"},
+                         {"num_layers_key", c.size_name("num_hidden_layers")},
                          {"sequence_parallel", c.sequence_parallel_refusal.empty()},
                          {"autocast_dtypes", {"bfloat16"}}};
+  if (c.max_position_embeddings > 0) fields["max_seq_len"] = c.max_position_embeddings;
   if (!c.layer_class.empty()) fields["unit_class"] = c.layer_class;
   if (c.attention_ops() > 0) {
     fields["context_parallel"] = {{"heads", c.num_attention_heads},

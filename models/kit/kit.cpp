@@ -2,6 +2,7 @@
 // HostModel of the composition its compose call returns, and its stages
 // the shipped families' driver (common/host_stage.hpp) over the Composed
 // family.
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,6 +18,8 @@
 struct meshrun_kit_config {
   meshrun::models::ConfigReader reader;
   const char* json;
+  // meshrun_kit_config_keep's copies; a list, so that each stays put.
+  mutable std::list<std::string> kept;
 };
 
 namespace {
@@ -45,12 +48,8 @@ void require(bool condition, const char* what) {
 
 // Runs the plugin's compose over the config, then checks what it made.
 Composition composed(const meshrun_kit_plugin& plugin, const char* config_json) {
-  const meshrun_kit_config config{meshrun::models::ConfigReader(config_json), config_json};
-  meshrun_kit_model_spec spec{};
-  spec.struct_size = sizeof spec;
-  spec.rope_theta = 10000.0;
-  spec.partial_rotary_factor = 1.0;
-  spec.final_norm = MESHRUN_KIT_RMSNORM;
+  const meshrun_kit_config config{meshrun::models::ConfigReader(config_json), config_json, {}};
+  meshrun_kit_model_spec spec = meshrun::kit::default_spec();
   if (meshrun_error* error = plugin.compose(&config, &spec)) {
     throw meshrun::plugin::HostError(error);
   }
@@ -113,6 +112,16 @@ MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_config_boolean(const meshrun_kit_c
 
 MESHRUN_KIT_EXPORT const char* meshrun_kit_config_json(const meshrun_kit_config* config) {
   return config != nullptr ? config->json : nullptr;
+}
+
+MESHRUN_KIT_EXPORT const char* meshrun_kit_config_keep(const meshrun_kit_config* config,
+                                                       const char* text) {
+  if (config == nullptr || text == nullptr) return nullptr;
+  try {
+    return config->kept.emplace_back(text).c_str();
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
 }
 
 MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_model_create(const meshrun_kit_plugin* plugin,

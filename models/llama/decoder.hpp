@@ -120,7 +120,7 @@ struct Llama {
   using LayerActivations = llama::LayerActivations;
   using HeadActivations = llama::HeadActivations;
   static constexpr const char* kName = "llama";
-  static constexpr int64_t kEmbeddingTensors = 1;
+  static int64_t embedding_tensors(const Config& /*config*/) { return 1; }
 
   static void check_config(const Config& config) { llama::check_config(config); }
   static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
@@ -137,7 +137,8 @@ struct Llama {
                                     const models::ParallelBlocks& blocks) {
     llama::check_tensor_parallel(config, tp, blocks);
   }
-  static std::optional<models::Block> tensor_parallel_block(const std::string& parameter) {
+  static std::optional<models::Block> tensor_parallel_block(const Config& /*config*/,
+                                                            const std::string& parameter) {
     return llama::tensor_parallel_block(parameter);
   }
   static constexpr bool kSequenceParallel = true;

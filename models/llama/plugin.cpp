@@ -40,8 +40,7 @@ std::string hf_config(const LlamaConfig& c) {
 }
 
 meshrun_error* compose(const meshrun_kit_config* config, meshrun_kit_model_spec* spec) {
-  // The kit copies the spec before the model is made, on this thread.
-  thread_local std::string config_json;
+  std::string config_json;
   try {
     const LlamaConfig c = meshrun::llama::read_decoder_config(
         meshrun::models::ConfigReader(meshrun_kit_config_json(config)), {});
@@ -62,7 +61,7 @@ meshrun_error* compose(const meshrun_kit_config* config, meshrun_kit_model_spec*
   spec->ops = kLayer;
   spec->architecture = "LlamaForCausalLM";
   spec->layer_class = "LlamaDecoderLayer";
-  spec->config_json = config_json.c_str();
+  spec->config_json = meshrun_kit_config_keep(config, config_json.c_str());
   return nullptr;
 }
 

@@ -73,7 +73,7 @@ struct Mixtral {
   using LayerActivations = MoeActivations;
   using HeadActivations = llama::HeadActivations;
   static constexpr const char* kName = "mixtral";
-  static constexpr int64_t kEmbeddingTensors = 1;
+  static int64_t embedding_tensors(const Config& /*config*/) { return 1; }
   static constexpr bool kSequenceParallel = false;
   static constexpr bool kExperts = true;
 
@@ -90,7 +90,8 @@ struct Mixtral {
   // Experts compute whole on every rank: tp > 1 is refused.
   static void check_tensor_parallel(const Config& config, int64_t tp,
                                     const models::ParallelBlocks& blocks);
-  static std::optional<models::Block> tensor_parallel_block(const std::string& /*parameter*/) {
+  static std::optional<models::Block> tensor_parallel_block(const Config& /*config*/,
+                                                            const std::string& /*parameter*/) {
     return std::nullopt;
   }
 

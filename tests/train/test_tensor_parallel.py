@@ -30,6 +30,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 from meshrun_testing import InputErrorAssertions  # noqa: E402
 from test_gpt2 import TINY_GPT2  # noqa: E402
+from test_moe import TINY_MOE  # noqa: E402
 from test_train import (MESHRUN, Runs, TrainTest, losses, metrics,  # noqa: E402
                         read_safetensors, run)
 
@@ -282,10 +283,10 @@ class BadInput(TrainTest, InputErrorAssertions):
     def test_sequence_parallel_needs_a_model_that_computes_it_and_whole_rows(self):
         runs = Runs()
         with open(runs.config, "w") as f:
-            f.write(TINY_GPT2)
+            f.write(TINY_MOE)
         try:
             self.assert_input_error(run(runs.config, "--nproc-per-node", "2", *TP2, *SP),
-                                    "distributed.sequence_parallel", "meshrun_model_gpt2")
+                                    "distributed.sequence_parallel", "meshrun_model_mixtral")
         finally:
             runs.cleanup()
         self.assert_input_error(run(self.runs.config, "--nproc-per-node", "2", *TP2, *SP,

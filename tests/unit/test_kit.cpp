@@ -1,8 +1,9 @@
 // The model kit's composition (models/kit): compositions that do not line
-// up are refused naming the op; a Qwen2-like and a Phi-like composition
-// (every op kind, every bias, a parallel block, partial rotary, a final
-// LayerNorm, lm_head's bias) have each parameter's gradient match central
-// differences of their own loss; checkpointing, pipeline stages and split
+// up are refused naming the op; a Qwen2-like, a Phi-like and a GPT-2-like
+// composition (every op kind, every bias, a parallel block, partial rotary,
+// a final LayerNorm, lm_head's bias, Conv1D projections and learned
+// positions) have each parameter's gradient match central differences of
+// their own loss; checkpointing, pipeline stages and split
 // backwards give exactly the results of the whole model.
 //
 // Tolerances: the gradient check differences the float32 loss (~5, rounded
@@ -12,8 +13,10 @@
 // still catches a missing term, which is O(the gradient). Stages and
 // recomputation run the same kernels on the same shapes in the same order:
 // equal bit for bit.
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,6 +49,15 @@ const meshrun_kit_op kQwen2Layer[] = {
     {MESHRUN_KIT_ADD, 0, nullptr, "h", "m", "out"},
 };
 
+const meshrun_kit_op kGpt2Block[] = {
+    {MESHRUN_KIT_LAYERNORM, 0, "ln_1", "x", nullptr, "n1"},
+    {MESHRUN_KIT_ATTENTION, kBiases, "attn", "n1", nullptr, "a"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "x", "a", "h"},
+    {MESHRUN_KIT_LAYERNORM, 0, "ln_2", "h", nullptr, "n2"},
+    {MESHRUN_KIT_GELU_MLP, kBiases, "mlp", "n2", nullptr, "m"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "h", "m", "out"},
+};
+
 const meshrun_kit_op kPhiLayer[] = {
     {MESHRUN_KIT_LAYERNORM, 0, "input_layernorm", "x", nullptr, "n"},
     {MESHRUN_KIT_ATTENTION, kBiases, "self_attn", "n", nullptr, "a"},
@@ -55,8 +67,7 @@ const meshrun_kit_op kPhiLayer[] = {
 };
 
 meshrun_kit_model_spec base_spec(int64_t layers) {
-  meshrun_kit_model_spec spec{};
-  spec.struct_size = sizeof spec;
+  meshrun_kit_model_spec spec = meshrun::kit::default_spec();
   spec.vocab_size = kVocab;
   spec.hidden_size = 8;
   spec.intermediate_size = 12;
@@ -65,8 +76,6 @@ meshrun_kit_model_spec base_spec(int64_t layers) {
   spec.num_key_value_heads = 1;
   spec.norm_eps = 1e-5;
   spec.rope_theta = 100.0;
-  spec.partial_rotary_factor = 1.0;
-  spec.final_norm = MESHRUN_KIT_RMSNORM;
   return spec;
 }
 
@@ -89,13 +98,35 @@ Composition phi_like(int64_t layers) {
   return meshrun::kit::compose(spec, "phi", nlohmann::ordered_json::object());
 }
 
+meshrun_kit_model_spec gpt2_spec(int64_t layers) {
+  meshrun_kit_model_spec spec = base_spec(layers);
+  spec.ops = kGpt2Block;
+  spec.num_ops = 6;
+  spec.num_key_value_heads = 2;
+  spec.final_norm = MESHRUN_KIT_LAYERNORM;
+  spec.final_norm_name = "transformer.ln_f";
+  spec.embedding_name = "transformer.wte";
+  spec.position_embedding_name = "transformer.wpe";
+  spec.max_position_embeddings = kSeqLen + 2;
+  spec.layers_name = "transformer.h";
+  spec.projections = MESHRUN_KIT_CONV1D;
+  spec.scale_output_init = 1;
+  spec.size_keys = R"({"hidden_size": "n_embd", "num_key_value_heads": null})";
+  return spec;
+}
+
+Composition gpt2_like(int64_t layers) {
+  return meshrun::kit::compose(gpt2_spec(layers), "gpt2", nlohmann::ordered_json::object());
+}
+
 // Weights of a trained model's magnitude: norm weights around 1, biases
 // and matrices far enough from 0 that every term of the backward shows.
 void randomize(KitModel& model, uint32_t seed) {
   std::mt19937 engine(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (ParameterView& view : model.parameters()) {
-    const bool embedding = view.name.rfind("model.embed_tokens", 0) == 0;
+    const bool embedding =
+        view.name.rfind("model.embed_tokens", 0) == 0 || view.name.rfind("transformer.w", 0) == 0;
     const bool norm_weight = view.shape.size() == 1 && view.name.ends_with("norm.weight");
     const float scale = embedding ? 1.0f : view.shape.size() == 1 ? 0.2f : 0.4f;
     for (int64_t i = 0; i < view.numel; ++i) {
@@ -126,10 +157,56 @@ TEST_CASE("kit parameters: Hugging Face names in the kit's order, fused projecti
   CHECK(phi[phi.size() - 2] == "lm_head.bias");
   CHECK(std::count(phi.begin(), phi.end(), p + "self_attn.dense.bias") == 1);
   CHECK(std::count(phi.begin(), phi.end(), p + "mlp.fc1.bias") == 1);
+  const std::string h = "transformer.h.0.";
+  std::vector<std::string> gpt2_placements;
+  for (const ParameterView& view : meshrun::kit::parameters(gpt2_like(1))) {
+    gpt2_placements.push_back(view.name + " " + view.tp);
+  }
+  CHECK(gpt2_placements == std::vector<std::string>{
+                               "transformer.wte.weight shard(0)",
+                               "transformer.wpe.weight replicate", h + "ln_1.weight replicate",
+                               h + "ln_1.bias replicate", h + "attn.c_attn.weight shard(1,3)",
+                               h + "attn.c_attn.bias shard(0,3)", h + "attn.c_proj.weight shard(0)",
+                               h + "attn.c_proj.bias replicate", h + "ln_2.weight replicate",
+                               h + "ln_2.bias replicate", h + "mlp.c_fc.weight shard(1)",
+                               h + "mlp.c_fc.bias shard(0)", h + "mlp.c_proj.weight shard(0)",
+                               h + "mlp.c_proj.bias replicate", "transformer.ln_f.weight replicate",
+                               "transformer.ln_f.bias replicate", "lm_head.weight shard(0)"});
+  const Composition gpt2 = gpt2_like(1);
+  CHECK(meshrun::kit::tensor_parallel_block(gpt2, h + "mlp.c_proj.weight") ==
+        meshrun::models::Block::mlp);
+  CHECK(meshrun::kit::tensor_parallel_block(gpt2, h + "attn.c_proj.weight") ==
+        meshrun::models::Block::attention);
+  CHECK(!meshrun::kit::tensor_parallel_block(gpt2, h + "ln_1.weight"));
+}
+
+// GPT-2's scaled initialization: the output projections' std is
+// initializer_range / sqrt(2 layers), the others' initializer_range.
+TEST_CASE("kit initialization scales the output projections when asked", "[kit]") {
+  meshrun_kit_model_spec spec = gpt2_spec(8);
+  spec.hidden_size = 64;
+  spec.intermediate_size = 64;
+  const Composition c = meshrun::kit::compose(spec, "gpt2", nlohmann::ordered_json::object());
+  const std::vector<ParameterView> views = meshrun::kit::parameters(c);
+  const auto std_of = [&](const std::string& name) {
+    const auto found = std::find_if(views.begin(), views.end(),
+                                    [&](const ParameterView& view) { return view.name == name; });
+    REQUIRE(found != views.end());
+    std::vector<float> values(size_t(found->numel));
+    meshrun::kit::init_parameter(c, views, 3, found - views.begin(), values.data());
+    double sum = 0;
+    for (float v : values) sum += double(v) * v;
+    return std::sqrt(sum / double(values.size()));
+  };
+  // 4096 draws: the sample std is within ~3% of the true one.
+  CHECK(std_of("transformer.h.3.attn.c_attn.weight") == Approx(0.02).epsilon(0.06));
+  CHECK(std_of("transformer.h.3.attn.c_proj.weight") == Approx(0.005).epsilon(0.06));
+  CHECK(std_of("transformer.h.3.mlp.c_proj.weight") == Approx(0.005).epsilon(0.06));
+  CHECK(std_of("transformer.h.3.mlp.c_fc.weight") == Approx(0.02).epsilon(0.06));
 }
 
 TEST_CASE("kit gradients of every parameter match central differences of the loss", "[kit]") {
-  const Composition composition = GENERATE(qwen2_like(2), phi_like(2));
+  const Composition composition = GENERATE(qwen2_like(2), phi_like(2), gpt2_like(2));
   INFO(composition.model_type);
   KitModel model(composition);
   randomize(model, 5);
@@ -155,7 +232,7 @@ std::vector<Batch> random_batches(int count) {
 
 TEST_CASE("kit stages, split backwards and checkpointing give exactly the whole model's results",
           "[kit][stage]") {
-  const Composition composition = GENERATE(qwen2_like(4), phi_like(4));
+  const Composition composition = GENERATE(qwen2_like(4), phi_like(4), gpt2_like(4));
   INFO(composition.model_type);
   KitModel model(composition);
   randomize(model, 8);
@@ -215,6 +292,46 @@ TEST_CASE("kit compositions that do not line up are refused naming the op", "[ki
   CHECK_THROWS_WITH(
       meshrun::kit::compose(odd_heads, "bad", nlohmann::ordered_json::object()),
       Contains("model.hidden_size: 8 must be divisible by model.num_attention_heads"));
+}
+
+// What kit 1.1's naming and layout fields refuse.
+TEST_CASE("kit refuses Conv1D projections, positions and size keys that do not fit", "[kit]") {
+  const auto refusal = [](meshrun_kit_model_spec spec) {
+    try {
+      meshrun::kit::compose(spec, "bad", nlohmann::ordered_json::object());
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  meshrun_kit_model_spec swiglu = base_spec(1);
+  swiglu.ops = kQwen2Layer;
+  swiglu.num_ops = 6;
+  swiglu.num_key_value_heads = 2;
+  swiglu.projections = MESHRUN_KIT_CONV1D;
+  CHECK_THAT(refusal(swiglu), Contains("kit: layer op 4 'mlp' is a SWIGLU_MLP, which "
+                                       "MESHRUN_KIT_CONV1D projections do not name"));
+  meshrun_kit_model_spec grouped = gpt2_spec(1);
+  grouped.num_key_value_heads = 1;
+  CHECK_THAT(refusal(grouped), Contains("kit: layer op 1 'attn' is an ATTENTION with grouped "
+                                        "key/value heads"));
+  meshrun_kit_model_spec no_rows = gpt2_spec(1);
+  no_rows.max_position_embeddings = 0;
+  CHECK_THAT(refusal(no_rows), Contains("kit: a learned position embedding needs "
+                                        "max_position_embeddings"));
+  meshrun_kit_model_spec bad_key = gpt2_spec(1);
+  bad_key.size_keys = R"({"hidden": "n_embd"})";
+  CHECK_THAT(refusal(bad_key), Contains("kit: size_keys names 'hidden'; valid: vocab_size"));
+  meshrun_kit_model_spec bad_layout = gpt2_spec(1);
+  bad_layout.projections = 7;
+  CHECK_THAT(refusal(bad_layout), Contains("kit: projections must be MESHRUN_KIT_LINEAR or "
+                                           "MESHRUN_KIT_CONV1D"));
+  meshrun_kit_model_spec bad_name = gpt2_spec(1);
+  bad_name.layers_name = "transformer/h";
+  CHECK_THAT(refusal(bad_name), Contains("kit: layers_name 'transformer/h' is not a module name"));
+  meshrun_kit_model_spec renamed = gpt2_spec(1);
+  renamed.hidden_size = 0;
+  CHECK_THAT(refusal(renamed), Contains("model.n_embd: must be positive, got 0"));
 }
 
 }  // namespace kit_test

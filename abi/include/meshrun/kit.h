@@ -1,5 +1,5 @@
 /*
- * meshrun/kit.h — the model kit (kit ABI 1.0): a decoder-only model
+ * meshrun/kit.h — the model kit (kit ABI 1.1): a decoder-only model
  * composed from meshrun's layers, as a model plugin (meshrun/model.h).
  *
  * A plugin author writes the block structure and the config reading; the
@@ -13,11 +13,12 @@
  * zero-bubble split backwards, bfloat16 matmuls, and the description the
  * host plans and estimates with. docs/model.md has a worked example.
  *
- * The model:
+ * The model (module names: the defaults, and the spec field that renames):
  *
- *   x = embed_tokens[tokens]                       "model.embed_tokens"
- *   N x decoder layer: the ops of `layer_ops`      "model.layers.<n>"
- *   final norm (RMSNorm or LayerNorm)              final_norm_name
+ *   x = embed_tokens[tokens]                       "model.embed_tokens"  embedding_name
+ *       [+ wpe[positions]]                         position_embedding_name
+ *   N x decoder layer: the ops of `ops`            "model.layers.<n>"    layers_name
+ *   final norm (RMSNorm or LayerNorm)              "model.norm"          final_norm_name
  *   logits = lm_head(norm) [+ bias]; mean cross-entropy against targets
  *
  * A decoder layer is a list of ops over named [tokens, hidden_size]
@@ -32,7 +33,8 @@
  *   {SWIGLU_MLP,"mlp",                      "n2", NULL, "m"},
  *   {ADD,       NULL,                       "h",  "m",  "out"}
  *
- * Parameters of an op named M in layer n (prefix P = "model.layers.<n>.M."):
+ * Parameters of an op named M in layer n (prefix P = "<layers_name>.<n>.M."),
+ * with MESHRUN_KIT_LINEAR projections (torch.nn.Linear, weights [out, in]):
  *   RMSNORM     P weight [H]
  *   LAYERNORM   P weight [H], P bias [H]
  *   ATTENTION   P q_proj, k_proj, v_proj .weight [heads*d | kv*d, H],
@@ -46,12 +48,30 @@
  *   GELU_MLP    P fc1.weight [I, H], P fc2.weight [H, I]; biases as above;
  *               fc2(gelu_tanh(fc1(x)))
  *   ADD         none; writes input + input2
- * Matrices start as normal(0, 0.02), norm weights as 1, biases as 0.
+ * With MESHRUN_KIT_CONV1D projections (GPT-2's Conv1D, weights [in, out],
+ * each bias right after its weight when the flags ask for it):
+ *   ATTENTION   P c_attn.weight [H, 3 * heads*d] (q, k and v fused; no
+ *               grouped key/value heads), P c_proj.weight [heads*d, H]
+ *               (<output> = attention_output_name, default "c_proj")
+ *   GELU_MLP    P c_fc.weight [H, I], P c_proj.weight [I, H]
+ *   (SWIGLU_MLP is refused.)
+ * Positions: rotary embeddings on the first partial_rotary_factor of each
+ * head's channels (Hugging Face's rotate_half convention); or, when
+ * position_embedding_name is set, a learned table
+ * <position_embedding_name>.weight [max_position_embeddings, H] whose row t
+ * is added to the embedding of the sequence's token t, and no rotary.
+ * Matrices start as normal(0, initializer_range), the output projections
+ * (o_proj/c_proj, down_proj, fc2) divided by sqrt(2 num_hidden_layers) when
+ * scale_output_init is set (GPT-2's); norm weights as 1, biases as 0.
  *
- * Tensor parallelism places q/k/v, gate/up and fc1 column-wise and the
- * output projections row-wise (Megatron-LM's layout, as AutoModel's plans
- * do), the embedding and lm_head vocabulary-parallel. Sequence parallelism
- * is not computed (the host refuses distributed.sequence_parallel).
+ * Tensor parallelism places q/k/v (c_attn), gate/up and fc1 (c_fc)
+ * column-wise and the output projections row-wise (Megatron-LM's layout, as
+ * AutoModel's plans do), the token embedding and lm_head
+ * vocabulary-parallel, the position embedding replicated. Sequence
+ * parallelism (distributed.sequence_parallel) is computed when every
+ * attention and MLP reads the output of a norm that only attention and MLPs
+ * read; `meshrun plan` refuses it otherwise, saying which op stands in the
+ * way.
  *
  * Thread safety: the functions below may be called from any thread; a
  * model and its stages are used by one thread at a time, as model.h says.
@@ -78,7 +98,7 @@ extern "C" {
 /* The kit's own ABI version, with the rules of meshrun/error.h: the minor
  * grows when something is added at the end of a struct. */
 #define MESHRUN_KIT_VERSION_MAJOR 1
-#define MESHRUN_KIT_VERSION_MINOR 0
+#define MESHRUN_KIT_VERSION_MINOR 1
 
 /* Exported by libmeshrun_kit.so; hidden in a plugin that includes this. */
 #if defined(MESHRUN_KIT_BUILDING) && defined(__GNUC__)
@@ -99,6 +119,10 @@ extern "C" {
  * projections (q, k, v; gate, up; fc1) and on its output projection. */
 #define MESHRUN_KIT_BIAS_IN 1
 #define MESHRUN_KIT_BIAS_OUT 2
+
+/* How projections are stored (meshrun_kit_model_spec.projections, 1.1). */
+#define MESHRUN_KIT_LINEAR 0 /* torch.nn.Linear: [out, in], q/k/v apart (the default) */
+#define MESHRUN_KIT_CONV1D 1 /* GPT-2's Conv1D: [in, out], q/k/v fused as c_attn */
 
 /* One op of the decoder layer. Strings are borrowed for the compose call. */
 typedef struct meshrun_kit_op {
@@ -139,10 +163,27 @@ typedef struct meshrun_kit_model_spec {
    * and the config.json keys besides model_type, architectures and the
    * sizes above with the values the model takes when [model] leaves them
    * unset, as a JSON object ("{\"rms_norm_eps\": 1e-06}") or NULL. The
-   * exported config.json holds these, then every [model] key the user set. */
+   * exported config.json holds these, then every [model] key the user set,
+   * then the sizes as the model was made with them (size_keys below). */
   const char* architecture;
   const char* layer_class;
   const char* config_json;
+  /* Kit 1.1: models named and laid out otherwise than Llama. A plugin built
+   * against 1.0 leaves them at the defaults. */
+  const char* embedding_name;          /* default "model.embed_tokens" */
+  const char* layers_name;             /* default "model.layers" */
+  const char* position_embedding_name; /* learned positions ("transformer.wpe"); NULL: rotary */
+  int64_t max_position_embeddings;     /* the longest sequence, the learned table's rows; with
+                                          rotary 0 (the default) sets no limit */
+  int32_t projections;                 /* MESHRUN_KIT_LINEAR (default) or MESHRUN_KIT_CONV1D */
+  int32_t scale_output_init;           /* GPT-2's scaled output projections (above) */
+  double initializer_range;            /* the matrices' initial std; default 0.02 */
+  /* The config.json keys of the sizes, as a JSON object from the kit's
+   * names (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+   * num_attention_heads, num_key_value_heads, max_position_embeddings) to
+   * the model's ({"hidden_size": "n_embd"}); a size mapped to null is not
+   * written. NULL, or a size left out: the kit's name. */
+  const char* size_keys;
 } meshrun_kit_model_spec;
 
 /* The [model] config a compose call reads: opaque, owned by the kit. */
@@ -186,6 +227,13 @@ MESHRUN_KIT_EXPORT meshrun_error* meshrun_kit_config_boolean(const meshrun_kit_c
  * for a plugin that reads them with a JSON parser of its own. Owned by
  * `config`, valid during the compose call; NULL when `config` is NULL. */
 MESHRUN_KIT_EXPORT const char* meshrun_kit_config_json(const meshrun_kit_config* config);
+
+/* A copy of the NUL-terminated `text`, owned by `config` and valid until
+ * the model is made (meshrun_kit_model_create returns): for strings a
+ * compose call builds (a config_json of derived values) and hands in the
+ * spec. NULL when an argument is NULL or memory runs out. (Kit 1.1.) */
+MESHRUN_KIT_EXPORT const char* meshrun_kit_config_keep(const meshrun_kit_config* config,
+                                                       const char* text);
 
 /* Makes a model of `plugin` (the model table's model_create, which
  * MESHRUN_KIT_DEFINE_PLUGIN routes here): compose, then the composition
