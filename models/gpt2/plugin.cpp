@@ -34,6 +34,10 @@ const char* const kSizeKeys = R"({"hidden_size": "n_embd", "intermediate_size": 
   "num_key_value_heads": null, "max_position_embeddings": "n_positions"})";
 
 meshrun_error* compose(const meshrun_kit_config* config, meshrun_kit_model_spec* spec) {
+  if (!MESHRUN_HAS_FIELD(meshrun_kit_model_spec, spec, size_keys)) {
+    return meshrun::plugin::make_error(MESHRUN_UNIMPLEMENTED,
+                                       "gpt2 needs the model kit 1.1 or later (libmeshrun_kit.so)");
+  }
   std::string config_json;
   try {
     const Gpt2Config c =

@@ -169,7 +169,9 @@ typedef struct meshrun_kit_model_spec {
   const char* layer_class;
   const char* config_json;
   /* Kit 1.1: models named and laid out otherwise than Llama. A plugin built
-   * against 1.0 leaves them at the defaults. */
+   * against 1.0 leaves them at the defaults; one that sets them checks
+   * MESHRUN_HAS_FIELD(meshrun_kit_model_spec, spec, <field>) first, as a kit
+   * 1.0 library hands it a smaller spec. */
   const char* embedding_name;          /* default "model.embed_tokens" */
   const char* layers_name;             /* default "model.layers" */
   const char* position_embedding_name; /* learned positions ("transformer.wpe"); NULL: rotary */
