@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,22 @@ std::vector<double> central(Real* values, int64_t count, double eps, Loss&& loss
     gradient[i] = (loss_up - loss_down) / (double(up) - double(down));
   }
   return gradient;
+}
+
+// The entries of a parameter of `numel` that a gradient check compares:
+// all of them, or with MESHRUN_GRADIENT_CHECK_ENTRIES = n (the quick tier,
+// where the sanitized reference takes minutes otherwise) n spread evenly
+// over it, the first and the last among them. A missing or wrong term of
+// the backward moves nearly every entry, so a sample catches it; the full
+// sweep compares every entry.
+inline std::vector<int64_t> checked_entries(int64_t numel) {
+  const char* limit = std::getenv("MESHRUN_GRADIENT_CHECK_ENTRIES");
+  const int64_t n = limit != nullptr ? std::max<int64_t>(2, std::atoll(limit)) : numel;
+  std::vector<int64_t> entries;
+  for (int64_t k = 0; k < std::min(n, numel); ++k) {
+    entries.push_back(numel <= n ? k : k * (numel - 1) / (n - 1));
+  }
+  return entries;
 }
 
 // Every analytic[i] within abs_tol + rel_tol * max(|analytic|, |numeric|) of

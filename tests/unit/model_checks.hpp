@@ -4,9 +4,7 @@
 // (llama_reference.hpp, gpt2_reference.hpp).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,22 +36,6 @@ inline void check_parameter_list(const std::vector<meshrun::models::ParameterVie
   }
 }
 
-// The entries of a parameter of `numel` that a gradient check compares:
-// all of them, or with MESHRUN_GRADIENT_CHECK_ENTRIES = n (the quick tier,
-// where the sanitized reference takes minutes otherwise) n spread evenly
-// over it, the first and the last among them. A missing or wrong term of
-// the backward moves nearly every entry, so a sample catches it; the full
-// sweep compares every entry.
-inline std::vector<int64_t> checked_entries(int64_t numel) {
-  const char* limit = std::getenv("MESHRUN_GRADIENT_CHECK_ENTRIES");
-  const int64_t n = limit != nullptr ? std::max<int64_t>(2, std::atoll(limit)) : numel;
-  std::vector<int64_t> entries;
-  for (int64_t k = 0; k < std::min(n, numel); ++k) {
-    entries.push_back(numel <= n ? k : k * (numel - 1) / (n - 1));
-  }
-  return entries;
-}
-
 // Runs the model's forward and backward of `batch`, then compares each
 // parameter's gradient (checked_entries of it) with central differences
 // (eps 1e-6) of `reference(weights, batch)`, the mean loss of batch
@@ -70,7 +52,7 @@ void check_gradients(stage_fixture::OwnedModel<Family>& model, const stage_fixtu
     reference::Vector& values = weights.at(view.name);
     std::vector<float> analytic;
     std::vector<double> numeric;
-    for (const int64_t entry : checked_entries(view.numel)) {
+    for (const int64_t entry : finite_differences::checked_entries(view.numel)) {
       analytic.push_back(view.grad[entry]);
       numeric.push_back(finite_differences::central(values.data() + entry, 1, 1e-6,
                                                     [&] { return reference(weights, batch); })[0]);

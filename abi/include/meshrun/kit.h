@@ -76,8 +76,8 @@
  * Thread safety: the functions below may be called from any thread; a
  * model and its stages are used by one thread at a time, as model.h says.
  *
- * Errors: every function returns NULL or an error object the caller
- * releases (meshrun/error.h). A composition that does not line up is
+ * Errors: every function that returns a meshrun_error* returns NULL or an
+ * error object the caller releases (meshrun/error.h). A composition that does not line up is
  * refused when the model is made (so at `meshrun plan`), INVALID_ARGUMENT
  * with a message naming the decoder layer's op ("kit: layer op 3 'mlp'
  * reads 'n3', which no earlier op writes").
