@@ -18,20 +18,16 @@ using meshrun::mixtral::ParameterView;
 using meshrun::models::ModelModules;
 using nlohmann::ordered_json;
 
-const char* const kConfigKeys[] = {"vocab_size",
-                                   "hidden_size",
-                                   "intermediate_size",
-                                   "num_hidden_layers",
-                                   "num_attention_heads",
-                                   "num_key_value_heads",
-                                   "max_position_embeddings",
-                                   "rms_norm_eps",
-                                   "rope_theta",
-                                   "tie_word_embeddings",
-                                   "num_local_experts",
-                                   "num_experts_per_tok",
-                                   "router_aux_loss_coef",
-                                   nullptr};
+// Llama's decoder keys, then the routing's; NULL-terminated.
+const std::vector<const char*> kConfigKeys = [] {
+  std::vector<const char*> keys;
+  for (const char* const* key = meshrun::llama::kDecoderConfigKeys; *key != nullptr; ++key) {
+    keys.push_back(*key);
+  }
+  keys.insert(keys.end(),
+              {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", nullptr});
+  return keys;
+}();
 
 struct MixtralPlugin {
   using Family = meshrun::mixtral::Mixtral;
@@ -112,7 +108,8 @@ struct MixtralPlugin {
 const meshrun_model_api kModelApi =
     meshrun::plugin::ModelTable<meshrun::models::HostModel<MixtralPlugin>,
                                 meshrun::models::HostStage<MixtralPlugin>>::make("mixtral",
-                                                                                 kConfigKeys);
+                                                                                 kConfigKeys
+                                                                                     .data());
 
 const meshrun_plugin_api kApi = meshrun::models::model_plugin_api(
     "mixtral", MESHRUN_PLUGIN_VERSION,
