@@ -246,6 +246,12 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.sequence_parallel = json.at("sequence_parallel").get<bool>();
   }
+  if (json.contains("tensor_parallel")) {
+    if (!json.at("tensor_parallel").is_boolean()) {
+      bad_description(origin, "\"tensor_parallel\" must be true or false");
+    }
+    d.tensor_parallel = json.at("tensor_parallel").get<bool>();
+  }
   if (json.contains("autocast_dtypes")) {
     const ordered_json& dtypes = json.at("autocast_dtypes");
     const auto is_string = [](const ordered_json& dtype) { return dtype.is_string(); };

@@ -177,6 +177,17 @@ void check_context_parallel(const Config& config, const Model& model) {
   }
 }
 
+// Tensor parallelism is the model's to compute: a description saying
+// "tensor_parallel": false refuses it before a rank starts.
+void check_model_tensor_parallel(const Config& config, const Model& model) {
+  const int64_t tp = config.distributed.tp_size;
+  if (tp == 1 || model.description().tensor_parallel) return;
+  fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "distributed.tp_size",
+              fmt::format("{} > 1, but model plugin {} computes no tensor parallelism (its "
+                          "description says \"tensor_parallel\": false); set it to 1",
+                          tp, model.library().path()));
+}
+
 // Expert parallelism spreads a mixture of experts' experts (its
 // description's "experts") evenly over the ep ranks of a pipeline stage.
 void check_expert_parallel(const Config& config, const Model& model) {
@@ -256,6 +267,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   check_unit_modules(config, *plan.model);
   check_context_parallel(config, *plan.model);
   check_expert_parallel(config, *plan.model);
+  check_model_tensor_parallel(config, *plan.model);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
                               "model.model_type");

@@ -42,7 +42,7 @@ std::vector<int64_t> rotary_positions(const Composition& c,
 
 Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
            bool sequence_parallel, const models::ParallelBlocks& blocks,
-           const models::ContextParallel& cp)
+           const models::ContextParallel& cp, const models::ExpertParallel& ep)
     : composition(c),
       tp(tp),
       replicated(tp),
@@ -95,6 +95,13 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
       transient[size_t(op.output)].resize(size_t(stream_numel()));
     }
   }
+  if (c.moe_ops() > 0) {
+    experts = std::make_unique<models::MixtureScratch>(
+        models::MixtureShape{rows(), hidden, c.intermediate_size, c.num_local_experts,
+                             c.num_experts_per_tok, c.num_hidden_layers, c.router_aux_loss_coef},
+        ep, Composed::kName);
+  }
+  first_view = c.first_views(experts ? experts->local_experts : c.num_local_experts);
 }
 
 std::vector<float> Pass::take() {
@@ -134,6 +141,7 @@ LayerActivations::LayerActivations(const Pass& pass)
       kept.hidden.resize(N * I * (op.op == Op::swiglu_mlp ? 2 : 1));
       kept.act.resize(N * I);
     }
+    if (op.op == Op::moe_mlp) kept.experts.emplace(*pass.experts);
   }
 }
 
@@ -143,6 +151,7 @@ int64_t LayerActivations::bytes() const {
   for (const OpActivations& kept : ops) {
     total +=
         bytes_of(kept.rstd, kept.mean, kept.qkv, kept.lse, kept.attention, kept.hidden, kept.act);
+    if (kept.experts) total += kept.experts->bytes();
   }
   return total;
 }
@@ -170,10 +179,15 @@ struct Projections {
   const ParameterView& out_bias() const { return (&out_weight())[1]; }
 };
 
+// The rank's views of op `op` in a layer's.
+const ParameterView* views_of(const Pass& pass, const ParameterView* layer, const LayerOp& op) {
+  return layer + pass.first_view[size_t(&op - pass.composition.ops.data())];
+}
+
 Projections projections(const Pass& pass, const ParameterView* layer, const LayerOp& op) {
   const int64_t fused = op.op == Op::attention ? 3 : op.op == Op::swiglu_mlp ? 2 : 1;
   const Composition& c = pass.composition;
-  return {c.conv1d ? 1 : fused, layer + op.first_view, op, layout_of(c)};
+  return {c.conv1d ? 1 : fused, views_of(pass, layer, op), op, layout_of(c)};
 }
 
 // The element-wise steps, out of line: selective checkpointing computes
@@ -419,6 +433,21 @@ void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpAc
                             gradients);
 }
 
+// The mixture's input gradient from dy, into the gradient of its input;
+// the router's weight gradient reads the input's kept values.
+void moe_backward(Pass& pass, const ParameterView* views, const LayerOp& op, std::vector<float>& dy,
+                  OpActivations& kept, const Tensors& tensors, Gradients& grads,
+                  WeightGradients& gradients) {
+  std::vector<float> d_input = pass.take();
+  std::vector<float> own;
+  std::vector<float>& x = op.input != 0 && op.last_input_reader
+                              ? tensors.saved.tensors[size_t(op.input)]
+                              : (own = copy_of(tensors[op.input], op.input, pass));
+  models::mixture_backward(*pass.experts, views, dy.data(), pass.loss_scale, *kept.experts, x,
+                           d_input.data(), gradients);
+  grads.add(op.input, std::move(d_input));
+}
+
 }  // namespace
 
 // A fused projection's views follow one another in parameter order; the
@@ -431,7 +460,8 @@ void Composed::check_layer_storage(std::span<const ParameterView> layer, bool ba
   for (size_t i = 0; i < layer.size(); ++i) {
     const std::string& name = layer[i].name;
     const size_t fused = ends_with(name, "q_proj.weight") || ends_with(name, "q_proj.bias") ? 3
-                         : ends_with(name, "gate_proj.weight") || ends_with(name, "gate_proj.bias")
+                         : ends_with(name, "gate_proj.weight") ||
+                                 ends_with(name, "gate_proj.bias") || ends_with(name, ".w1.weight")
                              ? 2
                              : 1;
     if (fused > 1 && !models::adjacent_views(&layer[i], &layer[i + fused - 1], backward)) {
@@ -477,11 +507,14 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
     OpActivations& kept = saved.ops[i];
     float* y = tensors[op.output];
     if (is_norm(op.op)) {
-      norm_forward(pass, y, kept, tensors[op.input], layer + op.first_view, op);
+      norm_forward(pass, y, kept, tensors[op.input], views_of(pass, layer, op), op);
     } else if (op.op == Op::attention) {
       attention_forward(pass, projections(pass, layer, op), tensors[op.input], kept, y);
     } else if (is_mlp(op.op)) {
       mlp_forward(pass, projections(pass, layer, op), tensors[op.input], kept, y);
+    } else if (op.op == Op::moe_mlp) {
+      models::mixture_forward(*pass.experts, views_of(pass, layer, op), tensors[op.input],
+                              *kept.experts, y);
     } else {
       residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
     }
@@ -500,14 +533,17 @@ void Composed::layer_backward(Pass& pass, const ParameterView* layer, const floa
     std::vector<float> dy = std::move(grads.of[size_t(op.output)]);
     if (is_norm(op.op)) {
       const OpActivations& kept = saved.ops[i];
-      norm_weights_backward(pass, op.op, layer + op.first_view, grads.accumulating(op.input).data(),
-                            dy.data(), tensors[op.input], kept.mean.data(), kept.rstd.data(),
-                            gradients);
+      norm_weights_backward(pass, op.op, views_of(pass, layer, op),
+                            grads.accumulating(op.input).data(), dy.data(), tensors[op.input],
+                            kept.mean.data(), kept.rstd.data(), gradients);
     } else if (op.op == Op::attention) {
       attention_backward(pass, projections(pass, layer, op), dy, saved.ops[i], tensors, grads,
                          gradients);
     } else if (is_mlp(op.op)) {
       mlp_backward(pass, projections(pass, layer, op), dy, saved.ops[i], tensors, grads, gradients);
+    } else if (op.op == Op::moe_mlp) {
+      moe_backward(pass, views_of(pass, layer, op), op, dy, saved.ops[i], tensors, grads,
+                   gradients);
     } else {
       grads.add_copy(op.input2, dy);
       grads.add(op.input, std::move(dy));
@@ -541,8 +577,8 @@ void Composed::recompute_elementwise(Pass& pass, const ParameterView* layer, con
   for (size_t i = 0; i < ops.size(); ++i) {
     const LayerOp& op = ops[i];
     if (is_norm(op.op)) {
-      norm_forward(pass, tensors[op.output], saved.ops[i], tensors[op.input], layer + op.first_view,
-                   op);
+      norm_forward(pass, tensors[op.output], saved.ops[i], tensors[op.input],
+                   views_of(pass, layer, op), op);
     } else if (is_mlp(op.op)) {
       activation_out_of_line(saved.ops[i], op, pass);
     }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -14,6 +15,7 @@
 
 #include "common/context_parallel.hpp"
 #include "common/layers.hpp"
+#include "common/mixture_of_experts.hpp"
 #include "common/stage.hpp"
 #include "kit/composition.hpp"
 
@@ -25,11 +27,11 @@ using models::WeightGradients;
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes
 // (of one tp rank for a parallel block), the rotary table, scratch, and the
-// gradient buffers a backward passes between tensors.
+// gradient buffers a backward passes between tensors, the experts' scratch.
 struct Pass {
   Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
        bool sequence_parallel, const models::ParallelBlocks& blocks,
-       const models::ContextParallel& cp);
+       const models::ContextParallel& cp, const models::ExpertParallel& ep);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   // With sequence parallelism the residual stream between the attention
   // and MLP blocks (every tensor but their inputs) holds the rank's rows
@@ -73,13 +75,19 @@ struct Pass {
   // over tp [hidden].
   std::vector<float> stream, projection, d_gathered, d_norm_weight, d_norm_bias;
   std::vector<std::vector<float>> spare;  // take()'s buffers
+  // The mixtures' (MOE_MLP ops'), when the layer has one; the first view of
+  // each op among the layer's views the rank holds.
+  std::unique_ptr<models::MixtureScratch> experts;
+  std::vector<int64_t> first_view;
+  float loss_scale = 1.0f;  // d objective / d loss of the backward running now
 };
 
 // What an op's forward keeps for its backward: a norm's 1/rms or 1/std
 // (and mean); attention's q/k/v after rotary, log-sum-exps and output; an
-// MLP's input projection and activation.
+// MLP's input projection and activation; a mixture's routing and experts'.
 struct OpActivations {
   std::vector<float> rstd, mean, qkv, lse, attention, hidden, act;
+  std::optional<models::MixtureActivations> experts;
 };
 
 struct LayerActivations {
@@ -109,6 +117,9 @@ struct Composed {
   static constexpr const char* kName = "kit";
   static int64_t embedding_tensors(const Config& config) { return config.embedding_views(); }
   static constexpr bool kSequenceParallel = true;
+  // A composition may have MOE_MLP ops: a stage hands the pass its ep
+  // group and reports router statistics (none without a mixture).
+  static constexpr bool kExperts = true;
 
   static void check_config(const Config& /*config*/) {}
   static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
@@ -120,7 +131,8 @@ struct Composed {
     kit::init_parameter(config, parameters, seed, index, values);
   }
   // Throws std::invalid_argument unless each fused projection's weights
-  // (q/k/v, gate/up) and biases lie one after another in the host's storage.
+  // (q/k/v, gate/up, an expert's w1/w3) and biases lie one after another in
+  // the host's storage.
   static void check_layer_storage(std::span<const ParameterView> layer, bool backward);
   static void check_tensor_parallel(const Config& config, int64_t tp,
                                     const models::ParallelBlocks& blocks) {

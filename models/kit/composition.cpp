@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "common/mixture_of_experts.hpp"
+
 namespace meshrun::kit {
 
 using models::add_parameter;
@@ -27,6 +29,8 @@ const char* op_name(Op op) {
       return "GELU_MLP";
     case Op::add:
       return "ADD";
+    case Op::moe_mlp:
+      return "MOE_MLP";
   }
   return "?";
 }
@@ -68,9 +72,9 @@ LayerOp checked_op(const meshrun_kit_op& spec, int64_t index, std::vector<std::s
                    const std::vector<LayerOp>& earlier) {
   const OpChecker check{spec, index};
   check.require(
-      spec.op >= MESHRUN_KIT_RMSNORM && spec.op <= MESHRUN_KIT_ADD,
+      spec.op >= MESHRUN_KIT_RMSNORM && spec.op <= MESHRUN_KIT_MOE_MLP,
       "has op " + std::to_string(spec.op) +
-          "; valid: MESHRUN_KIT_RMSNORM, LAYERNORM, ATTENTION, SWIGLU_MLP, GELU_MLP, ADD");
+          "; valid: MESHRUN_KIT_RMSNORM, LAYERNORM, ATTENTION, SWIGLU_MLP, GELU_MLP, ADD, MOE_MLP");
   LayerOp op{Op(spec.op), spec.name != nullptr ? spec.name : ""};
   const bool add = op.op == Op::add;
   check.require(add || !op.name.empty(),
@@ -84,9 +88,10 @@ LayerOp checked_op(const meshrun_kit_op& spec, int64_t index, std::vector<std::s
                   "has the name of an earlier op: their parameters would collide");
   }
   const bool projects = op.op == Op::attention || is_mlp(op.op);
-  check.require(spec.flags == 0 || (projects && (spec.flags & ~3) == 0),
-                "has flags " + std::to_string(spec.flags) +
-                    "; only ATTENTION and the MLPs take MESHRUN_KIT_BIAS_IN | BIAS_OUT");
+  check.require(
+      spec.flags == 0 || (projects && (spec.flags & ~3) == 0),
+      "has flags " + std::to_string(spec.flags) +
+          "; only ATTENTION, SWIGLU_MLP and GELU_MLP take MESHRUN_KIT_BIAS_IN | BIAS_OUT");
   op.bias_in = (spec.flags & MESHRUN_KIT_BIAS_IN) != 0;
   op.bias_out = (spec.flags & MESHRUN_KIT_BIAS_OUT) != 0;
   op.input = check.read(spec.input, tensors);
@@ -105,6 +110,11 @@ LayerOp checked_op(const meshrun_kit_op& spec, int64_t index, std::vector<std::s
 // Empty when every attention and MLP input is a norm's output that only
 // attention and MLPs read; else why not.
 std::string sequence_parallel_refusal(const std::vector<LayerOp>& ops) {
+  for (const LayerOp& op : ops) {
+    if (op.op == Op::moe_mlp) {
+      return "layer op '" + op.name + "' is a MOE_MLP, which computes whole on each tp rank";
+    }
+  }
   const auto projects = [](Op op) { return op == Op::attention || is_mlp(op); };
   for (const LayerOp& reader : ops) {
     if (!projects(reader.op)) continue;
@@ -175,6 +185,25 @@ void check_positions(const Composition& c) {
               "; rotary embeddings rotate channel pairs, so it must be even and positive");
 }
 
+// The experts' sizes do something exactly when a MOE_MLP uses them.
+void check_experts(const Composition& c) {
+  const std::string experts = size_setting(c, "num_local_experts");
+  const std::string per_token = size_setting(c, "num_experts_per_tok");
+  if (c.moe_ops() == 0) {
+    require(c.num_local_experts == 0 && c.num_experts_per_tok == 0 && c.router_aux_loss_coef == 0,
+            "kit: num_local_experts, num_experts_per_tok and router_aux_loss_coef are for "
+            "MESHRUN_KIT_MOE_MLP ops, and no layer op is one: leave them 0");
+    return;
+  }
+  require(c.num_local_experts > 0,
+          experts + ": must be positive, got " + std::to_string(c.num_local_experts));
+  require(c.num_experts_per_tok > 0 && c.num_experts_per_tok <= c.num_local_experts,
+          per_token + ": " + std::to_string(c.num_experts_per_tok) +
+              " experts per token; valid: 1 to " + experts + " (" +
+              std::to_string(c.num_local_experts) + ")");
+  require(c.router_aux_loss_coef >= 0, "model.router_aux_loss_coef: must not be negative");
+}
+
 void check_sizes(const Composition& c) {
   const auto positive = [&](int64_t value, const char* size) {
     require(value > 0, size_setting(c, size) + ": must be positive, got " + std::to_string(value));
@@ -193,6 +222,7 @@ void check_sizes(const Composition& c) {
   check_positions(c);
   require(!(c.tie_word_embeddings && c.lm_head_bias),
           "kit: lm_head_bias with tie_word_embeddings: a tied lm_head has no bias of its own");
+  check_experts(c);
 }
 
 // GPT-2's Conv1D layout names GELU MLPs and multi-head attention only.
@@ -200,9 +230,10 @@ void check_conv1d(const Composition& c, const meshrun_kit_model_spec& spec) {
   if (!c.conv1d) return;
   for (size_t i = 0; i < c.ops.size(); ++i) {
     const OpChecker check{spec.ops[i], int64_t(i)};
-    check.require(c.ops[i].op != Op::swiglu_mlp,
-                  "is a SWIGLU_MLP, which MESHRUN_KIT_CONV1D projections do not name (GELU_MLP: "
-                  "c_fc, c_proj)");
+    check.require(c.ops[i].op != Op::swiglu_mlp && c.ops[i].op != Op::moe_mlp,
+                  "is a " + std::string(op_name(c.ops[i].op)) +
+                      ", which MESHRUN_KIT_CONV1D projections do not name (GELU_MLP: c_fc, "
+                      "c_proj)");
     check.require(c.ops[i].op != Op::attention || c.num_key_value_heads == c.num_attention_heads,
                   "is an ATTENTION with grouped key/value heads, which a fused c_attn of "
                   "MESHRUN_KIT_CONV1D projections cannot shard: num_key_value_heads must be "
@@ -221,8 +252,9 @@ std::string module_name(const char* value, const char* fallback, const char* fie
 }
 
 const char* const kSizes[] = {
-    "vocab_size",          "hidden_size",         "intermediate_size",      "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings"};
+    "vocab_size",          "hidden_size",         "intermediate_size",       "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "num_local_experts",
+    "num_experts_per_tok"};
 
 ordered_json checked_size_keys(const char* json) {
   if (json == nullptr) return ordered_json::object();
@@ -232,15 +264,17 @@ ordered_json checked_size_keys(const char* json) {
     require(std::find(std::begin(kSizes), std::end(kSizes), size) != std::end(kSizes),
             "kit: size_keys names '" + size +
                 "'; valid: vocab_size, hidden_size, intermediate_size, num_hidden_layers, "
-                "num_attention_heads, num_key_value_heads, max_position_embeddings");
+                "num_attention_heads, num_key_value_heads, max_position_embeddings, "
+                "num_local_experts, num_experts_per_tok");
     require(key.is_null() || (key.is_string() && !key.get<std::string>().empty()),
             "kit: size_keys." + size + " must be a config.json key or null");
   }
   return keys;
 }
 
-// An op's parameters, as add_op_parameters below makes them.
-int64_t parameter_count(const LayerOp& op) {
+// An op's parameters, as add_op_parameters below makes them, with
+// `experts` experts of a MOE_MLP.
+int64_t parameter_count(const LayerOp& op, int64_t experts) {
   const int64_t in = op.bias_in ? 1 : 0, out = op.bias_out ? 1 : 0;
   switch (op.op) {
     case Op::rmsnorm:
@@ -255,12 +289,14 @@ int64_t parameter_count(const LayerOp& op) {
       return 2 + in + out;
     case Op::add:
       return 0;
+    case Op::moe_mlp:
+      return models::mixture_views(experts);
   }
   return 0;
 }
 
 int64_t conv1d_parameter_count(const LayerOp& op) {
-  if (is_norm(op.op) || op.op == Op::add) return parameter_count(op);
+  if (is_norm(op.op) || op.op == Op::add) return parameter_count(op, 0);
   return 2 + (op.bias_in ? 1 : 0) + (op.bias_out ? 1 : 0);
 }
 
@@ -280,6 +316,21 @@ std::string Composition::size_name(const std::string& size) const {
 int64_t Composition::attention_ops() const {
   return std::count_if(ops.begin(), ops.end(),
                        [](const LayerOp& op) { return op.op == Op::attention; });
+}
+
+int64_t Composition::moe_ops() const {
+  return std::count_if(ops.begin(), ops.end(),
+                       [](const LayerOp& op) { return op.op == Op::moe_mlp; });
+}
+
+std::vector<int64_t> Composition::first_views(int64_t local_experts) const {
+  std::vector<int64_t> first;
+  int64_t view = 0;
+  for (const LayerOp& op : ops) {
+    first.push_back(view);
+    view += op.op == Op::moe_mlp ? models::mixture_views(local_experts) : op.views;
+  }
+  return first;
 }
 
 meshrun_kit_model_spec default_spec() {
@@ -328,6 +379,9 @@ Composition compose(const meshrun_kit_model_spec& spec, const std::string& model
         module_name(spec.position_embedding_name, "", "position_embedding_name");
   }
   c.size_keys = checked_size_keys(spec.size_keys);
+  c.num_local_experts = spec.num_local_experts;
+  c.num_experts_per_tok = spec.num_experts_per_tok;
+  c.router_aux_loss_coef = spec.router_aux_loss_coef;
   require(spec.num_ops > 0 && spec.ops != nullptr, "kit: the decoder layer has no ops");
   c.tensors = {"x"};
   for (int64_t i = 0; i < spec.num_ops; ++i) {
@@ -339,7 +393,7 @@ Composition compose(const meshrun_kit_model_spec& spec, const std::string& model
   int64_t view = 0;
   for (LayerOp& op : c.ops) {
     op.first_view = view;
-    op.views = c.conv1d ? conv1d_parameter_count(op) : parameter_count(op);
+    op.views = c.conv1d ? conv1d_parameter_count(op) : parameter_count(op, c.num_local_experts);
     view += op.views;
   }
   check_sizes(c);
@@ -409,6 +463,23 @@ void add_conv1d_projections(std::vector<ParameterView>& views, const Composition
   if (op.bias_out) add(views, p + output + ".bias", {H}, layer, "replicate");
 }
 
+// A MOE_MLP's router and experts, each expert's three with its number.
+void add_experts(std::vector<ParameterView>& views, const Composition& c, const std::string& p,
+                 int64_t layer) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  add(views, p + "gate.weight", {c.num_local_experts, H}, layer, "replicate");
+  for (int64_t expert = 0; expert < c.num_local_experts; ++expert) {
+    const std::string name = p + "experts." + std::to_string(expert) + ".";
+    for (const auto& [projection, shape] :
+         {std::pair<const char*, std::vector<int64_t>>{"w1", {I, H}},
+          {"w3", {I, H}},
+          {"w2", {H, I}}}) {
+      add(views, name + projection + ".weight", shape, layer, "replicate");
+      views.back().expert = expert;
+    }
+  }
+}
+
 // The parameters of op `op` of layer `layer`, appended.
 void add_op_parameters(std::vector<ParameterView>& views, const Composition& c, const LayerOp& op,
                        int64_t layer) {
@@ -417,6 +488,8 @@ void add_op_parameters(std::vector<ParameterView>& views, const Composition& c, 
   if (is_norm(op.op)) {
     add(views, p + "weight", {H}, layer, "replicate");
     if (op.op == Op::layernorm) add(views, p + "bias", {H}, layer, "replicate");
+  } else if (op.op == Op::moe_mlp) {
+    add_experts(views, c, p, layer);
   } else if (op.op != Op::add) {
     (c.conv1d ? add_conv1d_projections : add_linear_projections)(views, c, op, p, layer);
   }
@@ -452,6 +525,7 @@ bool is_output_projection_weight(const Composition& c, const std::string& parame
   const auto [op, rest] = layer_op_of(c, parameter);
   if (op == nullptr || is_bias(rest)) return false;
   if (op->op == Op::attention) return rest == c.attention_output_name + ".weight";
+  if (op->op == Op::moe_mlp) return rest.size() > 10 && rest.ends_with(".w2.weight");
   const char* output = c.conv1d ? "c_proj" : op->op == Op::swiglu_mlp ? "down_proj" : "fc2";
   return is_mlp(op->op) && rest == std::string(output) + ".weight";
 }
@@ -477,10 +551,12 @@ std::vector<ParameterView> parameters(const Composition& c) {
   const std::string vocab = c.size_name("vocab_size"), hidden = c.size_name("hidden_size");
   const std::string intermediate = c.size_name("intermediate_size");
   const std::string positions = c.size_name("max_position_embeddings");
+  const std::string experts = c.size_name("num_local_experts");
   models::require_addressable(views, {{vocab.c_str(), c.vocab_size},
                                       {hidden.c_str(), H},
                                       {intermediate.c_str(), c.intermediate_size},
-                                      {positions.c_str(), c.max_position_embeddings}});
+                                      {positions.c_str(), c.max_position_embeddings},
+                                      {experts.c_str(), c.num_local_experts}});
   return views;
 }
 
@@ -537,6 +613,12 @@ std::vector<models::BlockSpec> tensor_parallel_blocks(const Composition& c) {
 }
 
 void check_tensor_parallel(const Composition& c, int64_t tp, const models::ParallelBlocks& blocks) {
+  for (const LayerOp& op : c.ops) {
+    require(tp == 1 || op.op != Op::moe_mlp,
+            "kit: tensor parallelism: layer op '" + op.name +
+                "' is a MOE_MLP, which computes its experts whole on each rank "
+                "(distributed.tp_size must be 1; spread the experts with ep_size)");
+  }
   const std::string heads = c.size_name("num_attention_heads");
   const std::string kv_heads = c.size_name("num_key_value_heads");
   const std::string intermediate = c.size_name("intermediate_size");
@@ -581,12 +663,15 @@ ordered_json hf_config(const Composition& c) {
         {"intermediate_size", c.intermediate_size},
         {"num_hidden_layers", c.num_hidden_layers},
         {"num_attention_heads", c.num_attention_heads},
-        {"num_key_value_heads", c.num_key_value_heads}};
+        {"num_key_value_heads", c.num_key_value_heads},
+        {"num_local_experts", c.num_local_experts},
+        {"num_experts_per_tok", c.num_experts_per_tok}};
     for (const auto& [size, value] : sizes) {
       const std::string key = c.size_key(size);
       if (!key.empty() && value > 0) config[key] = value;
     }
     config["tie_word_embeddings"] = c.tie_word_embeddings;
+    if (c.moe_ops() > 0) config["router_aux_loss_coef"] = c.router_aux_loss_coef;
   };
   write_sizes();
   for (const auto& [key, value] : c.config_extra.items()) config[key] = value;
@@ -602,6 +687,7 @@ int64_t matmul_parameters(const Composition& c) {
     if (op.op == Op::attention) layer += H * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * H;
     if (op.op == Op::swiglu_mlp) layer += 3 * H * I;
     if (op.op == Op::gelu_mlp) layer += 2 * H * I;
+    if (op.op == Op::moe_mlp) layer += H * c.num_local_experts + c.num_experts_per_tok * 3 * H * I;
   }
   return c.num_hidden_layers * layer + c.vocab_size * H;
 }
@@ -621,6 +707,12 @@ models::ActivationsPerToken activations(const Composition& c) {
     } else if (is_mlp(op.op)) {
       a.layer_split += (op.op == Op::swiglu_mlp ? 2 * I : I) + I;
       a.elementwise_split += I;
+    } else if (op.op == Op::moe_mlp) {
+      // The router's softmax, each slot's expert, weight and place (the
+      // int64 as two), the experts' outputs, inputs, w1/w3 outputs and
+      // activations: top_k slots per token, whatever rank computes them.
+      const int64_t K = c.num_experts_per_tok;
+      a.layer_whole += c.num_local_experts + 4 * K + K * (2 * H + 3 * I);
     }
     if (!is_norm(op.op) && op.keeps_output) a.layer_whole += H;
   }
@@ -638,7 +730,13 @@ std::string describe(const Composition& c, const std::vector<ParameterView>& par
                          {"autocast_dtypes", {"bfloat16"}}};
   if (c.max_position_embeddings > 0) fields["max_seq_len"] = c.max_position_embeddings;
   if (!c.layer_class.empty()) fields["unit_class"] = c.layer_class;
-  if (c.attention_ops() > 0) {
+  if (c.moe_ops() > 0) {
+    fields["experts"] = {{"count", c.num_local_experts}, {"top_k", c.num_experts_per_tok}};
+    fields["tensor_parallel"] = false;
+  }
+  // A mixture's load-balancing loss is over the rank's tokens, which
+  // context parallelism would cut: only models without one compute it.
+  if (c.attention_ops() > 0 && c.moe_ops() == 0) {
     fields["context_parallel"] = {{"heads", c.num_attention_heads},
                                   {"kv_heads", c.num_key_value_heads}};
   }

@@ -29,9 +29,11 @@ enum class Op {
   swiglu_mlp = MESHRUN_KIT_SWIGLU_MLP,
   gelu_mlp = MESHRUN_KIT_GELU_MLP,
   add = MESHRUN_KIT_ADD,
+  moe_mlp = MESHRUN_KIT_MOE_MLP,
 };
 
 inline bool is_norm(Op op) { return op == Op::rmsnorm || op == Op::layernorm; }
+// The dense MLPs, which tensor parallelism splits; not MOE_MLP.
 inline bool is_mlp(Op op) { return op == Op::swiglu_mlp || op == Op::gelu_mlp; }
 
 // An op of the decoder layer. Tensors are numbered: 0 is the layer's input
@@ -41,7 +43,8 @@ struct LayerOp {
   std::string name;
   bool bias_in = false, bias_out = false;
   int input = 0, input2 = -1, output = 0;
-  // Its parameters: views [first_view, first_view + views) of a layer.
+  // Its parameters: views [first_view, first_view + views) of a layer
+  // whose experts are all on the rank (Pass::first_view has a rank's).
   int64_t first_view = 0, views = 0;
   // Whether a backward reads its output's values (a norm, attention or MLP
   // reads it), so a forward keeps it; else it is scratch of the pass.
@@ -58,6 +61,10 @@ struct Composition {
   std::string model_type, architecture, layer_class;
   int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
   int64_t num_attention_heads = 0, num_key_value_heads = 0;
+  // The MOE_MLP ops' experts, each token's, and the load-balancing loss's
+  // weight; 0 without one.
+  int64_t num_local_experts = 0, num_experts_per_tok = 0;
+  double router_aux_loss_coef = 0;
   // The longest sequence (the learned position table's rows); 0: no limit.
   int64_t max_position_embeddings = 0;
   double norm_eps = 0, rope_theta = 10000, partial_rotary_factor = 1;
@@ -98,6 +105,10 @@ struct Composition {
   int64_t q_dim() const { return num_attention_heads * head_dim(); }
   int64_t kv_dim() const { return num_key_value_heads * head_dim(); }
   int64_t attention_ops() const;
+  int64_t moe_ops() const;
+  // The first view of each op in a layer of which the rank holds
+  // `local_experts` experts of each MOE_MLP.
+  std::vector<int64_t> first_views(int64_t local_experts) const;
   // The head's views on the last stage: the final norm's weight (and bias),
   // lm_head's bias, then lm_head's weight unless tied.
   int64_t final_norm_views() const { return final_norm == Op::layernorm ? 2 : 1; }

@@ -96,6 +96,18 @@ const char* const kDecoderConfigKeys[] = {"vocab_size",
                                           "tie_word_embeddings",
                                           nullptr};
 
+void set_kit_decoder(const LlamaConfig& c, meshrun_kit_model_spec& spec) {
+  spec.vocab_size = c.vocab_size;
+  spec.hidden_size = c.hidden_size;
+  spec.intermediate_size = c.intermediate_size;
+  spec.num_hidden_layers = c.num_hidden_layers;
+  spec.num_attention_heads = c.num_attention_heads;
+  spec.num_key_value_heads = c.num_key_value_heads;
+  spec.norm_eps = c.rms_norm_eps;
+  spec.rope_theta = c.rope_theta;
+  spec.tie_word_embeddings = c.tie_word_embeddings;
+}
+
 LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig c) {
   c.vocab_size = reader.dimension("vocab_size", c.vocab_size);
   c.hidden_size = reader.dimension("hidden_size", c.hidden_size);

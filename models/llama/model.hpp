@@ -15,6 +15,7 @@
 #include "common/description.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
+#include "meshrun/kit.h"
 
 namespace meshrun::llama {
 
@@ -61,6 +62,9 @@ LlamaConfig read_decoder_config(const models::ConfigReader& reader, LlamaConfig 
 // The keys read_decoder_config reads, NULL-terminated (meshrun/model.h
 // config_keys).
 extern const char* const kDecoderConfigKeys[];
+// The decoder's sizes, norm epsilon, rotary base and tying into a model kit
+// spec (meshrun/kit.h): what the Llama and Mixtral compositions share.
+void set_kit_decoder(const LlamaConfig& config, meshrun_kit_model_spec& spec);
 models::ModelModules decoder_modules(bool tie_word_embeddings);
 
 // Megatron-LM's tensor parallelism as AutoModel's Llama plan places it:

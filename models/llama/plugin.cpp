@@ -44,15 +44,7 @@ meshrun_error* compose(const meshrun_kit_config* config, meshrun_kit_model_spec*
   try {
     const LlamaConfig c = meshrun::llama::read_decoder_config(
         meshrun::models::ConfigReader(meshrun_kit_config_json(config)), {});
-    spec->vocab_size = c.vocab_size;
-    spec->hidden_size = c.hidden_size;
-    spec->intermediate_size = c.intermediate_size;
-    spec->num_hidden_layers = c.num_hidden_layers;
-    spec->num_attention_heads = c.num_attention_heads;
-    spec->num_key_value_heads = c.num_key_value_heads;
-    spec->norm_eps = c.rms_norm_eps;
-    spec->rope_theta = c.rope_theta;
-    spec->tie_word_embeddings = c.tie_word_embeddings;
+    meshrun::llama::set_kit_decoder(c, *spec);
     config_json = hf_config(c);
   } catch (const std::invalid_argument& e) {
     return meshrun::plugin::make_error(MESHRUN_INVALID_ARGUMENT, e.what());

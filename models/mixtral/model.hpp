@@ -7,12 +7,17 @@
 // every expert takes every token routed to it. The router's
 // load-balancing loss (router_aux_loss_coef) joins the objective. This
 // header holds the configuration, the parameters in Hugging Face's names
-// and their initialization; moe.hpp computes a stage.
+// and their initialization, the [model] keys' reading and the Hugging Face
+// config.json; moe.hpp computes a stage (the hand-written family, the
+// oracle of the kit composition models/mixtral/plugin.cpp).
 #pragma once
+
+#include <nlohmann/json.hpp>
 
 #include <string>
 #include <vector>
 
+#include "common/config_reader.hpp"
 #include "common/parameters.hpp"
 #include "llama/model.hpp"
 
@@ -31,6 +36,16 @@ struct MixtralConfig : llama::LlamaConfig {
 // Throws std::invalid_argument("model.<key>: ...") for sizes the
 // architecture cannot take.
 void check_config(const MixtralConfig& config);
+
+// The [model] keys read_config reads, NULL-terminated: Llama's decoder
+// keys, then the routing's.
+const std::vector<const char*>& config_keys();
+// meshrun's tiny defaults for the sizes (as its Llama's), Mixtral's for the
+// routing; checked. Throws std::invalid_argument("model.<key>: ...").
+MixtralConfig read_config(const models::ConfigReader& reader);
+// Every key MixtralConfig reads for the compute of MixtralForCausalLM,
+// resolved.
+nlohmann::ordered_json hf_config(const MixtralConfig& config);
 
 // Every parameter in order: model.embed_tokens.weight; per layer N
 // model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/expert_parallel.hpp"
+#include "common/mixture_of_experts.hpp"
 #include "llama/decoder.hpp"
 #include "mixtral/model.hpp"
 
@@ -19,32 +20,21 @@ namespace meshrun::mixtral {
 using models::WeightGradients;
 
 // A layer's views: Llama's attention half (llama::LayerTensor kInputNorm
-// to kO), then these, then w1, w3, w2 of each expert the rank holds.
-enum MoeTensor { kPostNorm = llama::kPostNorm, kRouter, kFirstExpert };
-inline constexpr int64_t kTensorsPerExpert = 3;
+// to kO), then the post-attention norm, then the mixture's: the router and
+// w1, w3, w2 of each expert the rank holds (common/mixture_of_experts.hpp).
+enum MoeTensor { kPostNorm = llama::kPostNorm, kRouter };
 
-// What every layer of a pass shares: Llama's pass, the routing's sizes, the
-// ep group and the scratch of dispatch and combine. N = rows() tokens.
+// What every layer of a pass shares: Llama's pass and the mixture's scratch
+// (N = rows() tokens).
 struct MoePass : llama::DecoderPass {
   MoePass(const MixtralConfig& config, int64_t batch, int64_t seq_len,
           models::TensorParallelGroup& tp, bool sequence_parallel,
           const models::ParallelBlocks& blocks, const models::ContextParallel& cp,
           const models::ExpertParallel& ep);
 
-  models::SingleExpertRank single;
-  models::ExpertParallelGroup& ep;
-  models::ExpertStatistics* statistics;
-  int64_t experts, top_k, local_experts, first_expert;
-  int64_t model_layers;
-  double aux_coef;
-  float loss_scale = 1.0f;  // d objective / d loss of the backward running now
-  // [N * top_k, H]: rows in dispatch order (sent, or their gradients).
-  std::vector<float> slots, d_slots;
-  // Rows as the experts receive them, and what they send back.
-  std::vector<float> received, returned;
-  std::vector<float> d_weights;                // the routing weights' gradients [N, top_k]
-  std::vector<float> d_probs, d_router_input;  // [N, E], [N, H]
-  std::vector<float> expert_out, d_expert_in, d_act, d_gate_up_expert;  // one expert's rows
+  models::MixtureScratch experts;
+  std::vector<float> moe_out;  // the mixture's output [N, H], before its residual add
+  float loss_scale = 1.0f;     // d objective / d loss of the backward running now
 };
 
 // What one layer's forward keeps for its backward.
@@ -52,19 +42,8 @@ struct MoeActivations : llama::AttentionActivations {
   explicit MoeActivations(const MoePass& pass);
   int64_t bytes() const;
 
-  std::vector<float> norm2, rstd2;     // rmsnorm(h) [N, H], [N]
-  std::vector<float> probs;            // the router's softmax [N, E]
-  std::vector<int32_t> selected;       // the experts picked [N, top_k], in descending probability
-  std::vector<float> weights;          // their renormalized probabilities [N, top_k]
-  std::vector<int64_t> slot_position;  // of token n's k-th slot in dispatch order [N * top_k]
-  std::vector<int64_t> tokens_per_expert;  // this rank's tokens routed to each expert [E]
-  // Floats sent to / received from each ep rank, and rows each source rank
-  // sent to each local expert [ep * local_experts].
-  std::vector<int64_t> send_counts, recv_counts, rows_from;
-  std::vector<float> expert_outputs;  // the experts' outputs in dispatch order [N * top_k, H]
-  // Per local expert: its input rows, w1 and w3's output, silu(w1 x) * w3 x.
-  std::vector<std::vector<float>> expert_in, gate_up, act;
-  double aux_loss = 0;  // this layer's load-balancing loss
+  std::vector<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
+  models::MixtureActivations experts;
 };
 
 struct Mixtral {
@@ -103,11 +82,8 @@ struct Mixtral {
                                  const int32_t* tokens) {
     llama::Llama::embedding_backward(pass, embedding, tokens);
   }
-  // h = x + attention half (Llama's); out = h + moe(rmsnorm(h)) with
-  //   probs = softmax(rmsnorm(h) gate^T), S = the top_k experts of probs
-  //   (ties to the lower expert), moe(y) = sum over e in S of
-  //   probs_e / sum_S probs * w2_e(silu(w1_e y) * w3_e y)
-  // the rows dispatched to their experts' ranks and combined back.
+  // h = x + attention half (Llama's); out = h + mixture(rmsnorm(h))
+  // (common/mixture_of_experts.hpp).
   static void layer_forward(Pass& pass, const ParameterView* layer, const float* x,
                             LayerActivations& saved, float* out);
   // pass.d_residual from dL/d(out) to dL/dx, with the load-balancing

@@ -315,6 +315,10 @@ class BadInput(MoeTest, InputErrorAssertions):
             (("distributed.ep_size=2", "distributed.moe.ignore_router_for_ac=true"), 2,
              "distributed.moe.ignore_router_for_ac", "not implemented"),
             (("model.num_experts_per_tok=5",), 1, "model.num_experts_per_tok", "cannot be more"),
+            (("distributed.tp_size=2",), 2, "distributed.tp_size",
+             "computes no tensor parallelism"),
+            (("distributed.cp_size=2",), 2, "distributed.cp_size",
+             "computes no context parallelism"),
         ]
         for overrides, nproc, key, needle in cases:
             with self.subTest(key=key):

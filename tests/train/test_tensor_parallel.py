@@ -281,12 +281,20 @@ class BadInput(TrainTest, InputErrorAssertions):
 
 
     def test_sequence_parallel_needs_a_model_that_computes_it_and_whole_rows(self):
+        """hand_gpt2 (the test plugin of tests/kit, found on MESHRUN_PLUGIN_PATH)
+        computes tp but not sequence parallelism; Mixtral computes no tp."""
         runs = Runs()
-        with open(runs.config, "w") as f:
-            f.write(TINY_MOE)
         try:
+            with open(runs.config, "w") as f:
+                f.write(TINY_GPT2)
+            self.assert_input_error(run(runs.config, "--nproc-per-node", "2", *TP2, *SP,
+                                        "model.model_type=hand_gpt2"),
+                                    "distributed.sequence_parallel", "meshrun_model_hand_gpt2")
+            with open(runs.config, "w") as f:
+                f.write(TINY_MOE)
             self.assert_input_error(run(runs.config, "--nproc-per-node", "2", *TP2, *SP),
-                                    "distributed.sequence_parallel", "meshrun_model_mixtral")
+                                    "distributed.tp_size", "meshrun_model_mixtral",
+                                    "computes no tensor parallelism")
         finally:
             runs.cleanup()
         self.assert_input_error(run(self.runs.config, "--nproc-per-node", "2", *TP2, *SP,

@@ -12,6 +12,7 @@
 
 #include "config/config.hpp"
 #include "errors.hpp"
+#include "temp_folder.hpp"
 
 namespace {
 
@@ -305,7 +306,8 @@ TEST_CASE("config: load_config reports an unreadable file as NOT_FOUND", "[confi
 }
 
 TEST_CASE("config: load_config names the file in positions and errors", "[config]") {
-  const auto path = std::filesystem::temp_directory_path() / "meshrun_test_config_load.toml";
+  const TempFolder folder("meshrun-test-config");
+  const std::filesystem::path path = folder.file("load.toml");
   std::ofstream(path) << "[distributed]\ntp_size = 2\npp_size = 0\n";
   try {
     meshrun::load_config(path.string());
@@ -317,7 +319,6 @@ TEST_CASE("config: load_config names the file in positions and errors", "[config
   const Config config = meshrun::load_config(path.string());
   CHECK(config.source == path.string());
   CHECK(config.where("distributed.tp_size") == path.string() + ":2:1");
-  std::filesystem::remove(path);
 }
 
 TEST_CASE("config: unknown key suggests the closest name and lists valid keys",

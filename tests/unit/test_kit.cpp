@@ -1,8 +1,9 @@
 // The model kit's composition (models/kit): compositions that do not line
-// up are refused naming the op; a Qwen2-like, a Phi-like and a GPT-2-like
-// composition (every op kind, every bias, a parallel block, partial rotary,
-// a final LayerNorm, lm_head's bias, Conv1D projections and learned
-// positions) have each parameter's gradient match central differences of
+// up are refused naming the op; a Qwen2-like, a Phi-like, a GPT-2-like and
+// a Mixtral-like composition (every op kind, every bias, a parallel block,
+// partial rotary, a final LayerNorm, lm_head's bias, Conv1D projections,
+// learned positions and a mixture of experts) have each parameter's
+// gradient match central differences of
 // their own loss (at every entry; 64 per parameter in the quick tier,
 // finite_differences::checked_entries); checkpointing, pipeline stages and
 // split backwards give exactly the results of the whole model.
@@ -13,7 +14,11 @@
 // relative keeps a margin of ~10x on what was seen (at most 1.3e-4) and
 // still catches a missing term, which is O(the gradient). Stages and
 // recomputation run the same kernels on the same shapes in the same order:
-// equal bit for bit.
+// equal bit for bit. The Mixtral-like gradient check takes no
+// load-balancing loss (coefficient 0): the forward returns the
+// cross-entropy only; the stage checks keep it. Its routing is away from
+// ties for these weights (a top-2 of 3 flip under the 1e-2 steps would
+// show as a gradient mismatch, deterministically for the fixed seed).
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -67,6 +72,18 @@ const meshrun_kit_op kPhiLayer[] = {
     {MESHRUN_KIT_ADD, 0, nullptr, "x", "am", "out"},
 };
 
+// Mixtral's layer, with the mixture between two norms so that a view
+// after the experts' is found on ranks holding some experts only.
+const meshrun_kit_op kMixtralLayer[] = {
+    {MESHRUN_KIT_RMSNORM, 0, "input_layernorm", "x", nullptr, "n1"},
+    {MESHRUN_KIT_ATTENTION, 0, "self_attn", "n1", nullptr, "a"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "x", "a", "h"},
+    {MESHRUN_KIT_RMSNORM, 0, "post_attention_layernorm", "h", nullptr, "n2"},
+    {MESHRUN_KIT_MOE_MLP, 0, "block_sparse_moe", "n2", nullptr, "m"},
+    {MESHRUN_KIT_RMSNORM, 0, "post_moe_layernorm", "m", nullptr, "n3"},
+    {MESHRUN_KIT_ADD, 0, nullptr, "h", "n3", "out"},
+};
+
 meshrun_kit_model_spec base_spec(int64_t layers) {
   meshrun_kit_model_spec spec = meshrun::kit::default_spec();
   spec.vocab_size = kVocab;
@@ -118,6 +135,21 @@ meshrun_kit_model_spec gpt2_spec(int64_t layers) {
 
 Composition gpt2_like(int64_t layers) {
   return meshrun::kit::compose(gpt2_spec(layers), "gpt2", nlohmann::ordered_json::object());
+}
+
+meshrun_kit_model_spec mixtral_spec(int64_t layers, double aux_coef) {
+  meshrun_kit_model_spec spec = base_spec(layers);
+  spec.ops = kMixtralLayer;
+  spec.num_ops = 7;
+  spec.num_local_experts = 3;
+  spec.num_experts_per_tok = 2;
+  spec.router_aux_loss_coef = aux_coef;
+  return spec;
+}
+
+Composition mixtral_like(int64_t layers, double aux_coef) {
+  return meshrun::kit::compose(mixtral_spec(layers, aux_coef), "mixtral",
+                               nlohmann::ordered_json::object());
 }
 
 // Weights of a trained model's magnitude: norm weights around 1, biases
@@ -207,7 +239,8 @@ TEST_CASE("kit initialization scales the output projections when asked", "[kit]"
 }
 
 TEST_CASE("kit gradients of every parameter match central differences of the loss", "[kit]") {
-  const Composition composition = GENERATE(qwen2_like(2), phi_like(2), gpt2_like(2));
+  const Composition composition =
+      GENERATE(qwen2_like(2), phi_like(2), gpt2_like(2), mixtral_like(2, 0.0));
   INFO(composition.model_type);
   KitModel model(composition);
   randomize(model, 5);
@@ -236,7 +269,8 @@ std::vector<Batch> random_batches(int count) {
 
 TEST_CASE("kit stages, split backwards and checkpointing give exactly the whole model's results",
           "[kit][stage]") {
-  const Composition composition = GENERATE(qwen2_like(4), phi_like(4), gpt2_like(4));
+  const Composition composition =
+      GENERATE(qwen2_like(4), phi_like(4), gpt2_like(4), mixtral_like(4, 0.1));
   INFO(composition.model_type);
   KitModel model(composition);
   randomize(model, 8);
@@ -274,7 +308,9 @@ TEST_CASE("kit compositions that do not line up are refused naming the op", "[ki
        "kit: layer op 0 'norm' is the last op and writes 'n'; the last op writes the layer's "
        "output, 'out'"},
       {{{MESHRUN_KIT_RMSNORM, MESHRUN_KIT_BIAS_IN, "norm", "x", nullptr, "out"}},
-       "kit: layer op 0 'norm' has flags 1; only ATTENTION and the MLPs take"},
+       "kit: layer op 0 'norm' has flags 1; only ATTENTION, SWIGLU_MLP and GELU_MLP take"},
+      {{{MESHRUN_KIT_MOE_MLP, MESHRUN_KIT_BIAS_OUT, "moe", "x", nullptr, "out"}},
+       "kit: layer op 0 'moe' has flags 2; only ATTENTION, SWIGLU_MLP and GELU_MLP take"},
       {{{MESHRUN_KIT_ADD, 0, nullptr, "x", nullptr, "out"}},
        "kit: layer op 0 (ADD) is an ADD without input2"},
       {{{9, 0, "conv", "x", nullptr, "out"}}, "kit: layer op 0 'conv' has op 9; valid:"},
@@ -298,16 +334,18 @@ TEST_CASE("kit compositions that do not line up are refused naming the op", "[ki
       Contains("model.hidden_size: 8 must be divisible by model.num_attention_heads"));
 }
 
+// Why compose refuses `spec`, or "accepted".
+std::string refusal(const meshrun_kit_model_spec& spec) {
+  try {
+    meshrun::kit::compose(spec, "bad", nlohmann::ordered_json::object());
+  } catch (const std::invalid_argument& e) {
+    return std::string(e.what());
+  }
+  return std::string("accepted");
+}
+
 // What kit 1.1's naming and layout fields refuse.
 TEST_CASE("kit refuses Conv1D projections, positions and size keys that do not fit", "[kit]") {
-  const auto refusal = [](meshrun_kit_model_spec spec) {
-    try {
-      meshrun::kit::compose(spec, "bad", nlohmann::ordered_json::object());
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
   meshrun_kit_model_spec swiglu = base_spec(1);
   swiglu.ops = kQwen2Layer;
   swiglu.num_ops = 6;
@@ -336,6 +374,49 @@ TEST_CASE("kit refuses Conv1D projections, positions and size keys that do not f
   meshrun_kit_model_spec renamed = gpt2_spec(1);
   renamed.hidden_size = 0;
   CHECK_THAT(refusal(renamed), Contains("model.n_embd: must be positive, got 0"));
+}
+
+// What kit 1.2's mixture of experts refuses.
+TEST_CASE("kit refuses mixtures of experts that do not fit", "[kit]") {
+  meshrun_kit_model_spec too_many = mixtral_spec(1, 0.0);
+  too_many.num_experts_per_tok = 4;
+  CHECK_THAT(refusal(too_many), Contains("model.num_experts_per_tok: 4 experts per token; valid: "
+                                         "1 to model.num_local_experts (3)"));
+  meshrun_kit_model_spec none = mixtral_spec(1, 0.0);
+  none.num_local_experts = 0;
+  CHECK_THAT(refusal(none), Contains("model.num_local_experts: must be positive, got 0"));
+  meshrun_kit_model_spec dense = base_spec(1);
+  dense.ops = kQwen2Layer;
+  dense.num_ops = 6;
+  dense.num_local_experts = 4;
+  CHECK_THAT(refusal(dense), Contains("kit: num_local_experts, num_experts_per_tok and "
+                                      "router_aux_loss_coef are for MESHRUN_KIT_MOE_MLP ops"));
+  meshrun_kit_model_spec conv1d = mixtral_spec(1, 0.0);
+  conv1d.num_key_value_heads = 2;
+  conv1d.projections = MESHRUN_KIT_CONV1D;
+  CHECK_THAT(refusal(conv1d), Contains("kit: layer op 4 'block_sparse_moe' is a MOE_MLP, which "
+                                       "MESHRUN_KIT_CONV1D projections do not name"));
+  const Composition mixtral = mixtral_like(1, 0.0);
+  CHECK_THAT(mixtral.sequence_parallel_refusal,
+             Contains("layer op 'block_sparse_moe' is a MOE_MLP"));
+  CHECK_THROWS_WITH(meshrun::kit::check_tensor_parallel(mixtral, 2, {}),
+                    Contains("kit: tensor parallelism: layer op 'block_sparse_moe' is a MOE_MLP"));
+  CHECK_NOTHROW(meshrun::kit::check_tensor_parallel(mixtral, 1, {}));
+}
+
+// A rank holding some experts sees the views after them where they are.
+TEST_CASE("kit mixtures find their views on a rank holding some experts", "[kit]") {
+  const Composition mixtral = mixtral_like(1, 0.0);
+  const std::vector<ParameterView> parameters = meshrun::kit::parameters(mixtral);
+  CHECK(parameters[7].name == "model.layers.0.block_sparse_moe.gate.weight");
+  CHECK(parameters[7].expert == -1);
+  CHECK(parameters[8].name == "model.layers.0.block_sparse_moe.experts.0.w1.weight");
+  CHECK(parameters[8].expert == 0);
+  CHECK(parameters[16].name == "model.layers.0.block_sparse_moe.experts.2.w2.weight");
+  CHECK(parameters[16].expert == 2);
+  CHECK(parameters[17].name == "model.layers.0.post_moe_layernorm.weight");
+  CHECK(mixtral.first_views(3) == std::vector<int64_t>{0, 1, 5, 5, 6, 16, 17});
+  CHECK(mixtral.first_views(1) == std::vector<int64_t>{0, 1, 5, 5, 6, 10, 11});
 }
 
 }  // namespace kit_test

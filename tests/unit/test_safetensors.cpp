@@ -10,6 +10,7 @@
 
 #include "state/durable_io.hpp"
 #include "state/safetensors.hpp"
+#include "temp_folder.hpp"
 
 using namespace meshrun;
 using Catch::Matchers::Contains;
@@ -18,8 +19,10 @@ namespace {
 
 // A file of an 8-byte length, `header` and `data_bytes` zero bytes.
 std::string safetensors_file(const std::string& header, size_t data_bytes) {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / "meshrun-test-invalid.safetensors").string();
+  // One folder per process: the plain and sanitized tiers run these cases
+  // side by side, each in a process of its own.
+  static const TempFolder folder("meshrun-test-safetensors");
+  const std::string path = folder.file("invalid.safetensors");
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   const uint64_t length = header.size();
   for (int byte = 0; byte < 8; ++byte) out.put(char((length >> (8 * byte)) & 0xff));

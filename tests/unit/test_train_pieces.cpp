@@ -16,6 +16,7 @@
 #include "state/local_parameters.hpp"
 #include "state/optimizer.hpp"
 #include "state/safetensors.hpp"
+#include "temp_folder.hpp"
 #include "train/data.hpp"
 #include "train/hooks.hpp"
 
@@ -240,8 +241,8 @@ TEST_CASE("train: training samples stay in the training part and depend on (seed
 }
 
 TEST_CASE("train: safetensors round trip in F32 and BF16", "[train]") {
-  const std::string path =
-      (std::filesystem::temp_directory_path() / "meshrun-test.safetensors").string();
+  const TempFolder folder("meshrun-test-safetensors");
+  const std::string path = folder.file("round-trip.safetensors");
   const float values[3] = {1.0f, -2.5f, 1.0f / 3.0f};
   for (const bool bfloat16 : {false, true}) {
     meshrun::write_safetensors(path, {{"a.weight", {3}, values, 3}}, bfloat16);
@@ -253,5 +254,4 @@ TEST_CASE("train: safetensors round trip in F32 and BF16", "[train]") {
     CHECK(back[0] == -2.5f);
     CHECK(back[1] == Approx(1.0 / 3.0).epsilon(bfloat16 ? 1e-2 : 1e-7));
   }
-  std::remove(path.c_str());
 }

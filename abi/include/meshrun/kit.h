@@ -1,5 +1,5 @@
 /*
- * meshrun/kit.h — the model kit (kit ABI 1.1): a decoder-only model
+ * meshrun/kit.h — the model kit (kit ABI 1.2): a decoder-only model
  * composed from meshrun's layers, as a model plugin (meshrun/model.h).
  *
  * A plugin author writes the block structure and the config reading; the
@@ -47,6 +47,19 @@
  *               [H, I]; biases as above; down(silu(gate(x)) * up(x))
  *   GELU_MLP    P fc1.weight [I, H], P fc2.weight [H, I]; biases as above;
  *               fc2(gelu_tanh(fc1(x)))
+ *   MOE_MLP     P gate.weight [E, H] (the router), then per expert j
+ *               P experts.<j>.w1.weight [I, H], w3.weight [I, H], w2.weight
+ *               [H, I] (Mixtral's names; E = num_local_experts, each
+ *               expert's width I = intermediate_size): a sparse mixture of
+ *               SwiGLU experts. Each token goes to the num_experts_per_tok
+ *               experts of highest router softmax (ties to the lower
+ *               expert), weighted by their probabilities renormalized over
+ *               those, w2(silu(w1 x) * w3 x); dropless. Hugging Face's
+ *               load-balancing loss on the layer's tokens, times
+ *               router_aux_loss_coef / num_hidden_layers, joins the
+ *               objective. The experts spread over the ep ranks
+ *               (distributed.ep_size). No bias flags; a model with a MOE_MLP
+ *               computes no tensor or context parallelism (kit 1.2)
  *   ADD         none; writes input + input2
  * With MESHRUN_KIT_CONV1D projections (GPT-2's Conv1D, weights [in, out],
  * each bias right after its weight when the flags ask for it):
@@ -54,7 +67,7 @@
  *               grouped key/value heads), P c_proj.weight [heads*d, H]
  *               (<output> = attention_output_name, default "c_proj")
  *   GELU_MLP    P c_fc.weight [H, I], P c_proj.weight [I, H]
- *   (SWIGLU_MLP is refused.)
+ *   (SWIGLU_MLP and MOE_MLP are refused.)
  * Positions: rotary embeddings on the first partial_rotary_factor of each
  * head's channels (Hugging Face's rotate_half convention); or, when
  * position_embedding_name is set, a learned table
@@ -98,7 +111,7 @@ extern "C" {
 /* The kit's own ABI version, with the rules of meshrun/error.h: the minor
  * grows when something is added at the end of a struct. */
 #define MESHRUN_KIT_VERSION_MAJOR 1
-#define MESHRUN_KIT_VERSION_MINOR 1
+#define MESHRUN_KIT_VERSION_MINOR 2
 
 /* Exported by libmeshrun_kit.so; hidden in a plugin that includes this. */
 #if defined(MESHRUN_KIT_BUILDING) && defined(__GNUC__)
@@ -114,6 +127,7 @@ extern "C" {
 #define MESHRUN_KIT_SWIGLU_MLP 4
 #define MESHRUN_KIT_GELU_MLP 5
 #define MESHRUN_KIT_ADD 6
+#define MESHRUN_KIT_MOE_MLP 7 /* kit 1.2 */
 
 /* Biases of an attention or MLP op (meshrun_kit_op.flags): on its input
  * projections (q, k, v; gate, up; fc1) and on its output projection. */
@@ -182,10 +196,19 @@ typedef struct meshrun_kit_model_spec {
   double initializer_range;            /* the matrices' initial std; default 0.02 */
   /* The config.json keys of the sizes, as a JSON object from the kit's
    * names (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-   * num_attention_heads, num_key_value_heads, max_position_embeddings) to
-   * the model's ({"hidden_size": "n_embd"}); a size mapped to null is not
-   * written. NULL, or a size left out: the kit's name. */
+   * num_attention_heads, num_key_value_heads, max_position_embeddings;
+   * from 1.2 num_local_experts, num_experts_per_tok) to the model's
+   * ({"hidden_size": "n_embd"}); a size mapped to null is not written.
+   * NULL, or a size left out: the kit's name. */
   const char* size_keys;
+  /* Kit 1.2: the mixture of experts of MESHRUN_KIT_MOE_MLP ops (above),
+   * which need num_local_experts >= 1 and 1 <= num_experts_per_tok <=
+   * num_local_experts; a model without one leaves them 0. The exported
+   * config.json holds them under these names. A plugin checks
+   * MESHRUN_HAS_FIELD first, as for 1.1's fields. */
+  int64_t num_local_experts;
+  int64_t num_experts_per_tok;
+  double router_aux_loss_coef; /* >= 0 */
 } meshrun_kit_model_spec;
 
 /* The [model] config a compose call reads: opaque, owned by the kit. */

@@ -48,6 +48,10 @@
  *                 between the tensor-parallel blocks holds the rank's 1/tp
  *                 of the rows); absent means false, and the host refuses
  *                 distributed.sequence_parallel for it
+ *   "tensor_parallel": false when the model computes no tensor parallelism
+ *                 at all (a mixture of experts computing its experts whole);
+ *                 absent means true. The host then refuses
+ *                 distributed.tp_size > 1 for it when it plans
  *   "tp_blocks":  [{"name", "modules": {pattern: style}}], optional: the
  *                 groups of modules the model computes over tp together or
  *                 replicates together, as distributed.tp_plan chooses. A
