@@ -10,7 +10,7 @@ is shared and noisy), and prints each one's median tokens/s (the first step,
 which allocates, left out; each model's best round) and kit / hand-written
 (goal: >= 0.97).
 
-    MESHRUN_PLUGIN_PATH=build/test-plugins /usr/bin/python3 tests/bench/kit_vs_hand.py \\
+    MESHRUN_PLUGIN_PATH=$PWD/build/test-plugins /usr/bin/python3 tests/bench/kit_vs_hand.py \\
         build/bin/meshrun [--family llama|gpt2|mixtral] [--nproc 2] [--steps 12] [--rounds 3] \\
         [overrides ...]
 
