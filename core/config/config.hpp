@@ -77,6 +77,15 @@ struct CheckpointConfig {
 };
 
 // [comm]
+// [dist_env]: AutoModel's dist_env: the device a rank computes on, by the
+// torch.distributed backend that would serve it.
+struct DistEnvConfig {
+  std::string backend = "mpi";  // "nccl": a CUDA GPU per local rank; "gloo", "mpi": the CPU
+  bool on_cuda() const { return backend == "nccl"; }
+};
+
+// [comm]: the comm plugin (by default dist_env's: "nccl" for CUDA, "mpi"
+// for the CPU) and the deadline of every collective.
 struct CommConfig {
   std::string backend = "mpi";
   double timeout_minutes = 10.0;  // applies to every communicator the mesh creates
@@ -181,6 +190,7 @@ struct Config {
   DataConfig data;
   TrainConfig train;
   CheckpointConfig checkpoint;
+  DistEnvConfig dist_env;
   CommConfig comm;
   DistributedConfig distributed;
 

@@ -235,9 +235,34 @@ void check_parallel_tables(Config& config) {
   }
 }
 
+// The comm plugin follows the device unless [comm] names one: a CPU comm
+// backend cannot move CUDA tensors, nor NCCL host ones.
+void resolve_comm_backend(Config& config) {
+  const bool named = config.positions.contains("comm.backend");
+  const bool cuda = config.dist_env.on_cuda();
+  if (!named) {
+    config.comm.backend = cuda ? "nccl" : "mpi";
+    return;
+  }
+  const std::string& comm = config.comm.backend;
+  if (cuda && comm == "mpi") {
+    fail_rule(config, {"comm.backend"},
+              "\"mpi\" moves host memory, and dist_env.backend = \"nccl\" places every rank on "
+              "a CUDA GPU; remove the key (the device's backend, nccl, is the default)");
+  }
+  if (!cuda && comm == "nccl") {
+    fail_rule(config, {"comm.backend"},
+              fmt::format("\"nccl\" moves CUDA device memory, and dist_env.backend = \"{}\" "
+                          "places every rank on the CPU; set dist_env.backend = \"nccl\" to "
+                          "train on GPUs",
+                          config.dist_env.backend));
+  }
+}
+
 }  // namespace
 
 void check_cross_key_rules(Config& config) {
+  resolve_comm_backend(config);
   check_train(config);
   check_pipeline(config);
   check_strategy_keys(config);

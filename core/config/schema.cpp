@@ -131,6 +131,12 @@ std::vector<Field> comm_fields() {
       .build();
 }
 
+std::vector<Field> dist_env_fields() {
+  return TableBuilder<DistEnvConfig>([](Config& c) -> DistEnvConfig& { return c.dist_env; })
+      .choice("backend", &DistEnvConfig::backend, {"nccl", "gloo", "mpi"})
+      .build();
+}
+
 std::vector<Field> pipeline_fields() {
   using P = PipelineConfig;
   return TableBuilder<P>([](Config& c) -> P& { return c.distributed.pipeline; })
@@ -233,6 +239,7 @@ const TableSchema& root_schema() {
   static const TableSchema data{"data", nullptr, data_fields(), {}};
   static const TableSchema train{"train", nullptr, train_fields(), {}};
   static const TableSchema checkpoint{"checkpoint", nullptr, checkpoint_fields(), {}};
+  static const TableSchema dist_env{"dist_env", nullptr, dist_env_fields(), {}};
   static const TableSchema comm{"comm", nullptr, comm_fields(), {}};
   static const TableSchema pipeline{"distributed.pipeline",
                                     [](Config& c) { c.distributed.pipeline.present = true; },
@@ -247,8 +254,8 @@ const TableSchema& root_schema() {
       "",
       nullptr,
       {table_field("model", model), table_field("data", data), table_field("train", train),
-       table_field("checkpoint", checkpoint), table_field("comm", comm),
-       table_field("distributed", distributed)},
+       table_field("checkpoint", checkpoint), table_field("dist_env", dist_env),
+       table_field("comm", comm), table_field("distributed", distributed)},
       {}};
   return root;
 }

@@ -246,6 +246,17 @@ void read_limits(const ordered_json& json, const std::string& origin, ModelDescr
     }
     d.sequence_parallel = json.at("sequence_parallel").get<bool>();
   }
+  if (json.contains("devices")) {
+    const ordered_json& devices = json.at("devices");
+    const auto known = [](const ordered_json& device) {
+      return device == "cpu" || device == "cuda";
+    };
+    if (!devices.is_array() || devices.empty() ||
+        !std::all_of(devices.begin(), devices.end(), known)) {
+      bad_description(origin, "\"devices\" must be a non-empty array of \"cpu\" and \"cuda\"");
+    }
+    d.devices = devices.get<std::vector<std::string>>();
+  }
   if (json.contains("tensor_parallel")) {
     if (!json.at("tensor_parallel").is_boolean()) {
       bad_description(origin, "\"tensor_parallel\" must be true or false");

@@ -59,6 +59,7 @@ struct ModelDescription {
   std::string num_layers_key;                // e.g. "model.num_hidden_layers"
   bool sequence_parallel = false;            // the model computes sequence parallelism
   bool tensor_parallel = true;               // the model computes tensor parallelism
+  std::vector<std::string> devices{"cpu"};   // where it computes: "cpu", "cuda"
   std::vector<std::string> autocast_dtypes;  // its matmuls' dtypes under autocast
   std::string unit_class;  // the Hugging Face class of its layer units; empty: none named
   // With context parallelism computed: its attention and key/value heads

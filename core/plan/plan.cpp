@@ -1,6 +1,7 @@
 #include "plan/plan.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <map>
@@ -177,6 +178,19 @@ void check_context_parallel(const Config& config, const Model& model) {
   }
 }
 
+// A CUDA run needs a model that computes on CUDA (its description's
+// "devices"); whether this machine has a GPU is the launch's to check.
+void check_model_device(const Config& config, const Model& model) {
+  if (!config.dist_env.on_cuda()) return;
+  const std::vector<std::string>& devices = model.description().devices;
+  if (std::find(devices.begin(), devices.end(), "cuda") != devices.end()) return;
+  fail_at_key(config, MESHRUN_INVALID_ARGUMENT, "dist_env.backend",
+              fmt::format("\"nccl\" puts every rank on a CUDA GPU, and model plugin {} computes "
+                          "on the CPU only (its description's \"devices\" are [\"{}\"]); set it "
+                          "to \"gloo\" or \"mpi\"",
+                          model.library().path(), fmt::join(devices, "\", \"")));
+}
+
 // Tensor parallelism is the model's to compute: a description saying
 // "tensor_parallel": false refuses it before a rank starts.
 void check_model_tensor_parallel(const Config& config, const Model& model) {
@@ -268,6 +282,7 @@ Plan make_plan(const Config& config, int64_t world_size, const PluginLoader& loa
   check_context_parallel(config, *plan.model);
   check_expert_parallel(config, *plan.model);
   check_model_tensor_parallel(config, *plan.model);
+  check_model_device(config, *plan.model);
   if (loader.find(PluginKind::sidecar, config.model.model_type)) {
     plan.sidecar = load_named(config, loader, PluginKind::sidecar, config.model.model_type,
                               "model.model_type");
@@ -396,6 +411,7 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
   nlohmann::ordered_json json = {
       {"world_size", mesh.world_size()},
       {"strategy", config.distributed.strategy},
+      {"device", config.dist_env.on_cuda() ? "cuda" : "cpu"},
       {"mesh_family", std::string(mesh_family_name(mesh.family()))},
       {"axes", sizes_json(mesh, kMeshAxes)},
       {"flattened", sizes_json(mesh, kFlattenedAxes)},
@@ -557,6 +573,18 @@ std::string memory_line(const Plan& plan) {
 
 }  // namespace
 
+namespace {
+
+// Where the ranks compute: "cpu", or each local rank's GPU.
+std::string device_line(const Config& config) {
+  const std::string why = fmt::format("(dist_env.backend \"{}\")", config.dist_env.backend);
+  if (!config.dist_env.on_cuda()) return fmt::format("{:<10}cpu, every rank {}\n", "device", why);
+  return fmt::format("{:<10}cuda: local rank l on GPU l % the GPUs its node sees {}\n", "device",
+                     why);
+}
+
+}  // namespace
+
 std::string plan_to_text(const Plan& plan, bool all_ranks) {
   const MeshContext& mesh = plan.mesh;
   std::string text = fmt::format(
@@ -571,6 +599,7 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
     text += model_lines(plan.model->description(), plan.model_plan);
     text += memory_line(plan);
   }
+  text += device_line(*plan.config);
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);
   text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)

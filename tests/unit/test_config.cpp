@@ -12,6 +12,7 @@
 
 #include "config/config.hpp"
 #include "errors.hpp"
+#include "mesh/device.hpp"
 #include "temp_folder.hpp"
 
 namespace {
@@ -115,6 +116,9 @@ log_every = 2
 save_every = 5
 resume_from = "runs/a/checkpoints/step_5"
 export = false
+
+[dist_env]
+backend = "nccl"
 
 [comm]
 backend = "nccl"
@@ -228,7 +232,7 @@ TEST_CASE("config: a full file sets every table and records key positions", "[co
   CHECK(d.moe.wrap_outer_model);
   CHECK(config.warnings.empty());
   CHECK(config.where("model.vocab_size") == "cfg.toml:4:1");
-  CHECK(config.where("distributed.pipeline.pp_schedule") == "cfg.toml:69:1");
+  CHECK(config.where("distributed.pipeline.pp_schedule") == "cfg.toml:72:1");
   CHECK(config.positions.count("distributed.moe") == 1);
 }
 
@@ -338,7 +342,7 @@ TEST_CASE("config: unknown key suggests the closest name and lists valid keys",
 TEST_CASE("config: unknown tables are named with a suggestion", "[config][bad-input]") {
   CHECK(failure_of("[distributd]\ntp_size = 2\n").message ==
         "cfg.toml:1:2: unknown table 'distributd' (did you mean 'distributed'?); valid tables: "
-        "model, data, train, checkpoint, comm, distributed");
+        "model, data, train, checkpoint, dist_env, comm, distributed");
   CHECK_THAT(
       failure_of("steps = 3\n").message,
       StartsWith("cfg.toml:1:1: unknown key 'steps' (it belongs in [train]); valid tables: "));
@@ -663,10 +667,43 @@ TEST_CASE("config rule: a moe table needs ep_size > 1", "[config][rules]") {
   CHECK(parse("[distributed]\nep_size = 2\n[distributed.moe]\n").distributed.moe.present);
 }
 
+TEST_CASE("config rule: the comm backend follows dist_env's device", "[config][rules]") {
+  CHECK(parse("[dist_env]\nbackend = \"gloo\"\n").comm.backend == "mpi");
+  CHECK(parse("[dist_env]\nbackend = \"nccl\"\n").comm.backend == "nccl");
+  CHECK(parse("[dist_env]\nbackend = \"nccl\"\n[comm]\nbackend = \"my_nccl\"\n").comm.backend ==
+        "my_nccl");
+  expect_rejected(failure_of("[dist_env]\nbackend = \"nccl\"\n[comm]\nbackend = \"mpi\"\n"),
+                  "comm.backend", "\"mpi\" moves host memory", "cfg.toml:4:1");
+  expect_rejected(failure_of("[comm]\nbackend = \"nccl\"\n"), "comm.backend",
+                  "set dist_env.backend = \"nccl\" to train on GPUs", "cfg.toml:2:1");
+}
+
+// This machine's GPUs are whatever they are; the refusal is checked on
+// stated counts.
+TEST_CASE("device: a CUDA run without a usable GPU is refused at dist_env.backend", "[device]") {
+  const meshrun::CudaDevices here = meshrun::cuda_devices();
+  CHECK((here.count > 0) == here.why_none.empty());
+  const meshrun::CudaDevices none{0, "no NVIDIA driver: libcuda.so.1 cannot be loaded"};
+  CHECK_NOTHROW(meshrun::require_usable_devices(parse(""), none));
+  const Config cuda = parse("[dist_env]\nbackend = \"nccl\"\n");
+  CHECK_NOTHROW(meshrun::require_usable_devices(cuda, {1, ""}));
+  try {
+    meshrun::require_usable_devices(cuda, none);
+    FAIL("accepted");
+  } catch (const meshrun::Error& error) {
+    CHECK(error.is_input_error());
+    CHECK(error.key() == "dist_env.backend");
+    CHECK_THAT(error.what(), StartsWith("cfg.toml:2:1: dist_env.backend: \"nccl\" puts every rank "
+                                        "on a CUDA GPU, and this machine has none usable (no "
+                                        "NVIDIA driver"));
+  }
+}
+
 TEST_CASE("config override: values are read as TOML", "[config][override]") {
-  const Config config = parse(
-      "", {"distributed.tp_size=2", "model.tie_word_embeddings=true", "train.betas=[0.9,0.99]",
-           "train.lr=0.01", "comm.backend=\"nccl\"", "distributed.reshard_after_forward=false"});
+  const Config config =
+      parse("", {"distributed.tp_size=2", "model.tie_word_embeddings=true",
+                 "train.betas=[0.9,0.99]", "train.lr=0.01", "dist_env.backend=\"nccl\"",
+                 "distributed.reshard_after_forward=false"});
   CHECK(config.distributed.tp_size == 2);
   CHECK(config.model.architecture.at("tie_word_embeddings") == true);
   CHECK(config.train.beta2 == 0.99);

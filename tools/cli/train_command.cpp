@@ -13,6 +13,7 @@
 #include "cli/commands.hpp"
 #include "errors.hpp"
 #include "launch/launch.hpp"
+#include "mesh/device.hpp"
 #include "numeric/peak.hpp"
 #include "plan/plan.hpp"
 #include "train/run.hpp"
@@ -105,6 +106,7 @@ int run_train(const Args& args) {
     const PluginLoader loader = PluginLoader::from_environment();
     train::check_training_input(config,
                                 make_plan(config, expected_world_size(nproc, options), loader));
+    require_usable_devices(config, cuda_devices());
     if (!launch::detect_launcher() && started_from_node_zero(parsed)) return 0;
 
     if (auto status = relaunch_if_needed(nproc, "train", args, options)) return *status;

@@ -48,6 +48,9 @@
  *                 between the tensor-parallel blocks holds the rank's 1/tp
  *                 of the rows); absent means false, and the host refuses
  *                 distributed.sequence_parallel for it
+ *   "devices":    where the model computes: a non-empty array of "cpu" and
+ *                 "cuda"; absent means ["cpu"]. The host refuses a CUDA run
+ *                 (dist_env.backend "nccl") of a model without "cuda"
  *   "tensor_parallel": false when the model computes no tensor parallelism
  *                 at all (a mixture of experts computing its experts whole);
  *                 absent means true. The host then refuses
