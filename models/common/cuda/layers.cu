@@ -1,0 +1,319 @@
+// common/cuda/layers.hpp's kernels. A row's reductions run in one block of
+// kBlock threads (a warp-shuffle tree, then the warps' partial results);
+// the weight gradients sum over rows one column per thread, in row order,
+// as the CPU twins do, so they need no atomics and give the same result on
+// every run.
+#include <cmath>
+
+#include "common/cuda/layers.hpp"
+
+namespace meshrun::kernels::cuda {
+
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kWarp = 32;
+constexpr int64_t kMaxRowBlocks = 1 << 20;  // rows past it loop within a block
+constexpr double kSqrt2OverPi = 0.7978845608028654;
+
+int row_blocks(int64_t rows) { return int(rows < kMaxRowBlocks ? rows : kMaxRowBlocks); }
+int element_blocks(int64_t count) {
+  const int64_t blocks = (count + kBlock - 1) / kBlock;
+  return int(blocks < kMaxRowBlocks ? blocks : kMaxRowBlocks);
+}
+
+struct Sum {
+  __device__ float operator()(float a, float b) const { return a + b; }
+  static constexpr float kIdentity = 0.0f;
+};
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  static constexpr float kIdentity = -INFINITY;
+};
+
+// The reduction of every thread's `value` over the block, handed to every
+// thread. `shared` holds kBlock / kWarp floats.
+template <class Op>
+__device__ float block_reduce(float value, float* shared) {
+  const Op op;
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
+  }
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  value = threadIdx.x < kBlock / kWarp ? shared[threadIdx.x] : Op::kIdentity;
+  if (warp == 0) {
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      value = op(value, __shfl_down_sync(0xffffffffu, value, offset));
+    }
+    if (lane == 0) shared[0] = value;
+  }
+  __syncthreads();
+  const float result = shared[0];
+  __syncthreads();
+  return result;
+}
+
+// y = x r w, r = (mean x^2 + eps)^(-1/2)
+__global__ void rmsnorm_forward_kernel(float* y, float* rstd, const float* x, const float* weight,
+                                       int64_t rows, int64_t dim, float eps) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* x_row = x + row * dim;
+    float sum_squares = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) sum_squares += x_row[i] * x_row[i];
+    const float r = rsqrtf(block_reduce<Sum>(sum_squares, shared) / float(dim) + eps);
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) y[row * dim + i] = x_row[i] * r * weight[i];
+    if (threadIdx.x == 0) rstd[row] = r;
+  }
+}
+
+// dx += r (dy w - x r^2 / dim sum_i dy_i w_i x_i)
+__global__ void rmsnorm_input_gradient(float* dx, const float* dy, const float* x,
+                                       const float* weight, const float* rstd, int64_t rows,
+                                       int64_t dim) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* x_row = x + row * dim;
+    const float* dy_row = dy + row * dim;
+    float dot = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) dot += dy_row[i] * weight[i] * x_row[i];
+    const float r = rstd[row];
+    const float coefficient = r * r * block_reduce<Sum>(dot, shared) / float(dim);
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) {
+      dx[row * dim + i] += r * (dy_row[i] * weight[i] - x_row[i] * coefficient);
+    }
+  }
+}
+
+// d_weight_i += sum over rows of dy_i x_i r (and d_bias_i += dy_i with a
+// LayerNorm's mean: x_i - m in place of x_i).
+__global__ void norm_weight_gradient(float* d_weight, float* d_bias, const float* dy,
+                                     const float* x, const float* mean, const float* rstd,
+                                     int64_t rows, int64_t dim) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dim;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float weight_sum = 0, bias_sum = 0;
+    for (int64_t row = 0; row < rows; ++row) {
+      const float centered = x[row * dim + i] - (mean != nullptr ? mean[row] : 0.0f);
+      weight_sum += dy[row * dim + i] * centered * rstd[row];
+      bias_sum += dy[row * dim + i];
+    }
+    d_weight[i] += weight_sum;
+    if (d_bias != nullptr) d_bias[i] += bias_sum;
+  }
+}
+
+// y = (x - m) r w + b
+__global__ void layernorm_forward_kernel(float* y, float* mean, float* rstd, const float* x,
+                                         const float* weight, const float* bias, int64_t rows,
+                                         int64_t dim, float eps) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* x_row = x + row * dim;
+    float sum = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) sum += x_row[i];
+    const float m = block_reduce<Sum>(sum, shared) / float(dim);
+    float sum_squares = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) {
+      sum_squares += (x_row[i] - m) * (x_row[i] - m);
+    }
+    const float r = rsqrtf(block_reduce<Sum>(sum_squares, shared) / float(dim) + eps);
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) {
+      y[row * dim + i] = (x_row[i] - m) * r * weight[i] + bias[i];
+    }
+    if (threadIdx.x == 0) {
+      mean[row] = m;
+      rstd[row] = r;
+    }
+  }
+}
+
+// dx += r (g - mean g - n mean(g n)), g = dy w, n = (x - m) r
+__global__ void layernorm_input_gradient(float* dx, const float* dy, const float* x,
+                                         const float* weight, const float* mean, const float* rstd,
+                                         int64_t rows, int64_t dim) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* x_row = x + row * dim;
+    const float* dy_row = dy + row * dim;
+    const float m = mean[row], r = rstd[row];
+    float g_sum = 0, gn_sum = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) {
+      const float g = dy_row[i] * weight[i];
+      g_sum += g;
+      gn_sum += g * (x_row[i] - m) * r;
+    }
+    const float g_mean = block_reduce<Sum>(g_sum, shared) / float(dim);
+    const float gn_mean = block_reduce<Sum>(gn_sum, shared) / float(dim);
+    for (int64_t i = threadIdx.x; i < dim; i += kBlock) {
+      const float n = (x_row[i] - m) * r;
+      dx[row * dim + i] += r * (dy_row[i] * weight[i] - g_mean - n * gn_mean);
+    }
+  }
+}
+
+__device__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
+
+// out = silu(gate) up; d_gate = d_out up silu'(gate), d_up = d_out silu(gate)
+__global__ void swiglu_forward_kernel(float* out, const float* gate_up, int64_t rows, int64_t dim) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * dim;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = k / dim, i = k % dim;
+    const float gate = gate_up[row * 2 * dim + i], up = gate_up[row * 2 * dim + dim + i];
+    out[k] = gate * sigmoid(gate) * up;
+  }
+}
+
+__global__ void swiglu_backward_kernel(float* d_gate_up, const float* d_out, const float* gate_up,
+                                       int64_t rows, int64_t dim) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * dim;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = k / dim, i = k % dim;
+    const float gate = gate_up[row * 2 * dim + i], up = gate_up[row * 2 * dim + dim + i];
+    const float s = sigmoid(gate);
+    d_gate_up[row * 2 * dim + i] = d_out[k] * up * s * (1.0f + gate * (1.0f - s));
+    d_gate_up[row * 2 * dim + dim + i] = d_out[k] * gate * s;
+  }
+}
+
+// y = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
+__device__ float gelu_argument(float x) {
+  return float(kSqrt2OverPi) * (x + 0.044715f * x * x * x);
+}
+
+__global__ void gelu_forward_kernel(float* y, const float* x, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = 0.5f * x[i] * (1.0f + tanhf(gelu_argument(x[i])));
+  }
+}
+
+__global__ void gelu_backward_kernel(float* dx, const float* dy, const float* x, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float t = tanhf(gelu_argument(x[i]));
+    const float du = float(kSqrt2OverPi) * (1.0f + float(3 * 0.044715) * x[i] * x[i]);
+    dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * x[i] * (1.0f - t * t) * du);
+  }
+}
+
+// z becomes softmax(z); row_loss = log sum exp z - z_target
+__global__ void cross_entropy_forward_kernel(float* logits, float* row_loss, const int32_t* targets,
+                                             int64_t rows, int64_t vocab) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float* z = logits + row * vocab;
+    const float target_logit = z[targets[row]];
+    float top = -INFINITY;
+    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) top = fmaxf(top, z[v]);
+    top = block_reduce<Max>(top, shared);
+    float sum = 0;
+    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) {
+      z[v] = expf(z[v] - top);
+      sum += z[v];
+    }
+    sum = block_reduce<Sum>(sum, shared);
+    const float inverse = 1.0f / sum;
+    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) z[v] *= inverse;
+    if (threadIdx.x == 0) row_loss[row] = logf(sum) + top - target_logit;
+  }
+}
+
+// p = scale (p - [v == target]) / rows
+__global__ void cross_entropy_backward_kernel(float* probs, const int32_t* targets, int64_t rows,
+                                              int64_t vocab, float factor) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * vocab;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = k / vocab, v = k % vocab;
+    probs[k] = (probs[k] - (v == targets[row] ? 1.0f : 0.0f)) * factor;
+  }
+}
+
+}  // namespace
+
+cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight,
+                            int64_t rows, int64_t dim, double eps, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  rmsnorm_forward_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(y, rstd, x, weight, rows, dim,
+                                                                  float(eps));
+  return cudaGetLastError();
+}
+
+cudaError_t rmsnorm_backward(float* dx, float* d_weight, const float* dy, const float* x,
+                             const float* weight, const float* rstd, int64_t rows, int64_t dim,
+                             cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  rmsnorm_input_gradient<<<row_blocks(rows), kBlock, 0, stream>>>(dx, dy, x, weight, rstd, rows,
+                                                                  dim);
+  norm_weight_gradient<<<element_blocks(dim), kBlock, 0, stream>>>(d_weight, nullptr, dy, x,
+                                                                   nullptr, rstd, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t layernorm_forward(float* y, float* mean, float* rstd, const float* x,
+                              const float* weight, const float* bias, int64_t rows, int64_t dim,
+                              double eps, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  layernorm_forward_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(y, mean, rstd, x, weight, bias,
+                                                                    rows, dim, float(eps));
+  return cudaGetLastError();
+}
+
+cudaError_t layernorm_backward(float* dx, float* d_weight, float* d_bias, const float* dy,
+                               const float* x, const float* weight, const float* mean,
+                               const float* rstd, int64_t rows, int64_t dim, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  layernorm_input_gradient<<<row_blocks(rows), kBlock, 0, stream>>>(dx, dy, x, weight, mean, rstd,
+                                                                    rows, dim);
+  norm_weight_gradient<<<element_blocks(dim), kBlock, 0, stream>>>(d_weight, d_bias, dy, x, mean,
+                                                                   rstd, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim,
+                           cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  swiglu_forward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(out, gate_up, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t swiglu_backward(float* d_gate_up, const float* d_out, const float* gate_up,
+                            int64_t rows, int64_t dim, cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  swiglu_backward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(d_gate_up, d_out,
+                                                                            gate_up, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t gelu_forward(float* y, const float* x, int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  gelu_forward_kernel<<<element_blocks(count), kBlock, 0, stream>>>(y, x, count);
+  return cudaGetLastError();
+}
+
+cudaError_t gelu_backward(float* dx, const float* dy, const float* x, int64_t count,
+                          cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  gelu_backward_kernel<<<element_blocks(count), kBlock, 0, stream>>>(dx, dy, x, count);
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_forward(float* logits, float* row_loss, const int32_t* targets,
+                                  int64_t rows, int64_t vocab, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  cross_entropy_forward_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(logits, row_loss, targets,
+                                                                        rows, vocab);
+  return cudaGetLastError();
+}
+
+cudaError_t cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
+                                   int64_t vocab, float scale, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  cross_entropy_backward_kernel<<<element_blocks(rows * vocab), kBlock, 0, stream>>>(
+      probs, targets, rows, vocab, scale / float(rows));
+  return cudaGetLastError();
+}
+
+}  // namespace meshrun::kernels::cuda

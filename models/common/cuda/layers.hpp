@@ -1,0 +1,57 @@
+// The CUDA twins of common/layers.hpp's element-wise layers, float32, on
+// device memory: the first pieces of the model kit's device variant. Each
+// computes what its CPU twin computes (the same math, the same
+// accumulate-into conventions), which is its oracle in
+// tests/gpu/test_cuda_layers.cpp. Every function enqueues its kernels on
+// `stream` and returns without waiting; the caller orders the buffers'
+// other users after them (the DLPack stream convention). Pointers are
+// device pointers; sizes are counts of elements. Errors of the launch come
+// back as cudaError_t.
+//
+// These kernels have compiled but never run on a GPU (docs/testing.md):
+// no machine with a GPU has been lent to the sessions that wrote them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace meshrun::kernels::cuda {
+
+// RMSNorm per row: y = x r w, r = (mean x^2 + eps)^(-1/2), rstd[row] = r.
+cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight,
+                            int64_t rows, int64_t dim, double eps, cudaStream_t stream);
+// dx += through the norm; d_weight += sum over rows of dy x r.
+cudaError_t rmsnorm_backward(float* dx, float* d_weight, const float* dy, const float* x,
+                             const float* weight, const float* rstd, int64_t rows, int64_t dim,
+                             cudaStream_t stream);
+
+// LayerNorm per row: y = (x - m) r w + b; mean[row] = m, rstd[row] = r.
+cudaError_t layernorm_forward(float* y, float* mean, float* rstd, const float* x,
+                              const float* weight, const float* bias, int64_t rows, int64_t dim,
+                              double eps, cudaStream_t stream);
+// dx += through the norm; d_weight += sum dy n, d_bias += sum dy.
+cudaError_t layernorm_backward(float* dx, float* d_weight, float* d_bias, const float* dy,
+                               const float* x, const float* weight, const float* mean,
+                               const float* rstd, int64_t rows, int64_t dim, cudaStream_t stream);
+
+// out = silu(gate) * up over rows of [gate | up]; and its gradients.
+cudaError_t swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim,
+                           cudaStream_t stream);
+cudaError_t swiglu_backward(float* d_gate_up, const float* d_out, const float* gate_up,
+                            int64_t rows, int64_t dim, cudaStream_t stream);
+
+// GPT-2's tanh GELU and its gradient (dx may be dy).
+cudaError_t gelu_forward(float* y, const float* x, int64_t count, cudaStream_t stream);
+cudaError_t gelu_backward(float* dx, const float* dy, const float* x, int64_t count,
+                          cudaStream_t stream);
+
+// Per row: logits become their softmax, row_loss[row] = log sum exp z -
+// z_target (the caller averages). And the gradient of scale x the mean:
+// probs become scale (p - onehot) / rows.
+cudaError_t cross_entropy_forward(float* logits, float* row_loss, const int32_t* targets,
+                                  int64_t rows, int64_t vocab, cudaStream_t stream);
+cudaError_t cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
+                                   int64_t vocab, float scale, cudaStream_t stream);
+
+}  // namespace meshrun::kernels::cuda

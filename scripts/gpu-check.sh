@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU machine's one command: builds meshrun's CUDA parts (build-gpu/,
+# Release), runs every GPU test (ctest's "gpu: ..." tests) and prints one
+# report: the GPUs, then each test's verdict and its own lines (each CUDA
+# kernel's largest difference from its CPU twin). Meant to take a few
+# minutes on one GPU; on a machine without one every test reports SKIP.
+#
+#   scripts/gpu-check.sh            # report on stdout; exit 0 when nothing failed
+#
+# What is checked so far: the toolchain (saxpy), the CUDA twins of the
+# element-wise layers (models/common/cuda), and the NCCL comm backend (its
+# C boundary, and every operation on 2 ranks when the node has 2 GPUs).
+# No GPU benchmark exists yet: no model computes on a GPU (docs/testing.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
+gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_nccl_boundary_test
+  meshrun_nccl_comm_test meshrun_comm_nccl meshrun_comm_mpi)
+
+echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+echo "== GPUs"
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi: no NVIDIA driver or GPU here"
+if [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== no CUDA toolkit at /usr/local/cuda: nothing to build"
+  exit 1
+fi
+echo "== build ($build_dir)"
+started=$SECONDS
+targets=()
+for target in "${gpu_targets[@]}"; do targets+=("--target=$target"); done
+MESHRUN_BUILD_DIR="$build_dir" scripts/build.sh -DMESHRUN_PLAIN_TIER=ON -DMESHRUN_FULL_SWEEP=OFF \
+  "${targets[@]}" >"$build_dir.log" 2>&1 || {
+  echo "build failed (last lines of $build_dir.log):"
+  tail -30 "$build_dir.log"
+  exit 1
+}
+echo "built in $((SECONDS - started)) s"
+echo "== tests"
+status=0
+ctest --test-dir "$build_dir" -R '^gpu:' -V --timeout 600 >"$build_dir/gpu-tests.log" 2>&1 || status=$?
+grep -E '^[0-9]+: (PASS|FAIL|SKIP)|Test +#[0-9]+: |tests passed|not run' "$build_dir/gpu-tests.log" |
+  sed -E 's/^[0-9]+: /    /'
+echo "== full log: $build_dir/gpu-tests.log"
+exit $status

@@ -1,0 +1,194 @@
+// Each CUDA layer of common/cuda/layers.hpp against its CPU twin in
+// common/layers.hpp, on random float32 inputs of shapes that leave partial
+// blocks (37 rows of 300; a vocabulary of 1000): forward outputs, saved
+// statistics, input gradients (accumulated into a non-zero buffer) and
+// weight gradients. Without a usable GPU it exits 77 (ctest: skipped).
+//
+// Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu|. Both compute in float32;
+// the GPU sums a row in a tree of 256 partial sums where the CPU sums it in
+// order, which moves a sum of ~300 terms by a few ulp (~1e-6 relative), and
+// CUDA's expf, tanhf and rsqrtf are within 2 ulp of the CPU's (libmvec
+// under -ffast-math). 1e-4 relative leaves a margin of ~100 over that and
+// still catches a wrong term, which is O(1) relative.
+//
+// This test has compiled but never run on a GPU (docs/testing.md).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/cuda/layers.hpp"
+#include "common/layers.hpp"
+#include "usable_devices.hpp"
+
+namespace {
+
+namespace cpu = meshrun::kernels;
+namespace gpu = meshrun::kernels::cuda;
+
+constexpr int64_t kRows = 37, kDim = 300, kVocab = 1000;
+constexpr double kEps = 1e-5;
+
+int failures = 0;
+
+void require(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  std::fprintf(stderr, "FAIL %s: %s\n", what, cudaGetErrorString(status));
+  std::exit(1);
+}
+
+// A device copy of a host vector, copied back on request.
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(const std::vector<T>& host) : size_(host.size()) {
+    require(cudaMalloc(&data_, size_ * sizeof(T)), "cudaMalloc");
+    require(cudaMemcpy(data_, host.data(), size_ * sizeof(T), cudaMemcpyHostToDevice), "to device");
+  }
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  T* get() { return data_; }
+  std::vector<T> host() const {
+    std::vector<T> values(size_);
+    require(cudaDeviceSynchronize(), "kernel");
+    require(cudaMemcpy(values.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost), "to host");
+    return values;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t size_;
+};
+
+std::vector<float> random_values(size_t count, float mean, float spread, unsigned seed) {
+  std::mt19937 engine(seed);
+  std::normal_distribution<float> normal(mean, spread);
+  std::vector<float> values(count);
+  for (float& value : values) value = normal(engine);
+  return values;
+}
+
+void compare(const std::string& what, const std::vector<float>& gpu_values,
+             const std::vector<float>& cpu_values) {
+  double worst = 0;
+  bool within = gpu_values.size() == cpu_values.size();
+  for (size_t i = 0; within && i < cpu_values.size(); ++i) {
+    const double error = std::abs(double(gpu_values[i]) - double(cpu_values[i]));
+    worst = std::max(worst, error);
+    within = error <= 1e-5 + 1e-4 * std::abs(double(cpu_values[i]));
+  }
+  std::printf("%s %s (largest difference %.3g)\n", within ? "PASS" : "FAIL", what.c_str(), worst);
+  if (!within) ++failures;
+}
+
+void check_rmsnorm() {
+  const auto x = random_values(kRows * kDim, 0.0f, 1.0f, 1);
+  const auto weight = random_values(kDim, 1.0f, 0.2f, 2);
+  const auto dy = random_values(kRows * kDim, 0.0f, 1.0f, 3);
+  const auto dx_start = random_values(kRows * kDim, 0.0f, 1.0f, 4);
+  std::vector<float> y(x.size()), rstd(kRows), dx = dx_start, d_weight(kDim, 0.5f);
+  DeviceBuffer<float> gx(x), gw(weight), gdy(dy), gy(y), grstd(rstd), gdx(dx), gdw(d_weight);
+  cpu::rmsnorm_forward(y.data(), rstd.data(), x.data(), weight.data(), kRows, kDim, kEps);
+  cpu::rmsnorm_backward(dx.data(), d_weight.data(), dy.data(), x.data(), weight.data(), rstd.data(),
+                        kRows, kDim);
+  require(gpu::rmsnorm_forward(gy.get(), grstd.get(), gx.get(), gw.get(), kRows, kDim, kEps, 0),
+          "rmsnorm_forward");
+  require(gpu::rmsnorm_backward(gdx.get(), gdw.get(), gdy.get(), gx.get(), gw.get(), grstd.get(),
+                                kRows, kDim, 0),
+          "rmsnorm_backward");
+  compare("rmsnorm forward", gy.host(), y);
+  compare("rmsnorm rstd", grstd.host(), rstd);
+  compare("rmsnorm dx (accumulated)", gdx.host(), dx);
+  compare("rmsnorm d_weight (accumulated)", gdw.host(), d_weight);
+}
+
+void check_layernorm() {
+  const auto x = random_values(kRows * kDim, 0.3f, 1.0f, 5);
+  const auto weight = random_values(kDim, 1.0f, 0.2f, 6);
+  const auto bias = random_values(kDim, 0.0f, 0.2f, 7);
+  const auto dy = random_values(kRows * kDim, 0.0f, 1.0f, 8);
+  std::vector<float> y(x.size()), mean(kRows), rstd(kRows);
+  std::vector<float> dx = random_values(kRows * kDim, 0.0f, 1.0f, 9);
+  std::vector<float> d_weight(kDim, 0.25f), d_bias(kDim, -0.25f);
+  DeviceBuffer<float> gx(x), gw(weight), gb(bias), gdy(dy), gy(y), gmean(mean), grstd(rstd),
+      gdx(dx), gdw(d_weight), gdb(d_bias);
+  cpu::layernorm_forward(y.data(), mean.data(), rstd.data(), x.data(), weight.data(), bias.data(),
+                         kRows, kDim, kEps);
+  cpu::layernorm_backward(dx.data(), d_weight.data(), d_bias.data(), dy.data(), x.data(),
+                          weight.data(), mean.data(), rstd.data(), kRows, kDim);
+  require(gpu::layernorm_forward(gy.get(), gmean.get(), grstd.get(), gx.get(), gw.get(), gb.get(),
+                                 kRows, kDim, kEps, 0),
+          "layernorm_forward");
+  require(gpu::layernorm_backward(gdx.get(), gdw.get(), gdb.get(), gdy.get(), gx.get(), gw.get(),
+                                  gmean.get(), grstd.get(), kRows, kDim, 0),
+          "layernorm_backward");
+  compare("layernorm forward", gy.host(), y);
+  compare("layernorm mean", gmean.host(), mean);
+  compare("layernorm rstd", grstd.host(), rstd);
+  compare("layernorm dx (accumulated)", gdx.host(), dx);
+  compare("layernorm d_weight (accumulated)", gdw.host(), d_weight);
+  compare("layernorm d_bias (accumulated)", gdb.host(), d_bias);
+}
+
+void check_activations() {
+  const auto gate_up = random_values(kRows * 2 * kDim, 0.0f, 2.0f, 10);
+  const auto d_out = random_values(kRows * kDim, 0.0f, 1.0f, 11);
+  std::vector<float> out(kRows * kDim), d_gate_up(gate_up.size());
+  DeviceBuffer<float> ggu(gate_up), gdo(d_out), gout(out), gdgu(d_gate_up);
+  cpu::swiglu_forward(out.data(), gate_up.data(), kRows, kDim);
+  cpu::swiglu_backward(d_gate_up.data(), d_out.data(), gate_up.data(), kRows, kDim);
+  require(gpu::swiglu_forward(gout.get(), ggu.get(), kRows, kDim, 0), "swiglu_forward");
+  require(gpu::swiglu_backward(gdgu.get(), gdo.get(), ggu.get(), kRows, kDim, 0),
+          "swiglu_backward");
+  compare("swiglu forward", gout.host(), out);
+  compare("swiglu backward", gdgu.host(), d_gate_up);
+
+  const auto x = random_values(kRows * kDim, 0.0f, 2.0f, 12);
+  std::vector<float> y(x.size()), dx(x.size());
+  DeviceBuffer<float> gx(x), gy(y), gdx(dx);
+  cpu::gelu_forward(y.data(), x.data(), int64_t(x.size()));
+  cpu::gelu_backward(dx.data(), d_out.data(), x.data(), int64_t(x.size()));
+  require(gpu::gelu_forward(gy.get(), gx.get(), int64_t(x.size()), 0), "gelu_forward");
+  require(gpu::gelu_backward(gdx.get(), gdo.get(), gx.get(), int64_t(x.size()), 0),
+          "gelu_backward");
+  compare("gelu forward", gy.host(), y);
+  compare("gelu backward", gdx.host(), dx);
+}
+
+void check_cross_entropy() {
+  std::vector<float> logits = random_values(kRows * kVocab, 0.0f, 3.0f, 13);
+  std::vector<int32_t> targets(kRows);
+  for (int64_t r = 0; r < kRows; ++r) targets[size_t(r)] = int32_t((r * 271) % kVocab);
+  const std::vector<float> zeros(kRows, 0.0f);
+  DeviceBuffer<float> glogits(logits), gloss(zeros);
+  DeviceBuffer<int32_t> gtargets(targets);
+  const double loss = cpu::cross_entropy_forward(logits.data(), targets.data(), kRows, kVocab);
+  require(gpu::cross_entropy_forward(glogits.get(), gloss.get(), gtargets.get(), kRows, kVocab, 0),
+          "cross_entropy_forward");
+  const std::vector<float> row_loss = gloss.host();
+  double gpu_loss = 0;
+  for (const float value : row_loss) gpu_loss += value;
+  compare("cross-entropy probabilities", glogits.host(), logits);
+  compare("cross-entropy mean loss", {float(gpu_loss / kRows)}, {float(loss)});
+  cpu::cross_entropy_backward(logits.data(), targets.data(), kRows, kVocab, 0.5f);
+  require(gpu::cross_entropy_backward(glogits.get(), gtargets.get(), kRows, kVocab, 0.5f, 0),
+          "cross_entropy_backward");
+  compare("cross-entropy backward", glogits.host(), logits);
+}
+
+}  // namespace
+
+int main() {
+  if (!usable_cuda_devices()) return kSkip;
+  check_rmsnorm();
+  check_layernorm();
+  check_activations();
+  check_cross_entropy();
+  std::printf("%d of the CUDA layers' checks failed\n", failures);
+  return failures == 0 ? 0 : 1;
+}
