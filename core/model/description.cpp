@@ -205,26 +205,44 @@ ModelDescription::Flops parse_flops(const ordered_json& flops, const std::string
 }
 
 // "activations": {"layer": {"whole": a, "tp_split": b}, "elementwise": {...},
-// "stream": n, "head": {...}}, non-negative integers.
+// "stream": n, "head": {...}, "float32"?: {"layer", "elementwise", "head"}},
+// non-negative integers, each float32 part at most its whole.
 ModelDescription::Activations parse_activations(const ordered_json& activations,
                                                 const std::string& origin) {
+  const auto refuse = [&] {
+    bad_description(origin,
+                    "\"activations\" must be {\"layer\": {\"whole\": a, \"tp_split\": b}, "
+                    "\"elementwise\": {...}, \"stream\": n, \"head\": {...}, \"float32\": "
+                    "{\"layer\", \"elementwise\", \"head\"} (optional)}, non-negative integers, "
+                    "each float32 part at most its whole");
+  };
   const auto count = [&](const ordered_json& object, const char* key) {
     if (!object.is_object() || !object.contains(key) || !object.at(key).is_number_integer() ||
         object.at(key).get<int64_t>() < 0) {
-      bad_description(origin,
-                      "\"activations\" must be {\"layer\": {\"whole\": a, \"tp_split\": b}, "
-                      "\"elementwise\": {...}, \"stream\": n, \"head\": {...}}, non-negative "
-                      "integers");
+      refuse();
     }
     return object.at(key).get<int64_t>();
   };
-  const auto per_token = [&](const char* key) {
-    const ordered_json part =
-        activations.is_object() ? activations.value(key, ordered_json()) : ordered_json();
+  const auto per_token = [&](const ordered_json& parts, const char* key) {
+    const ordered_json part = parts.is_object() ? parts.value(key, ordered_json()) : ordered_json();
     return ModelDescription::PerToken{count(part, "whole"), count(part, "tp_split")};
   };
-  return {per_token("layer"), per_token("elementwise"), count(activations, "stream"),
-          per_token("head")};
+  ModelDescription::Activations a{
+      per_token(activations, "layer"), per_token(activations, "elementwise"),
+      count(activations, "stream"), per_token(activations, "head"), std::nullopt};
+  if (!activations.contains("float32")) return a;
+  const ordered_json& float32 = activations.at("float32");
+  a.float32 = {per_token(float32, "layer"), per_token(float32, "elementwise"),
+               per_token(float32, "head")};
+  const auto within = [](const ModelDescription::PerToken& part,
+                         const ModelDescription::PerToken& whole) {
+    return part.whole <= whole.whole && part.tp_split <= whole.tp_split;
+  };
+  if (!within(a.float32->layer, a.layer) || !within(a.float32->elementwise, a.elementwise) ||
+      !within(a.float32->head, a.head)) {
+    refuse();
+  }
+  return a;
 }
 
 void read_limits(const ordered_json& json, const std::string& origin, ModelDescription& d) {

@@ -86,11 +86,19 @@ struct ModelDescription {
   struct PerToken {
     int64_t whole = 0, tp_split = 0;
   };
+  // Of a layer's, the element-wise part's and the head's, those kept in
+  // float32 when the matmuls compute in bfloat16 (norm statistics,
+  // log-sum-exps, the loss's softmax); the rest is then kept in bfloat16.
+  struct KeptInFloat32 {
+    PerToken layer, elementwise, head;
+  };
   struct Activations {
     PerToken layer;        // one layer, nothing recomputed
     PerToken elementwise;  // the part of `layer` selective checkpointing recomputes
-    int64_t stream = 0;    // a layer's input, kept by the stage for every layer
+    int64_t stream = 0;    // a layer's input, kept by the stage for every layer (float32)
     PerToken head;         // the head (final norm, logits)
+    // Absent: every element is kept in float32 whatever the matmuls' dtype.
+    std::optional<KeptInFloat32> float32;
   };
   std::optional<Activations> activations;
   // Empty when the model computes one tensor-parallel layout only.

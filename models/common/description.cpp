@@ -65,14 +65,18 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
   return fields.dump();
 }
 
-nlohmann::ordered_json activations_json(const ActivationsPerToken& a) {
+nlohmann::ordered_json activations_json(const ActivationsPerToken& a, const Float32PerToken& f) {
   const auto pair = [](int64_t whole, int64_t split) {
     return ordered_json{{"whole", whole}, {"tp_split", split}};
   };
   return {{"layer", pair(a.layer_whole, a.layer_split)},
           {"elementwise", pair(a.elementwise_whole, a.elementwise_split)},
           {"stream", a.stream},
-          {"head", pair(a.head_whole, a.head_split)}};
+          {"head", pair(a.head_whole, a.head_split)},
+          {"float32",
+           {{"layer", pair(f.layer_whole, f.layer_split)},
+            {"elementwise", pair(f.elementwise_whole, f.elementwise_split)},
+            {"head", pair(f.head_whole, f.head_split)}}}};
 }
 
 nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,

@@ -43,14 +43,19 @@ std::string describe_model(nlohmann::ordered_json fields,
 // The description's "flops" (meshrun/model.h): the weights a token meets in
 // matmuls, and the attention layers with their query width (heads x
 // head_dim).
-// The description's "activations" (core/model/model.hpp,
-// ModelDescription::Activations): float32 elements per token, {whole,
-// tp_split} pairs.
+// The description's "activations" (meshrun/model.h): elements per token,
+// {whole, tp_split} pairs; of the layer's, the element-wise part's and the
+// head's, those a bfloat16 run keeps in float32 (common/kept_activations.hpp:
+// norm statistics, log-sum-exps, the loss's softmax, routing).
 struct ActivationsPerToken {
   int64_t layer_whole, layer_split, elementwise_whole, elementwise_split, stream, head_whole,
       head_split;
 };
-nlohmann::ordered_json activations_json(const ActivationsPerToken& activations);
+struct Float32PerToken {
+  int64_t layer_whole, layer_split, elementwise_whole, elementwise_split, head_whole, head_split;
+};
+nlohmann::ordered_json activations_json(const ActivationsPerToken& activations,
+                                        const Float32PerToken& float32);
 
 nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
                                   int64_t attention_width);

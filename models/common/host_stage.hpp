@@ -303,23 +303,25 @@ class HostStage {
             const Placements& placements)
       : host_(model.host()),
         hooks_(*setup.hooks),
+        matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)),
         tp_(setup, placements.async),
         cp_group_(setup),
         ep_group_(setup),
         stage_(model.config(), model.layout_of(setup), hooks_, model.checkpointed_layers(setup),
                &tp_, placements,
                plan_context_parallel(setup.plan_json, &cp_group_, Plugin::Family::kName),
-               ExpertParallel{setup.ep != nullptr ? &ep_group_ : nullptr, &statistics_}),
-        matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)) {}
+               ExpertParallel{setup.ep != nullptr ? &ep_group_ : nullptr, &statistics_},
+               matmul_precision_ == kernels::MatmulPrecision::bfloat16) {}
 
   const meshrun_host_services& host_;
   HostHooks hooks_;
+  // The plan's autocast precision: bfloat16 matmuls keep bfloat16 activations.
+  kernels::MatmulPrecision matmul_precision_;
   HostTensorParallelGroup tp_;
   HostContextParallelGroup cp_group_;
   HostExpertParallelGroup ep_group_;
   ExpertStatistics statistics_;
   TransformerStage<typename Plugin::Family> stage_;
-  kernels::MatmulPrecision matmul_precision_;
 };
 
 // The plugin table of a shipped model plugin, over its model table.

@@ -49,11 +49,18 @@
 //     sequence parallelism; throws std::invalid_argument for sequence
 //     parallelism the family cannot compute), and
 //     rows() = batch * seq_len, hidden, and d_residual [rows, hidden], the
-//     residual stream's gradient
+//     residual stream's gradient, and bfloat16_activations: set when the
+//     stage keeps low_precision() in bfloat16, a layer's forward then
+//     rounds each such buffer (as keeping it would) before an element-wise
+//     op that selective checkpointing recomputes reads it, so that what it
+//     recomputes is what it computed
 //   LayerActivations(pass), HeadActivations(pass): what a layer's and the
 //     head's forward keep for the backward; bytes()
 //   elementwise(layer activations): the buffers recompute_elementwise
 //     computes, the same vectors in the same order for any activations
+//   low_precision(layer or head activations): the buffers a bfloat16 run
+//     keeps in bfloat16 (common/kept_activations.hpp), the same vectors in
+//     the same order for any activations
 //   recompute_elementwise(pass, views, x, saved): those buffers again from
 //     x and the rest of what layer_forward wrote
 //   embedding_forward(pass, views, tokens, out);
@@ -80,6 +87,7 @@
 
 #include "common/context_parallel.hpp"
 #include "common/expert_parallel.hpp"
+#include "common/kept_activations.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -199,10 +207,13 @@ class TransformerStage {
   // rank's rows of them (common/context_parallel.hpp); its loss is the mean
   // over all rows, its gradients those of the rank's rows' mean, which the
   // strategy's average over dp_shard_cp makes the micro-batch's.
+  // With `bfloat16_activations` (a run whose matmuls compute in bfloat16)
+  // the layers and the head keep their activations in bfloat16
+  // (common/kept_activations.hpp).
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                    const Checkpointing& checkpointing = {}, TensorParallelGroup* tp = nullptr,
                    const Placements& placements = {}, const ContextParallel& cp = {},
-                   const ExpertParallel& ep = {});
+                   const ExpertParallel& ep = {}, bool bfloat16_activations = false);
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -248,6 +259,9 @@ class TransformerStage {
   void discard(int32_t mb);
   // Bytes of the state kept for the microbatches in flight, with the
   // recompute scratch while any is: 0 once each has finished its backward.
+  // Not the float32 buffers lent to a layer's compute when it keeps its
+  // activations in bfloat16: like the pass's gradient buffers, they hold
+  // nothing between calls.
   int64_t activation_bytes() const;
 
  private:
@@ -276,6 +290,10 @@ class TransformerStage {
   // Stage layer i's activations: the microbatch's own, or the scratch of a
   // fully recomputed layer.
   typename Family::LayerActivations& activations(Microbatch& state, int64_t i);
+  // What stage layer i keeps in bfloat16 (none when it keeps nothing);
+  // the head's.
+  LowPrecisionBuffers low_precision(Microbatch& state, int64_t i);
+  LowPrecisionBuffers low_precision_head(Microbatch& state);
   // Stage layer i's forward and backward, its views bound; the backward
   // recomputes what the forward did not keep, unless the scratch still
   // holds it.
@@ -311,6 +329,10 @@ class TransformerStage {
   std::unique_ptr<typename Family::Pass> pass_;
   std::vector<std::optional<Recomputation>> checkpointed_;  // per stage layer
   std::unique_ptr<Scratch> scratch_;  // of the current shape, with any layer checkpointed
+  bool bfloat16_activations_;
+  // The float32 buffers lent to the layers and the head that keep their
+  // activations in bfloat16, of the current shape.
+  std::optional<KeptInBfloat16> kept_layer_, kept_head_;
   std::map<int32_t, std::unique_ptr<Microbatch>> microbatches_;
   // The states of finished microbatches, of the current shape: a forward
   // reuses one rather than allocating and zeroing the activations again.

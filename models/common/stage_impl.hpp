@@ -74,29 +74,35 @@ struct TransformerStage<Family>::Microbatch {
   // inputs) and, with the head, slot L (the final norm's input). Without
   // the head the last output goes straight to the caller's buffer. A
   // fully recomputed layer keeps no activations, a selective one none of
-  // its element-wise ones.
+  // its element-wise ones. Kept in bfloat16, a layer's and the head's
+  // low_precision() buffers are empty but while a forward or backward
+  // computes them: their values are in `copies` and `head_copies`.
   struct Saved {
     Saved(const Pass& pass, const StageLayout& layout,
-          const std::vector<std::optional<Recomputation>>& checkpointed)
+          const std::vector<std::optional<Recomputation>>& checkpointed, bool bfloat16)
         : tokens(layout.embedding ? pass.rows() : 0),
           targets(layout.head ? pass.rows() : 0),
           residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) *
                    pass.stream_numel()),
           layers(checkpointed.size()),
+          copies(checkpointed.size()),
           hidden(pass.stream_numel()) {
+      const auto release = [](const LowPrecisionBuffers& buffers) {
+        for (std::vector<float>* buffer : buffers) std::vector<float>().swap(*buffer);
+      };
       for (size_t i = 0; i < layers.size(); ++i) {
         if (checkpointed[i] == Recomputation::full) continue;
         layers[i].emplace(pass);
-        if (!checkpointed[i]) continue;
-        for (std::vector<float>* buffer : Family::elementwise(*layers[i])) {
-          std::vector<float>().swap(*buffer);
-        }
+        if (bfloat16) release(Family::low_precision(*layers[i]));
+        if (checkpointed[i]) release(Family::elementwise(*layers[i]));
       }
       if (layout.head) head.emplace(pass);
+      if (head && bfloat16) release(Family::low_precision(*head));
     }
     int64_t bytes() const {
-      int64_t total = bytes_of(tokens, targets, residual);
+      int64_t total = bytes_of(tokens, targets, residual) + bytes_of_copies(head_copies);
       for (const auto& layer : layers) total += layer ? layer->bytes() : 0;
+      for (const BfloatCopies& layer : copies) total += bytes_of_copies(layer);
       return total + (head ? head->bytes() : 0);
     }
     // Residual slot `slot`, else (one past the last) the caller's output.
@@ -107,7 +113,9 @@ struct TransformerStage<Family>::Microbatch {
     std::vector<int32_t> tokens, targets;
     std::vector<float> residual;
     std::vector<std::optional<LayerActivations>> layers;
+    std::vector<BfloatCopies> copies;  // per layer
     std::optional<HeadActivations> head;
+    BfloatCopies head_copies;
     int64_t hidden;  // elements of one slot
   };
 
@@ -127,10 +135,14 @@ struct TransformerStage<Family>::Microbatch {
 // read); a selective layer's element-wise activations, swapped in and out
 // of the microbatch's own. The last forward's activations are still there
 // when its backward comes next (a step without a pipeline does so for its
-// last layer), and need no recompute.
+// last layer), and need no recompute. When layers keep their activations
+// in bfloat16, a fully recomputed layer computes its low_precision()
+// buffers in the stage's working buffers, which other layers reuse: its
+// backward always computes them again.
 template <class Family>
 struct TransformerStage<Family>::Scratch {
-  Scratch(const typename Family::Pass& pass, bool full, bool selective) {
+  Scratch(const typename Family::Pass& pass, bool full, bool selective, bool bfloat16)
+      : bfloat16(bfloat16) {
     if (selective) {
       typename Family::LayerActivations all(pass);
       for (std::vector<float>* buffer : Family::elementwise(all)) {
@@ -139,7 +151,7 @@ struct TransformerStage<Family>::Scratch {
       }
     }
     if (full) {
-      layer.emplace(pass);
+      renew_layer(pass);
       layer_bytes = layer->bytes();
       output.resize(pass.stream_numel());
     }
@@ -156,7 +168,15 @@ struct TransformerStage<Family>::Scratch {
     const auto buffers = Family::elementwise(activations);
     for (size_t k = 0; k < buffers.size(); ++k) buffers[k]->swap(elementwise[k]);
   }
+  void renew_layer(const typename Family::Pass& pass) {
+    layer.emplace(pass);
+    if (!bfloat16) return;
+    for (std::vector<float>* buffer : Family::low_precision(*layer)) {
+      std::vector<float>().swap(*buffer);
+    }
+  }
 
+  bool bfloat16;
   std::optional<typename Family::LayerActivations> layer;  // with a fully recomputed layer
   int64_t layer_bytes = 0;                                 // while it holds all its buffers
   std::vector<float> output;
@@ -172,14 +192,16 @@ template <class Family>
 TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                                            const Checkpointing& checkpointing,
                                            TensorParallelGroup* tp, const Placements& placements,
-                                           const ContextParallel& cp, const ExpertParallel& ep)
+                                           const ContextParallel& cp, const ExpertParallel& ep,
+                                           bool bfloat16_activations)
     : config_(std::move(config)),
       layout_(layout),
       hooks_(hooks),
       tp_(tp != nullptr ? *tp : single_rank_),
       sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel),
       cp_(cp),
-      ep_(ep) {
+      ep_(ep),
+      bfloat16_activations_(bfloat16_activations) {
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -333,6 +355,8 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   }
   spare_.clear();
   scratch_.reset();
+  kept_layer_.reset();
+  kept_head_.reset();
   pass_.reset();  // the old shape's scratch goes before the new one comes
   require(cp_.size() == 1 || seq_len % (2 * cp_.size()) == 0, Family::kName,
           "context parallelism cuts each sequence into 2 x cp = " + std::to_string(2 * cp_.size()) +
@@ -348,8 +372,24 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };
   if (any(Recomputation::full) || any(Recomputation::selective)) {
-    scratch_ =
-        std::make_unique<Scratch>(*pass_, any(Recomputation::full), any(Recomputation::selective));
+    scratch_ = std::make_unique<Scratch>(*pass_, any(Recomputation::full),
+                                         any(Recomputation::selective), bfloat16_activations_);
+  }
+  pass_->bfloat16_activations = bfloat16_activations_;
+  if (bfloat16_activations_) {
+    const auto sizes = [](const LowPrecisionBuffers& buffers) {
+      std::vector<size_t> floats;
+      for (const std::vector<float>* buffer : buffers) floats.push_back(buffer->size());
+      return floats;
+    };
+    if (layer_count() > 0) {
+      typename Family::LayerActivations layer(*pass_);
+      kept_layer_.emplace(sizes(Family::low_precision(layer)));
+    }
+    if (layout_.head) {
+      typename Family::HeadActivations head(*pass_);
+      kept_head_.emplace(sizes(Family::low_precision(head)));
+    }
   }
   batch_ = batch;
   seq_len_ = seq_len;
@@ -402,9 +442,12 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   }
   double loss = 0;
   if (layout_.head) {
+    const LowPrecisionBuffers rounded = low_precision_head(*state);
+    if (!rounded.empty()) kept_head_->lend(rounded);
     loss = Family::head_forward(
         pass, &parameters_[size_t(head_index_)], parameters_[size_t(lm_head_index_)],
         saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
+    if (!rounded.empty()) kept_head_->keep(rounded, saved.head_copies);
     if (cp_.size() > 1) {
       auto sum = float(loss);
       cp_.group->all_reduce_sum(&sum, 1);
@@ -437,11 +480,45 @@ typename Family::LayerActivations& TransformerStage<Family>::activations(Microba
   return kept ? *kept : *scratch_->layer;
 }
 
+namespace stage_detail {
+
+// `buffers` with those among `elementwise` (or those not among them, when
+// `recomputed`) null.
+inline LowPrecisionBuffers selected(LowPrecisionBuffers buffers,
+                                    const std::vector<std::vector<float>*>& elementwise,
+                                    bool recomputed) {
+  for (std::vector<float>*& buffer : buffers) {
+    const bool among =
+        std::find(elementwise.begin(), elementwise.end(), buffer) != elementwise.end();
+    if (among != recomputed) buffer = nullptr;
+  }
+  return buffers;
+}
+
+}  // namespace stage_detail
+
+template <class Family>
+LowPrecisionBuffers TransformerStage<Family>::low_precision(Microbatch& state, int64_t i) {
+  if (!bfloat16_activations_) return {};
+  auto& written = activations(state, i);
+  if (checkpointed_[size_t(i)] != Recomputation::selective) return Family::low_precision(written);
+  return stage_detail::selected(Family::low_precision(written), Family::elementwise(written),
+                                false);
+}
+
+template <class Family>
+LowPrecisionBuffers TransformerStage<Family>::low_precision_head(Microbatch& state) {
+  auto& kept = state.saved->head;
+  return bfloat16_activations_ && kept ? Family::low_precision(*kept) : LowPrecisionBuffers{};
+}
+
 template <class Family>
 void TransformerStage<Family>::forward_layer(Microbatch& state, int64_t i, float* output) {
   auto& saved = *state.saved;
   const bool selective = checkpointed_[size_t(i)] == Recomputation::selective;
   auto& written = activations(state, i);
+  const LowPrecisionBuffers lent = low_precision(state, i);
+  if (!lent.empty()) kept_layer_->lend(lent);
   if (checkpointed_[size_t(i)]) {
     scratch_->holder = &state;
     scratch_->holder_layer = i;
@@ -450,6 +527,12 @@ void TransformerStage<Family>::forward_layer(Microbatch& state, int64_t i, float
   Family::layer_forward(*pass_, layer_views(layout_.first_layer + i), saved.stream(i, output),
                         written, saved.stream(i + 1, output));
   if (selective) scratch_->swap_elementwise(written);
+  if (lent.empty()) return;
+  if (checkpointed_[size_t(i)] == Recomputation::full) {
+    kept_layer_->take_back(lent);
+  } else {
+    kept_layer_->keep(lent, saved.copies[size_t(i)]);
+  }
 }
 
 // The forward again, as the forward ran it: the same input (the residual
@@ -463,17 +546,29 @@ void TransformerStage<Family>::backward_layer(Microbatch& state, int64_t i,
   const float* x = state.saved->stream(i, nullptr);
   const auto mode = checkpointed_[size_t(i)];
   auto& read = activations(state, i);
+  const bool full = mode == Recomputation::full;
+  const LowPrecisionBuffers lent = low_precision(state, i);
+  if (!lent.empty() && full) kept_layer_->lend(lent);
+  if (!lent.empty() && !full) kept_layer_->restore(lent, state.saved->copies[size_t(i)]);
   if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
-  if (mode && !scratch_->holds(state, i)) {
-    if (mode == Recomputation::full) {
+  // A fully recomputed layer's working buffers have served other layers.
+  if (mode && ((full && !lent.empty()) || !scratch_->holds(state, i))) {
+    if (full) {
       Family::layer_forward(pass, views, x, read, scratch_->output.data());
     } else {
       Family::recompute_elementwise(pass, views, x, read);
     }
   }
   if (mode) scratch_->holder = nullptr;
+  // What the forward computed again is what keeping it would have left.
+  if (mode && bfloat16_activations_) {
+    round_to_bfloat16(full ? Family::low_precision(read)
+                           : stage_detail::selected(Family::low_precision(read),
+                                                    Family::elementwise(read), true));
+  }
   Family::layer_backward(pass, views, x, read, gradients);
   if (mode == Recomputation::selective) scratch_->swap_elementwise(read);
+  if (!lent.empty()) kept_layer_->take_back(lent);
   if (mode) restore_scratch();
 }
 
@@ -481,7 +576,7 @@ template <class Family>
 void TransformerStage<Family>::restore_scratch() {
   Scratch& scratch = *scratch_;
   if (scratch.layer && scratch.layer->bytes() != scratch.layer_bytes) {
-    scratch.layer.emplace(*pass_);
+    scratch.renew_layer(*pass_);
   }
   for (size_t k = 0; k < scratch.elementwise.size(); ++k) {
     if (scratch.elementwise[k].size() != scratch.elementwise_sizes[k]) {
@@ -499,7 +594,8 @@ TransformerStage<Family>::take_state() {
     return state;
   }
   auto state = std::make_unique<Microbatch>();
-  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, checkpointed_);
+  state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, checkpointed_,
+                                                              bfloat16_activations_);
   return state;
 }
 
@@ -603,9 +699,12 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   if constexpr (requires { Family::kExperts; }) pass.loss_scale = loss_scale;
   if (holds_root()) enter(root_unit(), nullptr, true);
   if (layout_.head) {
+    const LowPrecisionBuffers rounded = low_precision_head(state);
+    if (!rounded.empty()) kept_head_->restore(rounded, saved.head_copies);
     Family::head_backward(pass, &parameters_[size_t(head_index_)],
                           parameters_[size_t(lm_head_index_)], saved.stream(layers, nullptr),
                           saved.targets.data(), loss_scale, *saved.head, gradients);
+    if (!rounded.empty()) kept_head_->take_back(rounded);
   } else {
     std::copy_n(grad_output, stream, pass.d_residual.begin());
   }

@@ -173,10 +173,12 @@ void Gpt2::layer_forward(Pass& pass, const ParameterView* block, const float* x,
   row_parallel_forward(projection, saved.attention.data(), &block[kAttnProjWeight], N, Q, E,
                        pass.group(Block::attention));
   residual_forward(saved.h.data(), x, projection, N * E);
+  models::round_kept(pass.bfloat16_activations, saved.h);
 
   layernorm_out_of_line(saved.ln2.data(), saved.mean2.data(), saved.rstd2.data(), saved.h.data(),
                         &block[kLn2Weight], pass);
   conv1d_bias_forward(saved.fc.data(), saved.ln2.data(), &block[kFcWeight], N, E, I);
+  models::round_kept(pass.bfloat16_activations, saved.fc);
   gelu_out_of_line(saved.act.data(), saved.fc.data(), N * I);
   row_parallel_forward(projection, saved.act.data(), &block[kMlpProjWeight], N, I, E,
                        pass.group(Block::mlp));

@@ -75,6 +75,7 @@ struct BlockPass {
   std::vector<float> d_residual;
   models::SequenceAttention attend;  // over the cp ranks, with its scratch
   std::vector<float> d_norm, d_qkv, d_attention, d_mlp;
+  bool bfloat16_activations = false;  // common/stage.hpp
 };
 
 // What one block's forward keeps for its backward.
@@ -147,6 +148,14 @@ struct Gpt2 {
   static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
     return {&saved.ln1,   &saved.mean1, &saved.rstd1, &saved.ln2,
             &saved.mean2, &saved.rstd2, &saved.act};
+  }
+  // What a bfloat16 run keeps in bfloat16: all but the LayerNorms' means
+  // and 1/std, the log-sum-exps and the loss's softmax.
+  static models::LowPrecisionBuffers low_precision(LayerActivations& saved) {
+    return {&saved.ln1, &saved.qkv, &saved.attention, &saved.h, &saved.ln2, &saved.fc, &saved.act};
+  }
+  static models::LowPrecisionBuffers low_precision(HeadActivations& saved) {
+    return {&saved.final_norm};
   }
   static void recompute_elementwise(Pass& pass, const ParameterView* block, const float* x,
                                     LayerActivations& saved);

@@ -302,6 +302,7 @@ void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivation
   const int64_t width = p.inputs * I;
   p.layout.forward(kept.hidden.data(), in, p.in_weight().data, N, H, width);
   if (p.op.bias_in) bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
+  models::round_kept(pass.bfloat16_activations, kept.hidden);
   activation_out_of_line(kept, p.op, pass);
   output_projection(pass, p, Block::mlp, kept.act.data(), I, y);
 }
@@ -517,6 +518,9 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
                               *kept.experts, y);
     } else {
       residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
+      if (op.keeps_output) {
+        models::round_kept(pass.bfloat16_activations, saved.tensors[size_t(op.output)]);
+      }
     }
   }
 }
@@ -566,6 +570,20 @@ std::vector<std::vector<float>*> Composed::elementwise(LayerActivations& saved) 
       if (op.op == Op::layernorm) buffers.push_back(&kept.mean);
     }
     if (is_mlp(op.op)) buffers.push_back(&kept.act);
+  }
+  return buffers;
+}
+
+models::LowPrecisionBuffers Composed::low_precision(LayerActivations& saved) {
+  models::LowPrecisionBuffers buffers;
+  // A mixture's layers keep float32 for now (docs/decisions.md).
+  if (saved.composition->moe_ops() > 0) return buffers;
+  const std::vector<LayerOp>& ops = saved.composition->ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    OpActivations& kept = saved.ops[i];
+    if (ops[i].keeps_output) buffers.push_back(&saved.tensors[size_t(ops[i].output)]);
+    if (ops[i].op == Op::attention) buffers.insert(buffers.end(), {&kept.qkv, &kept.attention});
+    if (is_mlp(ops[i].op)) buffers.insert(buffers.end(), {&kept.hidden, &kept.act});
   }
   return buffers;
 }

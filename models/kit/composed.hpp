@@ -79,7 +79,8 @@ struct Pass {
   // each op among the layer's views the rank holds.
   std::unique_ptr<models::MixtureScratch> experts;
   std::vector<int64_t> first_view;
-  float loss_scale = 1.0f;  // d objective / d loss of the backward running now
+  float loss_scale = 1.0f;            // d objective / d loss of the backward running now
+  bool bfloat16_activations = false;  // common/stage.hpp
 };
 
 // What an op's forward keeps for its backward: a norm's 1/rms or 1/std
@@ -152,6 +153,10 @@ struct Composed {
                              LayerActivations& saved, WeightGradients& gradients);
   // The norms' outputs and statistics and the MLPs' activations.
   static std::vector<std::vector<float>*> elementwise(LayerActivations& saved);
+  // What a bfloat16 run keeps in bfloat16: all but the norms' statistics,
+  // the log-sum-exps, the router's and the loss's probabilities.
+  static models::LowPrecisionBuffers low_precision(LayerActivations& saved);
+  static models::LowPrecisionBuffers low_precision(HeadActivations& saved) { return {&saved.norm}; }
   static void recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
                                     LayerActivations& saved);
   static double head_forward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,

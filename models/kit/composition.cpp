@@ -692,18 +692,23 @@ int64_t matmul_parameters(const Composition& c) {
   return c.num_hidden_layers * layer + c.vocab_size * H;
 }
 
-// What composed.hpp's activations hold per token, in float32 elements.
-models::ActivationsPerToken activations(const Composition& c) {
+// What composed.hpp's activations hold per token, in elements, and of
+// those what Composed::low_precision leaves in float32.
+std::pair<models::ActivationsPerToken, models::Float32PerToken> activations(const Composition& c) {
   const int64_t H = c.hidden_size, I = c.intermediate_size;
-  models::ActivationsPerToken a{
-      0, 0, 0, 0, H, H + (c.final_norm == Op::layernorm ? 2 : 1), c.vocab_size};
+  const int64_t final_stats = c.final_norm == Op::layernorm ? 2 : 1;
+  models::ActivationsPerToken a{0, 0, 0, 0, H, H + final_stats, c.vocab_size};
+  models::Float32PerToken f{0, 0, 0, 0, final_stats, c.vocab_size};
   for (const LayerOp& op : c.ops) {
     const int64_t stats = op.op == Op::layernorm ? 2 : 1;
     if (is_norm(op.op)) {
       a.layer_whole += stats + (op.keeps_output ? H : 0);
       a.elementwise_whole += stats + (op.keeps_output ? H : 0);
+      f.layer_whole += stats;
+      f.elementwise_whole += stats;
     } else if (op.op == Op::attention) {
       a.layer_split += c.q_dim() + 2 * c.kv_dim() + c.num_attention_heads + c.q_dim();
+      f.layer_split += c.num_attention_heads;
     } else if (is_mlp(op.op)) {
       a.layer_split += (op.op == Op::swiglu_mlp ? 2 * I : I) + I;
       a.elementwise_split += I;
@@ -713,10 +718,17 @@ models::ActivationsPerToken activations(const Composition& c) {
       // activations: top_k slots per token, whatever rank computes them.
       const int64_t K = c.num_experts_per_tok;
       a.layer_whole += c.num_local_experts + 4 * K + K * (2 * H + 3 * I);
+      f.layer_whole += c.num_local_experts + 4 * K;
     }
     if (!is_norm(op.op) && op.keeps_output) a.layer_whole += H;
   }
-  return a;
+  if (c.moe_ops() > 0) {  // a mixture's layers keep float32 (Composed::low_precision)
+    f.layer_whole = a.layer_whole;
+    f.layer_split = a.layer_split;
+    f.elementwise_whole = a.elementwise_whole;
+    f.elementwise_split = a.elementwise_split;
+  }
+  return {a, f};
 }
 
 }  // namespace
@@ -743,7 +755,8 @@ std::string describe(const Composition& c, const std::vector<ParameterView>& par
   fields["tp_blocks"] = models::tp_blocks_json(tensor_parallel_blocks(c));
   fields["flops"] =
       models::flops_json(matmul_parameters(c), c.num_hidden_layers * c.attention_ops(), c.q_dim());
-  fields["activations"] = models::activations_json(activations(c));
+  const auto [kept, float32] = activations(c);
+  fields["activations"] = models::activations_json(kept, float32);
   return models::describe_model(std::move(fields), parameters, c.num_hidden_layers, modules(c));
 }
 

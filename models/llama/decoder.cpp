@@ -207,6 +207,7 @@ void attention_forward(DecoderPass& pass, const ParameterView* layer, const floa
                  H);
   residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
                    n * H);
+  models::round_kept(pass.bfloat16_activations, saved.h);
 }
 
 void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x,
@@ -215,6 +216,7 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   attention_forward(pass, layer, x, saved);
   block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
   linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
+  models::round_kept(pass.bfloat16_activations, saved.gate_up);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
   linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
   residual_forward(out, saved.h.data(), finish_row_parallel(pass, pass.group(Block::mlp)), n * H);

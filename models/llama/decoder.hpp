@@ -54,9 +54,10 @@ struct DecoderPass {
   int64_t hidden, intermediate;
   VocabShard embedding_vocab, head_vocab;
   double eps;
-  models::SequenceAttention attend;  // over the cp ranks, with its scratch
-  RotaryTable<float> rotary;         // of the rows' positions in their sequence
-  std::vector<float> projection;     // o_proj / down_proj output before its residual add
+  models::SequenceAttention attend;   // over the cp ranks, with its scratch
+  RotaryTable<float> rotary;          // of the rows' positions in their sequence
+  std::vector<float> projection;      // o_proj / down_proj output before its residual add
+  bool bfloat16_activations = false;  // common/stage.hpp
   // The residual stream's gradient [N, H], from a layer's output to its input.
   std::vector<float> d_residual;
   std::vector<float> d_norm, d_qkv, d_attention, d_gate_up, d_mlp;
@@ -162,6 +163,15 @@ struct Llama {
   // The norms and swiglu: what selective checkpointing recomputes.
   static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
     return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2, &saved.mlp};
+  }
+  // What a bfloat16 run keeps in bfloat16: all but the norms' 1/rms, the
+  // log-sum-exps and the loss's softmax.
+  static models::LowPrecisionBuffers low_precision(LayerActivations& saved) {
+    return {&saved.norm1, &saved.qkv,     &saved.attention, &saved.h,
+            &saved.norm2, &saved.gate_up, &saved.mlp};
+  }
+  static models::LowPrecisionBuffers low_precision(HeadActivations& saved) {
+    return {&saved.final_norm};
   }
   static void recompute_elementwise(Pass& pass, const ParameterView* layer, const float* x,
                                     LayerActivations& saved);

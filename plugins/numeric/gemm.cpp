@@ -2,9 +2,6 @@
 
 #include <cblas.h>
 #include <omp.h>
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
 
 #include <atomic>
 #include <cstdlib>
@@ -18,6 +15,7 @@
 #include <type_traits>
 
 #include "meshrun/dtype.hpp"
+#include "numeric/bfloat16.hpp"
 
 namespace meshrun::kernels {
 
@@ -53,26 +51,6 @@ int64_t a_cols(const GemmShape& s) { return s.transpose_a ? s.m : s.k; }
 int64_t b_rows(const GemmShape& s) { return s.transpose_b ? s.n : s.k; }
 int64_t b_cols(const GemmShape& s) { return s.transpose_b ? s.k : s.n; }
 
-// count floats of `in` rounded to bfloat16 (nearest even) into `out`.
-// With AVX512_BF16 (a MESHRUN_NATIVE build on such a CPU) one instruction
-// converts 32 of them (the conversion is about a tenth of a bfloat16 step).
-void to_bfloat16(const float* in, uint16_t* out, int64_t count) {
-  int64_t i = 0;
-#ifdef __AVX512BF16__
-  for (; i + 32 <= count; i += 32) {
-    const __m512bh pair =
-        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i));
-    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(pair));
-  }
-#endif
-  for (; i < count; ++i) out[i] = float_to_bfloat16(in[i]);
-}
-
-// count floats of `in` rounded to bfloat16 and widened back into `out`.
-void to_rounded_floats(const float* in, float* out, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) out[i] = rounded_to_bfloat16(in[i]);
-}
-
 // The rows x cols matrix stored at x with row stride ld, rounded to
 // bfloat16 into `out` (row stride cols), which grows as needed.
 template <typename Element>
@@ -87,7 +65,7 @@ const Element* packed(const float* x, int64_t rows, int64_t cols, int64_t ld,
     if constexpr (std::is_same_v<Element, uint16_t>) {
       to_bfloat16(x + r * ld, out.get() + r * cols, cols);
     } else {
-      to_rounded_floats(x + r * ld, out.get() + r * cols, cols);
+      round_to_bfloat16(x + r * ld, out.get() + r * cols, cols);
     }
   }
   return out.get();

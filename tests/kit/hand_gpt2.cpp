@@ -50,11 +50,14 @@ struct Gpt2Plugin {
   // What stage.hpp's BlockActivations and HeadActivations hold per token:
   // ln1, mean1, rstd1, h, ln2, mean2, rstd2 whole; qkv, the heads'
   // log-sum-exps, the attention output, fc and act split over tp; selective
-  // checkpointing drops the norms and act (Gpt2::elementwise).
-  static meshrun::models::ActivationsPerToken activations(const Gpt2Config& c) {
+  // checkpointing drops the norms and act (Gpt2::elementwise). A bfloat16
+  // run keeps the means and 1/std, log-sum-exps and logits in float32
+  // (Gpt2::low_precision).
+  static ordered_json activations(const Gpt2Config& c) {
     const int64_t e = c.n_embd;
-    return {3 * e + 4,   3 * e + c.n_head + e + 2 * c.n_inner, 2 * e + 4, c.n_inner, e, e + 2,
-            c.vocab_size};
+    return meshrun::models::activations_json({3 * e + 4, 3 * e + c.n_head + e + 2 * c.n_inner,
+                                              2 * e + 4, c.n_inner, e, e + 2, c.vocab_size},
+                                             {4, c.n_head, 4, 0, 2, c.vocab_size});
   }
 
   static ordered_json hand_config(const Gpt2Config& config) {
@@ -77,7 +80,7 @@ struct Gpt2Plugin {
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
          {"flops",
           meshrun::models::flops_json(matmul_parameters(config), config.n_layer, config.n_embd)},
-         {"activations", meshrun::models::activations_json(activations(config))}},
+         {"activations", activations(config)}},
         parameters, config.n_layer, modules(config));
   }
 };

@@ -62,15 +62,17 @@ struct LlamaPlugin {
   // What decoder.hpp's LayerActivations and HeadActivations hold per token:
   // norm1, rstd1, h, norm2, rstd2 whole; qkv, the heads' log-sum-exps, the
   // attention output, gate_up and mlp split over tp; selective
-  // checkpointing drops the norms and mlp (Llama::elementwise).
-  static meshrun::models::ActivationsPerToken activations(const LlamaConfig& c) {
+  // checkpointing drops the norms and mlp (Llama::elementwise). A bfloat16
+  // run keeps the 1/rms, log-sum-exps and logits in float32
+  // (Llama::low_precision).
+  static ordered_json activations(const LlamaConfig& c) {
     const int64_t h = c.hidden_size, heads = c.num_attention_heads;
     const int64_t head_dim = h / heads;
     const int64_t qkv = (heads + 2 * c.num_key_value_heads) * head_dim;
-    return {3 * h + 2,   qkv + heads + heads * head_dim + 3 * c.intermediate_size,
-            2 * h + 2,   c.intermediate_size,
-            h,           h + 1,
-            c.vocab_size};
+    return meshrun::models::activations_json(
+        {3 * h + 2, qkv + heads + heads * head_dim + 3 * c.intermediate_size, 2 * h + 2,
+         c.intermediate_size, h, h + 1, c.vocab_size},
+        {2, heads, 2, 0, 1, c.vocab_size});
   }
 
   static std::string describe(const LlamaConfig& config,
@@ -88,7 +90,7 @@ struct LlamaPlugin {
          {"tp_blocks", meshrun::models::tp_blocks_json(tensor_parallel_blocks(config))},
          {"flops", meshrun::models::flops_json(matmul_parameters(config), config.num_hidden_layers,
                                                config.hidden_size)},
-         {"activations", meshrun::models::activations_json(activations(config))}},
+         {"activations", activations(config)}},
         parameters, config.num_hidden_layers, modules(config));
   }
 };

@@ -8,12 +8,18 @@ Run by ctest: test_autocast.py MESHRUN_EXE [TestClass ...]
 
 Distributed runs are checked against 1 rank with autocast, on the same
 global batch. They differ from it as float32 runs do (the order of sums),
-and in one more way: an operand within an ulp of a bfloat16 rounding
-midpoint may round the other way, which moves it by 2^-8 relative. AdamW
-carries that into the next steps. Measured after 4 steps: losses and
-validation losses within 1.1e-6 relative, gradient norms within 4.7e-5,
-exported weights within 8.9e-5. So losses are held to test_train.py's 1e-4
-relative, gradient norms to 1e-3, weights to 5e-4 absolute.
+and in one more way: a value within an ulp of a bfloat16 rounding midpoint
+may round the other way, which moves it by 2^-8 relative. That happens to
+matmul operands and, since the activations kept for the backward are
+bfloat16 (docs/design.md), to what the norms', SwiGLU's and attention's
+backward read. AdamW carries it into the next steps, and where a gradient
+element is near zero a flip of its sign moves the weight by up to 2 x lr
+per step. Measured after 4 steps under tp 2 (the most flips: the
+residual stream is summed over ranks): losses within 8.8e-6 relative,
+gradient norms within 4.9e-5, exported weights within 4.1e-4 but for one
+of 45,000 elements (an embedding row, 7.8e-3). So losses are held to
+test_train.py's 1e-4 relative, gradient norms to 1e-3, weights to 5e-4
+absolute for all but 1 in 10,000 elements, and those to 2 x lr x steps.
 
 That autocast acts is checked against the float32 run of the same config:
 the weights it exports differ by 3.4e-3 (more than 1e-3 is asked, 11x the
@@ -36,6 +42,8 @@ AUTOCAST = ("distributed.autocast_dtype=bfloat16",)
 FSDP2_FP32 = ("distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=float32")
 GRAD_NORM_TOLERANCE = 1e-3
 WEIGHT_TOLERANCE = 5e-4
+FLIPPED_FRACTION = 1e-4
+FLIPPED_TOLERANCE = 2 * 3e-3 * 4  # 2 x lr x steps of test_train.py's config
 ROUNDING_EFFECT = 1e-3
 
 
@@ -47,11 +55,15 @@ def val_losses(output):
     return [m["val_loss"] for m in metrics(output) if "val_loss" in m]
 
 
-def largest_weight_difference(a, b):
+def weight_differences(a, b):
     first, second = (read_safetensors(os.path.join(o, "model.safetensors")) for o in (a, b))
     assert first.keys() == second.keys()
-    return max(abs(x - y) for name, (_, _, raw) in first.items()
-               for x, y in zip(array.array("f", raw), array.array("f", second[name][2])))
+    return [abs(x - y) for name, (_, _, raw) in first.items()
+            for x, y in zip(array.array("f", raw), array.array("f", second[name][2]))]
+
+
+def largest_weight_difference(a, b):
+    return max(weight_differences(a, b))
 
 
 class Equivalence(TrainTest):
@@ -66,7 +78,10 @@ class Equivalence(TrainTest):
         self.assert_close(val_losses(self.reference), val_losses(output))
         for step, (a, b) in enumerate(zip(grad_norms(self.reference), grad_norms(output)), 1):
             self.assertLessEqual(abs(a - b), GRAD_NORM_TOLERANCE * a, f"step {step}")
-        self.assertLessEqual(largest_weight_difference(self.reference, output), WEIGHT_TOLERANCE)
+        differences = weight_differences(self.reference, output)
+        flipped = [d for d in differences if d > WEIGHT_TOLERANCE]
+        self.assertLessEqual(len(flipped), FLIPPED_FRACTION * len(differences), flipped)
+        self.assertLessEqual(max(differences), FLIPPED_TOLERANCE)
 
     def test_autocast_rounds_the_matmuls_only(self):
         float32 = self.runs.train("float32-one", 1)

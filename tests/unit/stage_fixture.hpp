@@ -34,8 +34,12 @@ class OwnedStage : public StageHooks {
   using Stage = meshrun::models::TransformerStage<Family>;
 
   OwnedStage(const Config& config, const StageLayout& layout,
-             const meshrun::models::Checkpointing& checkpointing = {})
-      : stage_(std::make_unique<Stage>(config, layout, *this, checkpointing)) {
+             const meshrun::models::Checkpointing& checkpointing = {},
+             bool bfloat16_activations = false)
+      : stage_(std::make_unique<Stage>(config, layout, *this, checkpointing, nullptr,
+                                       meshrun::models::Placements{},
+                                       meshrun::models::ContextParallel{},
+                                       meshrun::models::ExpertParallel{}, bfloat16_activations)) {
     views_ = stage_->parameters();
     int64_t total = 0;
     for (const ParameterView& view : views_) total += view.numel;
@@ -160,11 +164,13 @@ class Chain {
  public:
   using Stage = meshrun::models::TransformerStage<Family>;
 
+  // `bfloat16`: the stages keep their activations in bfloat16.
   Chain(const OwnedModel<Family>& model, const std::vector<StageLayout>& layouts, int64_t batch,
-        int64_t seq_len, const meshrun::models::Checkpointing& checkpointing = {}) {
+        int64_t seq_len, const meshrun::models::Checkpointing& checkpointing = {},
+        bool bfloat16 = false) {
     for (const StageLayout& layout : layouts) {
       OwnedStage<Family>& owned = *owned_.emplace_back(
-          std::make_unique<OwnedStage<Family>>(model.config(), layout, checkpointing));
+          std::make_unique<OwnedStage<Family>>(model.config(), layout, checkpointing, bfloat16));
       for (ParameterView& view : owned.parameters()) {
         const ParameterView& source = named(model.parameters(), view.name);
         REQUIRE(source.shape == view.shape);
@@ -249,9 +255,11 @@ class Chain {
 // exactly the losses, gradients and input gradients of one that keeps
 // everything, with layers 1-3 fully recomputed, and with full and
 // selective layers mixed, for each schedule (Chain::run, loss_scale 1/4),
-// as the backward recomputes with the same input, parameters and kernels.
-// The whole model holds less for a microbatch in flight, and less again
-// for the next one, which shares the scratch.
+// as the backward recomputes with the same input, parameters and kernels;
+// with activations kept in float32 and in bfloat16 (what is recomputed is
+// rounded as keeping it would be). The whole model holds less for a
+// microbatch in flight, and less again for the next one, which shares the
+// scratch.
 template <class Family>
 void check_checkpointing_is_exact(const OwnedModel<Family>& model,
                                   const std::vector<StageLayout>& layouts,
@@ -265,19 +273,21 @@ void check_checkpointing_is_exact(const OwnedModel<Family>& model,
                                      {1, Recomputation::full},
                                      {2, Recomputation::selective},
                                      {3, Recomputation::selective}});
+  const bool bfloat16 = GENERATE(false, true);
+  INFO("bfloat16 activations " << bfloat16);
   for (const std::string schedule :
        {"F0 B0 F1 B1 F2 B2 F3 B3", "F0 F1 I0 F2 I1 W0 F3 I2 W1 W2 B3"}) {
     INFO(schedule);
-    Chain<Family> kept(model, layouts, batch, seq_len);
-    Chain<Family> recomputing(model, layouts, batch, seq_len, checkpointing);
+    Chain<Family> kept(model, layouts, batch, seq_len, {}, bfloat16);
+    Chain<Family> recomputing(model, layouts, batch, seq_len, checkpointing, bfloat16);
     CHECK(recomputing.run(schedule, batches, 0.25f) == kept.run(schedule, batches, 0.25f));
     CHECK(recomputing.gradients() == kept.gradients());
     CHECK(recomputing.grad_inputs == kept.grad_inputs);
     CHECK(recomputing.activation_bytes() == 0);
   }
   const std::vector<StageLayout> whole = {{0, Family::num_layers(model.config()), true, true}};
-  Chain<Family> kept(model, whole, batch, seq_len);
-  Chain<Family> recomputing(model, whole, batch, seq_len, checkpointing);
+  Chain<Family> kept(model, whole, batch, seq_len, {}, bfloat16);
+  Chain<Family> recomputing(model, whole, batch, seq_len, checkpointing, bfloat16);
   kept.run("F0", batches, 1.0f);
   recomputing.run("F0", batches, 1.0f);
   const int64_t kept_one = kept.activation_bytes(), first = recomputing.activation_bytes();

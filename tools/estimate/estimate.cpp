@@ -174,7 +174,8 @@ schedule::Simulation simulate_schedule(const Plan& plan) {
   return schedule::simulate(compute, schedule::Costs{1, 2, 1, 1, 0, 0});
 }
 
-// Float32 elements a rank keeps per token of one microbatch in `mode`.
+// Elements a rank keeps per token of one microbatch in `mode`, with the
+// token ids and targets (int32).
 double kept_per_token(const ModelDescription::Activations& a, const RankShare& share,
                       const std::string& mode, int64_t tp, bool sequence_parallel) {
   const double split = 1.0 / double(tp);
@@ -192,6 +193,27 @@ double kept_per_token(const ModelDescription::Activations& a, const RankShare& s
   return total;
 }
 
+ModelDescription::PerToken minus(const ModelDescription::PerToken& a,
+                                 const ModelDescription::PerToken& b) {
+  return {a.whole - b.whole, a.tp_split - b.tp_split};
+}
+
+// Bytes a rank keeps per token of one microbatch in `mode`: float32, or
+// with bfloat16 matmuls what the model keeps in bfloat16 at 2 bytes (the
+// stream, token ids and targets stay 4).
+double kept_bytes_per_token(const ModelDescription::Activations& a, const RankShare& share,
+                            const std::string& mode, int64_t tp, bool sequence_parallel,
+                            bool bfloat16) {
+  if (!bfloat16 || !a.float32) return 4.0 * kept_per_token(a, share, mode, tp, sequence_parallel);
+  const ModelDescription::KeptInFloat32& f = *a.float32;
+  const ModelDescription::Activations in_float32{f.layer, f.elementwise, a.stream, f.head, {}};
+  const ModelDescription::Activations in_bfloat16{
+      minus(a.layer, f.layer), minus(a.elementwise, f.elementwise), 0, minus(a.head, f.head), {}};
+  const double ids = (share.head ? 1.0 : 0.0) + (share.embedding ? 1.0 : 0.0);
+  return 4.0 * kept_per_token(in_float32, share, mode, tp, sequence_parallel) +
+         2.0 * (kept_per_token(in_bfloat16, share, mode, tp, sequence_parallel) - ids);
+}
+
 std::optional<int64_t> activation_bytes(const Plan& plan, const RankShare& share,
                                         const std::string& mode, int64_t microbatches_held) {
   const auto& activations = plan.model->description().activations;
@@ -199,16 +221,20 @@ std::optional<int64_t> activation_bytes(const Plan& plan, const RankShare& share
   const Config& config = *plan.config;
   const int64_t tp = plan.mesh.axis_size(Axis::tp);
   const bool sp = config.distributed.sequence_parallel;
+  const bool bfloat16 = matmul_dtype(config, plan.model->description()) == "bfloat16";
   const int64_t batch = plan.mesh.axis_size(Axis::pp) > 1
                             ? config.distributed.pipeline.pp_microbatch_size
                             : config.train.micro_batch_size;
   const double rows = double(batch * config.data.seq_len) / double(plan.mesh.axis_size(Axis::cp));
-  double bytes =
-      4.0 * rows * kept_per_token(*activations, share, mode, tp, sp) * double(microbatches_held);
-  // A fully recomputed layer's backward runs in one scratch layer.
+  double bytes = rows * kept_bytes_per_token(*activations, share, mode, tp, sp, bfloat16) *
+                 double(microbatches_held);
+  // A fully recomputed layer's backward runs in one float32 scratch layer;
+  // with bfloat16 activations, but for its float32 part, in the working
+  // buffers every layer computes in (not counted).
+  const ModelDescription::PerToken& scratch =
+      bfloat16 && activations->float32 ? activations->float32->layer : activations->layer;
   if (mode == "full" && share.layers > 0) {
-    bytes += 4.0 * rows *
-             (double(activations->layer.whole) + double(activations->layer.tp_split) / double(tp));
+    bytes += 4.0 * rows * (double(scratch.whole) + double(scratch.tp_split) / double(tp));
   }
   return int64_t(bytes);
 }

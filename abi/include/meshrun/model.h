@@ -1,6 +1,7 @@
 /*
  * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
- * 1.8 adds the description's "flops", 1.9 its "activations").
+ * 1.8 adds the description's "flops", 1.9 its "activations", 1.10 their
+ * "float32" part).
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -91,14 +92,20 @@
  *                 layers x width x seq_len FLOPs per trained token; absent,
  *                 6 x every parameter
  *   "activations": {"layer": {"whole", "tp_split"}, "elementwise": {...},
- *                 "stream", "head": {...}}, optional (1.9): float32
+ *                 "stream", "head": {...}}, optional (1.9): the
  *                 elements the forward keeps for the backward per token of
  *                 a microbatch, for `meshrun plan --estimate`: a layer's
  *                 (nothing recomputed), the part of those selective
  *                 checkpointing recomputes, a layer's input (the residual
  *                 stream the stage keeps), the head's; "whole" on every tp
  *                 rank, "tp_split" divided over them. Absent, the estimate
- *                 says the activations are not described
+ *                 says the activations are not described. With 1.10's
+ *                 optional "float32": {"layer", "elementwise", "head"},
+ *                 the model keeps all but those elements in bfloat16 when
+ *                 the plan's autocast_dtype is "bfloat16" (norm
+ *                 statistics, log-sum-exps and the loss's softmax stay
+ *                 float32; the stream always does); each at most its
+ *                 whole. Absent, every element is float32
  *   "context_parallel": {"heads", "kv_heads"}, present when the model
  *                 computes context parallelism (below): its attention and
  *                 key/value heads, which cp_ulysses_degree must divide on

@@ -1,0 +1,71 @@
+#include "common/kept_activations.hpp"
+
+#include "common/support.hpp"
+#include "numeric/bfloat16.hpp"
+
+namespace meshrun::models {
+
+KeptInBfloat16::KeptInBfloat16(std::vector<size_t> sizes)
+    : working_(sizes.size()), sizes_(std::move(sizes)) {}
+
+void KeptInBfloat16::lend(const LowPrecisionBuffers& buffers) {
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (buffers[k] == nullptr) continue;
+    buffers[k]->swap(working_[k]);
+    buffers[k]->resize(sizes_[k]);
+  }
+}
+
+void KeptInBfloat16::keep(const LowPrecisionBuffers& buffers, BfloatCopies& copies) {
+  copies.resize(buffers.size());
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (buffers[k] == nullptr) continue;
+    const std::vector<float>& values = *buffers[k];
+    copies[k].resize(values.size());
+    kernels::to_bfloat16(values.data(), copies[k].data(), int64_t(values.size()));
+  }
+  take_back(buffers);
+}
+
+void KeptInBfloat16::restore(const LowPrecisionBuffers& buffers, const BfloatCopies& copies) {
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (buffers[k] == nullptr) continue;
+    buffers[k]->swap(working_[k]);
+    buffers[k]->resize(copies[k].size());
+    kernels::from_bfloat16(copies[k].data(), buffers[k]->data(), int64_t(copies[k].size()));
+  }
+}
+
+void KeptInBfloat16::take_back(const LowPrecisionBuffers& buffers) {
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    if (buffers[k] == nullptr) continue;
+    working_[k].swap(*buffers[k]);
+    std::vector<float>().swap(*buffers[k]);
+  }
+}
+
+int64_t KeptInBfloat16::bytes() const {
+  int64_t total = 0;
+  for (const std::vector<float>& buffer : working_) total += bytes_of(buffer);
+  return total;
+}
+
+void round_to_bfloat16(const LowPrecisionBuffers& buffers) {
+  for (std::vector<float>* buffer : buffers) {
+    if (buffer != nullptr) {
+      kernels::round_to_bfloat16(buffer->data(), buffer->data(), int64_t(buffer->size()));
+    }
+  }
+}
+
+void round_kept(bool bfloat16, std::vector<float>& buffer) {
+  if (bfloat16) kernels::round_to_bfloat16(buffer.data(), buffer.data(), int64_t(buffer.size()));
+}
+
+int64_t bytes_of_copies(const BfloatCopies& copies) {
+  int64_t total = 0;
+  for (const auto& copy : copies) total += bytes_of(copy);
+  return total;
+}
+
+}  // namespace meshrun::models
