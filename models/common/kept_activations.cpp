@@ -5,6 +5,18 @@
 
 namespace meshrun::models {
 
+namespace {
+
+// `buffer` holding `size` elements. A buffer whose size changes (a
+// mixture's experts', sized by each forward's routing) is allocated anew,
+// so it holds what this forward routed, not the most any forward did.
+template <typename Element>
+void size_exactly(std::vector<Element>& buffer, size_t size) {
+  if (buffer.size() != size) buffer = std::vector<Element>(size);
+}
+
+}  // namespace
+
 KeptInBfloat16::KeptInBfloat16(std::vector<size_t> sizes)
     : working_(sizes.size()), sizes_(std::move(sizes)) {}
 
@@ -12,7 +24,7 @@ void KeptInBfloat16::lend(const LowPrecisionBuffers& buffers) {
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     buffers[k]->swap(working_[k]);
-    buffers[k]->resize(sizes_[k]);
+    size_exactly(*buffers[k], sizes_[k]);
   }
 }
 
@@ -21,7 +33,7 @@ void KeptInBfloat16::keep(const LowPrecisionBuffers& buffers, BfloatCopies& copi
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     const std::vector<float>& values = *buffers[k];
-    copies[k].resize(values.size());
+    size_exactly(copies[k], values.size());
     kernels::to_bfloat16(values.data(), copies[k].data(), int64_t(values.size()));
   }
   take_back(buffers);
@@ -31,7 +43,7 @@ void KeptInBfloat16::restore(const LowPrecisionBuffers& buffers, const BfloatCop
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     buffers[k]->swap(working_[k]);
-    buffers[k]->resize(copies[k].size());
+    size_exactly(*buffers[k], copies[k].size());
     kernels::from_bfloat16(copies[k].data(), buffers[k]->data(), int64_t(copies[k].size()));
   }
 }

@@ -267,6 +267,14 @@ MixtureScratch::MixtureScratch(const MixtureShape& shape, const ExpertParallel& 
               std::to_string(ep.size()) + " ep ranks, which do not divide them");
 }
 
+LowPrecisionBuffers low_precision(MixtureActivations& saved) {
+  LowPrecisionBuffers buffers{&saved.expert_outputs};
+  for (auto* experts : {&saved.expert_in, &saved.gate_up, &saved.act}) {
+    for (std::vector<float>& buffer : *experts) buffers.push_back(&buffer);
+  }
+  return buffers;
+}
+
 MixtureActivations::MixtureActivations(const MixtureScratch& scratch)
     : probs(size_t(scratch.shape.rows * scratch.shape.experts)),
       selected(size_t(scratch.shape.rows * scratch.shape.top_k)),

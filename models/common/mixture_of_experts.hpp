@@ -80,6 +80,11 @@ struct MixtureActivations {
   double aux_loss = 0;  // this layer's load-balancing loss
 };
 
+// What a bfloat16 run keeps of a mixture in bfloat16
+// (common/kept_activations.hpp): the experts' inputs, projections and
+// outputs, not the router's probabilities and weights.
+LowPrecisionBuffers low_precision(MixtureActivations& saved);
+
 // y [N, H] = the mixture of x [N, H].
 void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const float* x,
                      MixtureActivations& saved, float* y);

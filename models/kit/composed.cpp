@@ -518,9 +518,11 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
                               *kept.experts, y);
     } else {
       residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
-      if (op.keeps_output) {
-        models::round_kept(pass.bfloat16_activations, saved.tensors[size_t(op.output)]);
-      }
+    }
+    // A norm may read it next, and selective checkpointing recomputes the
+    // norm from what is kept.
+    if (op.keeps_output && !is_norm(op.op)) {
+      models::round_kept(pass.bfloat16_activations, saved.tensors[size_t(op.output)]);
     }
   }
 }
@@ -576,14 +578,16 @@ std::vector<std::vector<float>*> Composed::elementwise(LayerActivations& saved) 
 
 models::LowPrecisionBuffers Composed::low_precision(LayerActivations& saved) {
   models::LowPrecisionBuffers buffers;
-  // A mixture's layers keep float32 for now (docs/decisions.md).
-  if (saved.composition->moe_ops() > 0) return buffers;
   const std::vector<LayerOp>& ops = saved.composition->ops;
   for (size_t i = 0; i < ops.size(); ++i) {
     OpActivations& kept = saved.ops[i];
     if (ops[i].keeps_output) buffers.push_back(&saved.tensors[size_t(ops[i].output)]);
     if (ops[i].op == Op::attention) buffers.insert(buffers.end(), {&kept.qkv, &kept.attention});
     if (is_mlp(ops[i].op)) buffers.insert(buffers.end(), {&kept.hidden, &kept.act});
+    if (kept.experts) {
+      const models::LowPrecisionBuffers experts = models::low_precision(*kept.experts);
+      buffers.insert(buffers.end(), experts.begin(), experts.end());
+    }
   }
   return buffers;
 }

@@ -722,12 +722,6 @@ std::pair<models::ActivationsPerToken, models::Float32PerToken> activations(cons
     }
     if (!is_norm(op.op) && op.keeps_output) a.layer_whole += H;
   }
-  if (c.moe_ops() > 0) {  // a mixture's layers keep float32 (Composed::low_precision)
-    f.layer_whole = a.layer_whole;
-    f.layer_split = a.layer_split;
-    f.elementwise_whole = a.elementwise_whole;
-    f.elementwise_split = a.elementwise_split;
-  }
   return {a, f};
 }
 

@@ -95,9 +95,16 @@ struct Mixtral {
   static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
     return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2};
   }
-  // The layers keep float32 yet, as the kit's mixtures (docs/decisions.md);
-  // the head keeps its norm's output in bfloat16.
-  static models::LowPrecisionBuffers low_precision(LayerActivations& /*saved*/) { return {}; }
+  // What a bfloat16 run keeps in bfloat16: all but the norms' 1/rms, the
+  // log-sum-exps, the router's and the loss's probabilities.
+  static models::LowPrecisionBuffers low_precision(LayerActivations& saved) {
+    models::LowPrecisionBuffers buffers{&saved.norm1, &saved.qkv, &saved.attention, &saved.h,
+                                        &saved.norm2};
+    for (std::vector<float>* buffer : models::low_precision(saved.experts)) {
+      buffers.push_back(buffer);
+    }
+    return buffers;
+  }
   static models::LowPrecisionBuffers low_precision(HeadActivations& saved) {
     return {&saved.final_norm};
   }
