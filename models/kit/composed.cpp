@@ -334,13 +334,18 @@ struct Gradients {
   }
 };
 
-// The input of an op's fused projection, as the weight gradient receives
-// it (which may move it away): the kept tensor itself when this op is its
-// last reader in the backward, else a copy.
-std::vector<float> copy_of(const float* values, int input, const Pass& pass) {
-  const int64_t numel =
-      input == 0 ? pass.stream_numel() : pass.numel_of(pass.composition.ops[size_t(input - 1)]);
-  return std::vector<float>(values, values + numel);
+// The input of an op's fused projection (or router), as the weight
+// gradient receives it (which may move it away): the kept tensor itself
+// when this op is its last reader in the backward, else a copy in `own`.
+std::vector<float>& weight_gradient_input(const LayerOp& op, const Tensors& tensors,
+                                          std::vector<float>& own) {
+  if (op.input != 0 && op.last_input_reader) return tensors.saved.tensors[size_t(op.input)];
+  const Pass& pass = tensors.pass;
+  const int64_t numel = op.input == 0 ? pass.stream_numel()
+                                      : pass.numel_of(pass.composition.ops[size_t(op.input - 1)]);
+  const float* values = tensors[op.input];
+  own.assign(values, values + numel);
+  return own;
 }
 
 // The gradient of an attention's or MLP's output [rows, hidden], from its
@@ -369,15 +374,12 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   } else if (group.size() > 1) {
     group.start_all_reduce_sum(full, N * H);
   }
-  const int input = p.op.input;
   std::vector<float> own;
-  std::vector<float>& x = input != 0 && p.op.last_input_reader
-                              ? tensors.saved.tensors[size_t(input)]
-                              : (own = copy_of(tensors[input], input, pass));
+  std::vector<float>& x = weight_gradient_input(p.op, tensors, own);
   gradients.linear({&p.in_weight(), &p.in_weight() + p.inputs - 1, p.layout.weights, N, H, width},
                    dy, x);
   group.wait_started();
-  grads.add(input, std::move(d_input));
+  grads.add(p.op.input, std::move(d_input));
 }
 
 void output_bias_backward(const Projections& p, const float* dy, int64_t rows, int64_t hidden,
@@ -441,9 +443,7 @@ void moe_backward(Pass& pass, const ParameterView* views, const LayerOp& op, std
                   WeightGradients& gradients) {
   std::vector<float> d_input = pass.take();
   std::vector<float> own;
-  std::vector<float>& x = op.input != 0 && op.last_input_reader
-                              ? tensors.saved.tensors[size_t(op.input)]
-                              : (own = copy_of(tensors[op.input], op.input, pass));
+  std::vector<float>& x = weight_gradient_input(op, tensors, own);
   models::mixture_backward(*pass.experts, views, dy.data(), pass.loss_scale, *kept.experts, x,
                            d_input.data(), gradients);
   grads.add(op.input, std::move(d_input));
