@@ -162,7 +162,9 @@ class ComposedMixtral(ComposedModels, unittest.TestCase):
         everything else, and its activations are checked against what a
         1-rank run holds instead (without checkpointing: all but the
         80 bytes per layer of routing counts; with it: within test_estimate.py's
-        10%, as the recomputed norms' scratch is not in the estimate)."""
+        10%, as the recomputed norms' scratch is not in the estimate), with
+        float32 and with bfloat16 parameters (whose activations are kept in
+        bfloat16, but the router's and the norms' statistics)."""
         same = ("params", "grads", "optimizer", "buffers", "microbatches_held")
         for name in self.cases:
             with self.subTest(name=name):
@@ -176,15 +178,18 @@ class ComposedMixtral(ComposedModels, unittest.TestCase):
                                  [hand["memory"][key] for key in same])
                 for key in ("matmul", "communication", "optimizer", "bubble_fraction"):
                     self.assertEqual(kit["time"][key], hand["time"][key], key)
-        for checkpointing, value, tolerance in (("none", "false", 0.01),
-                                                ("selective", "selective", 0.1),
-                                                ("full", "full", 0.1)):
-            with self.subTest(checkpointing=checkpointing):
-                setting = f"distributed.activation_checkpointing={value}"
-                estimated = self.plan(1, (setting,))[0]["memory"]["activations"][checkpointing]
-                output = self.runs.train(f"activations_{checkpointing}", 1, setting)
-                held = metrics(output)[-1]["mem"]["activations_peak"]
-                self.assertLessEqual(abs(estimated - held), tolerance * held, (estimated, held))
+        for dtype in ("float32", "bfloat16"):
+            for checkpointing, value, tolerance in (("none", "false", 0.01),
+                                                    ("selective", "selective", 0.1),
+                                                    ("full", "full", 0.1)):
+                with self.subTest(dtype=dtype, checkpointing=checkpointing):
+                    settings = (f"distributed.activation_checkpointing={value}",
+                                f"distributed.mp_policy.param_dtype={dtype}")
+                    estimate = self.plan(1, settings)[0]["memory"]["activations"]
+                    output = self.runs.train(f"activations_{dtype}_{checkpointing}", 1, *settings)
+                    held = metrics(output)[-1]["mem"]["activations_peak"]
+                    self.assertLessEqual(abs(estimate[checkpointing] - held), tolerance * held,
+                                         (estimate[checkpointing], held))
 
 
 if __name__ == "__main__":
