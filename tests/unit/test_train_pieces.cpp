@@ -148,6 +148,36 @@ TEST_CASE("train: descriptions that do not hold together are refused naming the 
                     Contains("the parameters take 1.407e+14 bytes"));
 }
 
+// The description's activations, and the part a bfloat16 run keeps in
+// float32 (ABI 1.10): read when given, absent when not (all float32), and
+// refused when a part exceeds its whole.
+TEST_CASE("train: a description's activations say which stay float32", "[train]") {
+  using Catch::Matchers::Contains;
+  const auto with = [](const std::string& float32) {
+    std::string text = kDescription;
+    text.replace(text.rfind('}'), 1,
+                 R"(, "activations": {"layer": {"whole": 10, "tp_split": 6}, )"
+                 R"("elementwise": {"whole": 4, "tp_split": 2}, "stream": 8, )"
+                 R"("head": {"whole": 9, "tp_split": 5})" +
+                     float32 + "}}");
+    return text;
+  };
+  const auto part = [](int layer, int elementwise, int head) {
+    const auto pair = [](int whole) {
+      return R"({"whole": )" + std::to_string(whole) + R"(, "tp_split": 2})";
+    };
+    return R"(, "float32": {"layer": )" + pair(layer) + R"(, "elementwise": )" + pair(elementwise) +
+           R"(, "head": )" + pair(head) + "}";
+  };
+  CHECK_FALSE(parse_description(with(""), "toy").activations->float32);
+  const ModelDescription split = parse_description(with(part(2, 2, 1)), "toy");
+  REQUIRE(split.activations->float32);
+  CHECK(split.activations->float32->layer.whole == 2);
+  CHECK(split.activations->float32->head.tp_split == 2);
+  CHECK_THROWS_WITH(parse_description(with(part(11, 2, 1)), "toy"),
+                    Contains("each float32 part at most its whole"));
+}
+
 // The toy with its layers' weights split over tp in one block, and the
 // embedding in another.
 std::string tensor_parallel_toy(const std::string& blocks) {
