@@ -228,13 +228,15 @@ std::optional<int64_t> activation_bytes(const Plan& plan, const RankShare& share
   const double rows = double(batch * config.data.seq_len) / double(plan.mesh.axis_size(Axis::cp));
   double bytes = rows * kept_bytes_per_token(*activations, share, mode, tp, sp, bfloat16) *
                  double(microbatches_held);
-  // A fully recomputed layer's backward runs in one float32 scratch layer;
-  // with bfloat16 activations, but for its float32 part, in the working
-  // buffers every layer computes in (not counted).
+  // A fully recomputed layer's backward runs in one float32 scratch layer
+  // and output (a layer's stream); with bfloat16 activations the layer but
+  // for its float32 part is in the working buffers every layer computes in
+  // (not counted).
   const ModelDescription::PerToken& scratch =
       bfloat16 && activations->float32 ? activations->float32->layer : activations->layer;
   if (mode == "full" && share.layers > 0) {
-    bytes += 4.0 * rows * (double(scratch.whole) + double(scratch.tp_split) / double(tp));
+    const double output = double(activations->stream) / (sp ? double(tp) : 1.0);
+    bytes += 4.0 * rows * (double(scratch.whole) + double(scratch.tp_split) / double(tp) + output);
   }
   return int64_t(bytes);
 }
