@@ -50,16 +50,15 @@ void KeptInBfloat16::restore(const LowPrecisionBuffers& buffers, const BfloatCop
 
 void KeptInBfloat16::take_back(const LowPrecisionBuffers& buffers) {
   for (size_t k = 0; k < buffers.size(); ++k) {
-    if (buffers[k] == nullptr) continue;
-    working_[k].swap(*buffers[k]);
-    std::vector<float>().swap(*buffers[k]);
+    if (buffers[k] != nullptr) working_[k].swap(*buffers[k]);
   }
+  release(buffers);
 }
 
-int64_t KeptInBfloat16::bytes() const {
-  int64_t total = 0;
-  for (const std::vector<float>& buffer : working_) total += bytes_of(buffer);
-  return total;
+void release(const LowPrecisionBuffers& buffers) {
+  for (std::vector<float>* buffer : buffers) {
+    if (buffer != nullptr) std::vector<float>().swap(*buffer);
+  }
 }
 
 void round_to_bfloat16(const LowPrecisionBuffers& buffers) {

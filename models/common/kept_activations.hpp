@@ -42,12 +42,14 @@ class KeptInBfloat16 {
   // After the backward: the working buffers taken back (one the backward
   // moved away is allocated again when next lent).
   void take_back(const LowPrecisionBuffers& buffers);
-  int64_t bytes() const;
 
  private:
   std::vector<std::vector<float>> working_;
   std::vector<size_t> sizes_;
 };
+
+// Each buffer emptied, its memory freed (null ones skipped).
+void release(const LowPrecisionBuffers& buffers);
 
 // Each buffer rounded to bfloat16 in place: what keeping it in bfloat16
 // leaves for the backward.

@@ -87,9 +87,6 @@ struct TransformerStage<Family>::Microbatch {
           layers(checkpointed.size()),
           copies(checkpointed.size()),
           hidden(pass.stream_numel()) {
-      const auto release = [](const LowPrecisionBuffers& buffers) {
-        for (std::vector<float>* buffer : buffers) std::vector<float>().swap(*buffer);
-      };
       for (size_t i = 0; i < layers.size(); ++i) {
         if (checkpointed[i] == Recomputation::full) continue;
         layers[i].emplace(pass);
@@ -170,10 +167,7 @@ struct TransformerStage<Family>::Scratch {
   }
   void renew_layer(const typename Family::Pass& pass) {
     layer.emplace(pass);
-    if (!bfloat16) return;
-    for (std::vector<float>* buffer : Family::low_precision(*layer)) {
-      std::vector<float>().swap(*buffer);
-    }
+    if (bfloat16) release(Family::low_precision(*layer));
   }
 
   bool bfloat16;
