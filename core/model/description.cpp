@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 
 #include "errors.hpp"
@@ -107,6 +108,41 @@ UnitIndices read_units(const ordered_json& json, const std::string& origin, Mode
                                 d.units.back() + "'");
   }
   return indices;
+}
+
+// "unit_kinds" (ABI 1.11): one per unit, the root last and only there, at
+// most one embedding and one head. Absent: every unit but the root is a
+// layer.
+void read_unit_kinds(const ordered_json& json, const std::string& origin, ModelDescription& d) {
+  d.unit_kinds.assign(d.units.size(), UnitKind::layer);
+  d.unit_kinds.back() = UnitKind::root;
+  if (!json.contains("unit_kinds")) return;
+  const ordered_json& kinds = json.at("unit_kinds");
+  if (!kinds.is_array() || kinds.size() != d.units.size()) {
+    bad_description(origin, fmt::format("\"unit_kinds\" must be an array of {} kinds, one per "
+                                        "unit in \"units\"",
+                                        d.units.size()));
+  }
+  const std::map<std::string, UnitKind> named = {{"layer", UnitKind::layer},
+                                                 {"embedding", UnitKind::embedding},
+                                                 {"head", UnitKind::head},
+                                                 {"root", UnitKind::root}};
+  int embeddings = 0, heads = 0;
+  for (size_t u = 0; u < kinds.size(); ++u) {
+    const auto found = kinds[u].is_string() ? named.find(kinds[u].get<std::string>()) : named.end();
+    const bool last = u + 1 == kinds.size();
+    if (found == named.end() || (found->second == UnitKind::root) != last) {
+      bad_description(origin, fmt::format("unit_kinds[{}] ({}) must be {}", u, kinds[u].dump(),
+                                          last ? "\"root\" (the last unit's kind)"
+                                               : "\"layer\", \"embedding\" or \"head\""));
+    }
+    d.unit_kinds[u] = found->second;
+    embeddings += found->second == UnitKind::embedding ? 1 : 0;
+    heads += found->second == UnitKind::head ? 1 : 0;
+  }
+  if (embeddings > 1 || heads > 1) {
+    bad_description(origin, "\"unit_kinds\" may name one \"embedding\" and one \"head\" unit");
+  }
 }
 
 void read_parameters(const ordered_json& json, const std::string& origin, const UnitIndices& units,
@@ -405,6 +441,16 @@ int64_t ModelDescription::parameter_index(const std::string& name) const {
   return found == parameter_indices.end() ? -1 : found->second;
 }
 
+std::vector<int32_t> ModelDescription::forward_units() const {
+  std::vector<int32_t> order;
+  for (const UnitKind kind : {UnitKind::embedding, UnitKind::layer, UnitKind::head}) {
+    for (int32_t u = 0; u < root_unit(); ++u) {
+      if (unit_kinds[size_t(u)] == kind) order.push_back(u);
+    }
+  }
+  return order;
+}
+
 int64_t ModelDescription::module_index(const std::string& name) const {
   const auto found = module_indices.find(name);
   return found == module_indices.end() ? -1 : found->second;
@@ -419,6 +465,7 @@ ModelDescription parse_description(const std::string& text, const std::string& o
   }
   if (!d.json.is_object()) bad_description(origin, "the description is not a JSON object");
   const UnitIndices units = read_units(d.json, origin, d);
+  read_unit_kinds(d.json, origin, d);
   read_parameters(d.json, origin, units, d);
   read_modules(d.json, origin, d);
   read_limits(d.json, origin, d);

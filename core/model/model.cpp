@@ -320,6 +320,26 @@ StageContents stage_contents(const Model& model, const std::vector<std::string>&
   return contents;
 }
 
+StrategyUnitNumbers strategy_unit_numbers(const ModelDescription& d,
+                                          const std::vector<int32_t>& held_units) {
+  StrategyUnitNumbers numbers;
+  numbers.of_model_unit.assign(d.units.size(), -1);
+  const auto held = [&](int32_t u) {
+    return std::find(held_units.begin(), held_units.end(), u) != held_units.end();
+  };
+  bool enclosed = held(d.root_unit());
+  for (const int32_t u : d.forward_units()) {
+    if (!held(u)) continue;
+    numbers.of_model_unit[size_t(u)] = numbers.num_units++;
+    enclosed = enclosed || !d.is_layer_unit(u);
+  }
+  if (enclosed) {
+    numbers.root_unit = numbers.num_units++;
+    numbers.of_model_unit[size_t(d.root_unit())] = numbers.root_unit;
+  }
+  return numbers;
+}
+
 ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modules,
                        StageHooks& hooks, const StageCommunicators& comms,
                        const std::string& plan_json, const std::string& options_json,

@@ -48,11 +48,18 @@ struct TensorParallelBlock {
   std::vector<std::pair<std::string, std::string>> modules;
 };
 
+// What a unit holds (the description's "unit_kinds"): a decoder layer, the
+// token (and position) embedding, the head (final norm, lm_head), or the
+// root, which encloses the others and holds what they share (a tied
+// embedding).
+enum class UnitKind { layer, embedding, head, root };
+
 // What `describe` said, checked (meshrun/model.h).
 struct ModelDescription {
   nlohmann::ordered_json config;  // the Hugging Face config.json
   std::vector<ModelParameter> parameters;
-  std::vector<std::string> units;  // the last is "root"
+  std::vector<std::string> units;    // the last is "root"
+  std::vector<UnitKind> unit_kinds;  // one per unit; without "unit_kinds" all layers but the root
   std::vector<ModelModule> modules;
   int64_t vocab_size = 0;
   std::optional<int64_t> max_seq_len;
@@ -109,6 +116,10 @@ struct ModelDescription {
   std::unordered_map<std::string, int64_t> parameter_indices, module_indices;
 
   int32_t root_unit() const { return int32_t(units.size()) - 1; }
+  bool is_layer_unit(int32_t unit) const { return unit_kinds[size_t(unit)] == UnitKind::layer; }
+  // The units but the root in the order a forward runs them: the
+  // embedding, the layers as listed, the head.
+  std::vector<int32_t> forward_units() const;
   // The index of the parameter called `name`, or -1.
   int64_t parameter_index(const std::string& name) const;
   // The index of the module called `name`, or -1.
@@ -181,6 +192,19 @@ struct ExpertPlacement {
 // The contents without the parameters of other ep ranks' experts.
 StageContents stage_contents(const Model& model, const std::vector<std::string>& modules,
                              const ExpertPlacement& experts);
+
+// How a strategy numbers a stage's units (meshrun/strategy.h): the units
+// the stage holds in forward order, then the root, which the stage's hooks
+// enclose the others with when it holds the root, the embedding or the
+// head (it may hold no parameter of its own). A stage of layers only has
+// no root: its first unit stands for it.
+struct StrategyUnitNumbers {
+  std::vector<int32_t> of_model_unit;  // per description unit, or -1
+  int32_t num_units = 0;
+  int32_t root_unit = 0;
+};
+StrategyUnitNumbers strategy_unit_numbers(const ModelDescription& description,
+                                          const std::vector<int32_t>& held_units);
 
 // A parameter's storage as the host hands it to a stage.
 struct ParameterStorage {

@@ -27,7 +27,7 @@ using nlohmann::ordered_json;
 bool is_layer(const ModelDescription& d, const ModelModule& module) {
   return !module.parameters.empty() &&
          std::all_of(module.parameters.begin(), module.parameters.end(),
-                     [&](int64_t p) { return d.parameters[size_t(p)].unit != d.root_unit(); });
+                     [&](int64_t p) { return d.is_layer_unit(d.parameters[size_t(p)].unit); });
 }
 
 // Stage count per AutoModel: one per rank (times the schedule's stages per
@@ -184,10 +184,12 @@ ordered_json autocast_dtype(const Config& config, const ModelDescription& d) {
 
 ordered_json default_plan(const Config& config, const MeshContext& mesh, const ModelDescription& d,
                           const PluginLibrary* schedule) {
-  // The root first, then the layer units in forward order.
+  // The root first, then the others in forward order.
   ordered_json units = ordered_json::array();
+  std::vector<size_t> listed_at(d.units.size(), 0);
   units.push_back({{"name", "root"}, {"parameters", ordered_json::array()}});
-  for (int32_t u = 0; u < d.root_unit(); ++u) {
+  for (const int32_t u : d.forward_units()) {
+    listed_at[size_t(u)] = units.size();
     units.push_back({{"name", d.units[size_t(u)]}, {"parameters", ordered_json::array()}});
   }
   // Over tp ranks each parameter is placed as the model computes it, or
@@ -197,7 +199,7 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
       tp > 1 ? choose_tensor_parallel(config, d) : TensorParallelChoice{};
   ordered_json parameters = ordered_json::array();
   for (const ModelParameter& p : d.parameters) {
-    units[p.unit == d.root_unit() ? 0 : size_t(p.unit) + 1]["parameters"].push_back(p.name);
+    units[listed_at[size_t(p.unit)]]["parameters"].push_back(p.name);
     const std::string placement =
         tp > 1 ? choice.placements[size_t(&p - d.parameters.data())] : "replicate";
     std::vector<int64_t> local_shape = p.shape;
@@ -214,7 +216,8 @@ ordered_json default_plan(const Config& config, const MeshContext& mesh, const M
   ordered_json checkpointed = ordered_json::array();
   const std::string& mode = config.distributed.activation_checkpointing;
   for (int32_t u = 0; !mode.empty() && u < d.root_unit(); ++u) {
-    checkpointed.push_back({{"module", d.units[size_t(u)]}, {"mode", mode}});
+    if (d.is_layer_unit(u))
+      checkpointed.push_back({{"module", d.units[size_t(u)]}, {"mode", mode}});
   }
   const int64_t pp = mesh.axis_size(Axis::pp);
   return {{"units", std::move(units)},

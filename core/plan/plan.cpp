@@ -356,14 +356,17 @@ constexpr int64_t kJsonRankLimit = 4096;
 constexpr int64_t kTextRankEdge = 8;
 
 // The strategy's layout of the tp-local parameters of a one-stage run:
-// description order, the description's units (the root last).
+// description order, the units as the stage's hooks number them.
 std::pair<StrategyBuffers, StrategyUnits> strategy_layout(const ModelDescription& local) {
   StrategyBuffers layout{nullptr, nullptr, local.numel, {0}, {}};
-  StrategyUnits units{nullptr, nullptr, int32_t(local.units.size()), local.root_unit(), {}, {}};
+  std::vector<int32_t> all(local.units.size());
+  for (size_t u = 0; u < all.size(); ++u) all[u] = int32_t(u);
+  const StrategyUnitNumbers numbers = strategy_unit_numbers(local, all);
+  StrategyUnits units{nullptr, nullptr, numbers.num_units, numbers.root_unit, {}, {}};
   for (const ModelParameter& parameter : local.parameters) {
     layout.parameter_offsets.push_back(parameter.offset + parameter.numel);
     layout.parameter_names.push_back(parameter.name);
-    units.parameter_units.push_back(parameter.unit);
+    units.parameter_units.push_back(numbers.of_model_unit[size_t(parameter.unit)]);
     units.parameter_rows.push_back(parameter.shape.empty() ? 1 : parameter.shape.front());
   }
   return {std::move(layout), std::move(units)};
@@ -498,9 +501,13 @@ std::string shown(const nlohmann::ordered_json& object, const char* name) {
 // The plan's tp rules, stages and checkpointing; the plan check has made
 // sure the arrays are there.
 std::string model_lines(const ModelDescription& description, const nlohmann::ordered_json& model) {
-  std::string text =
-      fmt::format("{:<10}{} parameters in {} tensors, {} sharding units (root + layers)\n", "model",
-                  description.numel, description.parameters.size(), description.units.size());
+  int64_t layers = 0;
+  for (int32_t u = 0; u < description.root_unit(); ++u) layers += description.is_layer_unit(u);
+  const int64_t others = int64_t(description.units.size()) - 1 - layers;
+  std::string text = fmt::format(
+      "{:<10}{} parameters in {} tensors, {} sharding units (root, {} layers{})\n", "model",
+      description.numel, description.parameters.size(), description.units.size(), layers,
+      others > 0 ? fmt::format(", {} for the embedding and the head", others) : "");
   for (const auto& rule : model.at("tensor_parallel")) {
     text += fmt::format("{:<10}{:<40}{:<18}{}\n", "tp", shown(rule, "module"), shown(rule, "style"),
                         shown(rule, "activations"));

@@ -155,12 +155,12 @@ std::vector<bool> blocks_from_file(const ModelDescription& d, const std::string&
   return result;
 }
 
-// The blocks none of whose parameters is in the root unit.
+// The blocks all of whose parameters are in layer units.
 std::vector<bool> layer_blocks(const ModelDescription& d) {
   std::vector<bool> parallel(d.tp_blocks.size(), true);
   for (const ModelParameter& p : d.parameters) {
     const auto member = block_of(d, module_of(p.name));
-    if (member && p.unit == d.root_unit()) parallel[member->block] = false;
+    if (member && !d.is_layer_unit(p.unit)) parallel[member->block] = false;
   }
   return parallel;
 }

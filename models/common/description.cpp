@@ -40,11 +40,18 @@ bool named_in(const std::vector<ModuleSpec>& modules, const std::string& name) {
 
 std::string describe_model(ordered_json fields, const std::vector<ParameterView>& parameters,
                            int64_t num_layers, const ModelModules& modules) {
+  const DecoderUnits decoder(num_layers);
   const auto unit_name = [&](int64_t unit) {
-    return unit == num_layers ? std::string("root") : modules.layer_prefix + std::to_string(unit);
+    if (unit < num_layers) return modules.layer_prefix + std::to_string(unit);
+    return std::string(unit == decoder.embedding ? "embedding"
+                       : unit == decoder.head    ? "head"
+                                                 : "root");
   };
-  ordered_json units = ordered_json::array();
-  for (int64_t unit = 0; unit <= num_layers; ++unit) units.push_back(unit_name(unit));
+  ordered_json units = ordered_json::array(), kinds = ordered_json::array();
+  for (int64_t unit = 0; unit <= decoder.root; ++unit) {
+    units.push_back(unit_name(unit));
+    kinds.push_back(unit < num_layers ? "layer" : unit_name(unit));
+  }
   ordered_json described = ordered_json::array();
   ordered_json module_list = ordered_json::array();
   for (const ModuleSpec& module : modules.embedding) module_list.push_back(module_json(module));
@@ -52,7 +59,7 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
     described.push_back({{"name", p.name}, {"shape", p.shape}, {"unit", unit_name(p.unit)}});
     if (p.tp != "replicate") described.back()["tp"] = p.tp;
     if (p.expert >= 0) described.back()["expert"] = p.expert;
-    if (p.unit == num_layers) continue;
+    if (p.unit >= num_layers) continue;
     if (module_list.back()["name"] != unit_name(p.unit)) {
       module_list.push_back({{"name", unit_name(p.unit)}, {"parameters", ordered_json::array()}});
     }
@@ -61,6 +68,7 @@ std::string describe_model(ordered_json fields, const std::vector<ParameterView>
   for (const ModuleSpec& module : modules.head) module_list.push_back(module_json(module));
   fields["parameters"] = std::move(described);
   fields["units"] = std::move(units);
+  fields["unit_kinds"] = std::move(kinds);
   fields["modules"] = std::move(module_list);
   return fields.dump();
 }

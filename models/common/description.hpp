@@ -33,9 +33,9 @@ struct ModelModules {
 };
 
 // The description JSON: `fields` (what the family knows: "config",
-// "vocab_size", "max_seq_len", "num_layers_key") with "parameters", "units"
-// and "modules" added from the parameters of a model of `num_layers` layers,
-// whose root unit is num_layers.
+// "vocab_size", "max_seq_len", "num_layers_key") with "parameters", "units",
+// "unit_kinds" and "modules" added from the parameters of a model of
+// `num_layers` layers, in DecoderUnits.
 std::string describe_model(nlohmann::ordered_json fields,
                            const std::vector<ParameterView>& parameters, int64_t num_layers,
                            const ModelModules& modules);

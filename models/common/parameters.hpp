@@ -9,12 +9,24 @@
 
 namespace meshrun::models {
 
+// The units of a decoder-only model of L layers (meshrun/model.h "units"):
+// decoder layer l is unit l; then the embedding (token and position
+// embeddings), the head (final norm, lm_head) and the root, which holds
+// only a tied embedding, used by the embedding and the head both. As
+// torchtitan wraps them, no rank gathers the embedding and the head at
+// once unless they share their weight.
+struct DecoderUnits {
+  explicit DecoderUnits(int64_t layers) : embedding(layers), head(layers + 1), root(layers + 2) {}
+  int64_t embedding, head, root;
+  // The embedding's unit: the root's when tied to the lm_head.
+  int64_t token_embedding(bool tied) const { return tied ? root : embedding; }
+};
+
 // One parameter tensor: its Hugging Face name and shape, its index among the
-// model's parameters and its unit (decoder layer l is unit l, the root —
-// embeddings, final norm, lm_head — one past the last layer), how the
-// family computes it over tensor-parallel ranks, and where its values and
-// gradient are while a stage computes with it. A stage's views have the
-// shape and numel of its tp rank's piece.
+// model's parameters and its unit (DecoderUnits), how the family computes
+// it over tensor-parallel ranks, and where its values and gradient are
+// while a stage computes with it. A stage's views have the shape and numel
+// of its tp rank's piece.
 struct ParameterView {
   std::string name;
   std::vector<int64_t> shape;

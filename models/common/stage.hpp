@@ -23,12 +23,13 @@
 //   Config, with vocab_size and tie_word_embeddings (Hugging Face names);
 //     check_config(config); num_layers(config)
 //   kName: the family's name, which messages begin with
-//   parameters(config): every parameter in order, the layers' in units
-//     0..L-1, the rest in the root unit L;
+//   parameters(config): every parameter in order, in DecoderUnits: the
+//     layers' in units 0..L-1, the embedding's, the head's, a tied
+//     embedding in the root;
 //   init_parameter(config, parameters, seed, index, values): one's initial
 //     values, independent of the others'
-//   embedding_tensors(config): the views of the embedding (the first root
-//     parameters; a tied lm_head is the first of them); a layer's views are
+//   embedding_tensors(config): the views of the embedding (the first
+//     parameters outside the layers; a tied lm_head is the first of them); a layer's views are
 //     those of its unit the stage holds (all, or with expert parallelism
 //     its own experts' only)
 //   check_layer_storage(layer views (a span), backward): the host's storage
@@ -275,14 +276,22 @@ class TransformerStage {
   // next layer's or the head's.
   std::span<const ParameterView> layer_view_span(int64_t layer) const;
   int64_t layer_count() const { return layout_.end_layer - layout_.first_layer; }
-  int64_t root_unit() const { return Family::num_layers(config_); }
+  DecoderUnits units() const { return DecoderUnits(Family::num_layers(config_)); }
+  // The root encloses the units of a stage with the embedding or the head,
+  // whether or not it holds a parameter (a tied embedding) of its own.
   bool holds_root() const { return layout_.embedding || layout_.head; }
+  // Whether the stage holds a parameter of `unit`.
+  bool holds_unit(int64_t unit) const;
   void check_layout() const;
   void check_checkpointing(const Checkpointing& checkpointing) const;
   void localize(const Placements& placements);
   void select_parameters();
   // The hooks' pre_ call of `unit`, then its views pointed at its storage.
   void enter(int64_t unit, float* hidden, bool backward);
+  // The embedding's or the head's unit entered and left around `compute`,
+  // when the stage holds a parameter of it.
+  template <class Compute>
+  void in_unit(int64_t unit, bool backward, Compute&& compute);
   // This rank's rows of `full` [batch, seq_len] tokens, checked, in `local`.
   void take_rows(const int32_t* full, std::vector<int32_t>& local, const char* what) const;
   std::string microbatch_name(int32_t mb) const;
@@ -303,7 +312,7 @@ class TransformerStage {
   // its pending weight pass: the scratch gets them back.
   void restore_scratch();
   void backward_pass(Microbatch& state, float loss_scale, const float* grad_output,
-                     float* grad_input, WeightGradients& gradients);
+                     float* grad_input, WeightGradients& gradients, bool weights_deferred);
   // gradient_ready of the embedding's views, last first; a tied lm_head's
   // view waits for the weight pass when `skip_lm_head`.
   void announce_embedding(bool skip_lm_head);

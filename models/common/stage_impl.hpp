@@ -274,8 +274,8 @@ void TransformerStage<Family>::check_checkpointing(const Checkpointing& checkpoi
 // the experts' only those the rank holds.
 template <class Family>
 void TransformerStage<Family>::select_parameters() {
-  const int64_t root = root_unit();
-  int64_t root_views = 0, head_views = 0;
+  const int64_t first_outside = Family::num_layers(config_);
+  int64_t outside_views = 0, head_views = 0;
   std::vector<ParameterView> all = Family::parameters(config_);
   int64_t experts = 0;
   for (const ParameterView& view : all) experts = std::max(experts, view.expert + 1);
@@ -285,9 +285,9 @@ void TransformerStage<Family>::select_parameters() {
     if (in_layers && (parameters_.empty() || parameters_.back().unit != view.unit)) {
       layer_first_view_.push_back(int64_t(parameters_.size()));
     }
-    const bool in_embedding =
-        view.unit == root && root_views++ < Family::embedding_tensors(config_);
-    const bool in_head = view.unit == root && !in_embedding && layout_.head;
+    const bool outside = view.unit >= first_outside;
+    const bool in_embedding = outside && outside_views++ < Family::embedding_tensors(config_);
+    const bool in_head = outside && !in_embedding && layout_.head;
     head_views += in_head ? 1 : 0;
     if (in_layers || (in_embedding && layout_.embedding) || in_head) {
       parameters_.push_back(std::move(view));
@@ -321,7 +321,25 @@ void TransformerStage<Family>::enter(int64_t unit, float* hidden, bool backward)
   for (ParameterView& view : parameters_) {
     if (view.unit == unit) hooks_.bind(view, backward);
   }
-  if (unit != root_unit()) Family::check_layer_storage(layer_view_span(unit), backward);
+  if (unit < Family::num_layers(config_)) {
+    Family::check_layer_storage(layer_view_span(unit), backward);
+  }
+}
+
+template <class Family>
+bool TransformerStage<Family>::holds_unit(int64_t unit) const {
+  return std::any_of(parameters_.begin(), parameters_.end(),
+                     [&](const ParameterView& view) { return view.unit == unit; });
+}
+
+template <class Family>
+template <class Compute>
+void TransformerStage<Family>::in_unit(int64_t unit, bool backward, Compute&& compute) {
+  const bool held = holds_unit(unit);
+  if (held) enter(unit, nullptr, backward);
+  compute();
+  if (held && backward) hooks_.post_backward(unit);
+  if (held && !backward) hooks_.post_forward(unit, nullptr, 0);
 }
 
 template <class Family>
@@ -416,15 +434,17 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
           layout_.head ? "the last stage's forward needs targets"
                        : "a stage without the head needs an output buffer");
   auto& pass = *pass_;
-  const int64_t stream = pass.stream_numel(), root = root_unit();
+  const int64_t stream = pass.stream_numel(), root = units().root;
   auto state = take_state();
   auto& saved = *state->saved;
   if (layout_.embedding) take_rows(tokens, saved.tokens, "tokens");
   if (layout_.head) take_rows(targets, saved.targets, "targets");
   if (holds_root()) enter(root, nullptr, false);
   if (layout_.embedding) {
-    Family::embedding_forward(pass, parameters_.data(), saved.tokens.data(),
-                              saved.stream(0, output));
+    in_unit(units().embedding, false, [&] {
+      Family::embedding_forward(pass, parameters_.data(), saved.tokens.data(),
+                                saved.stream(0, output));
+    });
   } else {
     std::copy_n(input, stream, saved.stream(0, output));
   }
@@ -438,9 +458,11 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
   if (layout_.head) {
     const LowPrecisionBuffers rounded = low_precision_head(*state);
     if (!rounded.empty()) kept_head_->lend(rounded);
-    loss = Family::head_forward(
-        pass, &parameters_[size_t(head_index_)], parameters_[size_t(lm_head_index_)],
-        saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
+    in_unit(units().head, false, [&] {
+      loss = Family::head_forward(
+          pass, &parameters_[size_t(head_index_)], parameters_[size_t(lm_head_index_)],
+          saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
+    });
     if (!rounded.empty()) kept_head_->keep(rounded, saved.head_copies);
     if (cp_.size() > 1) {
       auto sum = float(loss);
@@ -619,9 +641,8 @@ template <class Family>
 void TransformerStage<Family>::backward(int32_t mb, float loss_scale, const float* grad_output,
                                         float* grad_input) {
   AnnouncedGradients gradients(*this);
-  backward_pass(forwarded(mb, "backward"), loss_scale, grad_output, grad_input, gradients);
-  announce_embedding(false);
-  if (holds_root()) hooks_.post_backward(root_unit());
+  backward_pass(forwarded(mb, "backward"), loss_scale, grad_output, grad_input, gradients, false);
+  if (holds_root()) hooks_.post_backward(units().root);
   finish(microbatches_.find(mb));
 }
 
@@ -631,9 +652,8 @@ void TransformerStage<Family>::backward_input(int32_t mb, float loss_scale,
                                               const float* grad_output, float* grad_input) {
   Microbatch& state = forwarded(mb, "backward_input");
   DeferredGradients gradients(state.pending, hooks_);
-  backward_pass(state, loss_scale, grad_output, grad_input, gradients);
-  announce_embedding(true);
-  if (holds_root()) hooks_.post_backward(root_unit());
+  backward_pass(state, loss_scale, grad_output, grad_input, gradients, true);
+  if (holds_root()) hooks_.post_backward(units().root);
   state.saved.reset();
 }
 
@@ -646,7 +666,7 @@ void TransformerStage<Family>::backward_weight(int32_t mb) {
     throw std::logic_error(microbatch_name(mb) + ": backward_weight needs its backward_input " +
                            "first");
   }
-  const int64_t root = root_unit();
+  const int64_t root = units().root;
   if (holds_root()) enter(root, nullptr, true);
   int64_t current = -1;
   for (const stage_detail::PendingLinear& linear : found->second->pending) {
@@ -677,12 +697,13 @@ void TransformerStage<Family>::discard(int32_t mb) {
 
 // The forward in reverse through pass_->d_residual, the gradient of the
 // residual stream: from the loss or grad_output, through the layers, into
-// the embedding or grad_input. Leaves the root's post_backward to the
-// caller, after the embedding's gradients are announced.
+// the embedding or grad_input; the embedding's gradients announced, a tied
+// lm_head's left to the weight pass when `weights_deferred`. Leaves the
+// root's post_backward to the caller.
 template <class Family>
 void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale,
                                              const float* grad_output, float* grad_input,
-                                             WeightGradients& gradients) {
+                                             WeightGradients& gradients, bool weights_deferred) {
   require(layout_.head || grad_output != nullptr, Family::kName,
           "a stage without the head needs grad_output for its backward");
   require(layout_.embedding || grad_input != nullptr, Family::kName,
@@ -691,13 +712,15 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
   auto& saved = *state.saved;
   const int64_t stream = pass.stream_numel(), layers = layer_count();
   if constexpr (requires { Family::kExperts; }) pass.loss_scale = loss_scale;
-  if (holds_root()) enter(root_unit(), nullptr, true);
+  if (holds_root()) enter(units().root, nullptr, true);
   if (layout_.head) {
     const LowPrecisionBuffers rounded = low_precision_head(state);
     if (!rounded.empty()) kept_head_->restore(rounded, saved.head_copies);
-    Family::head_backward(pass, &parameters_[size_t(head_index_)],
-                          parameters_[size_t(lm_head_index_)], saved.stream(layers, nullptr),
-                          saved.targets.data(), loss_scale, *saved.head, gradients);
+    in_unit(units().head, true, [&] {
+      Family::head_backward(pass, &parameters_[size_t(head_index_)],
+                            parameters_[size_t(lm_head_index_)], saved.stream(layers, nullptr),
+                            saved.targets.data(), loss_scale, *saved.head, gradients);
+    });
     if (!rounded.empty()) kept_head_->take_back(rounded);
   } else {
     std::copy_n(grad_output, stream, pass.d_residual.begin());
@@ -709,7 +732,10 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
     hooks_.post_backward(layer);
   }
   if (layout_.embedding) {
-    Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
+    in_unit(units().embedding, true, [&] {
+      Family::embedding_backward(pass, parameters_.data(), saved.tokens.data());
+      announce_embedding(weights_deferred);
+    });
   } else {
     std::copy_n(pass.d_residual.begin(), stream, grad_input);
   }

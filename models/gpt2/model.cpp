@@ -10,6 +10,7 @@ namespace meshrun::gpt2 {
 
 using models::add_parameter;
 using models::Block;
+using models::DecoderUnits;
 
 namespace {
 
@@ -129,14 +130,18 @@ void check_tensor_parallel(const Gpt2Config& c, int64_t tp, const models::Parall
 }
 
 std::vector<ParameterView> model_parameters(const Gpt2Config& c) {
-  const int64_t E = c.n_embd, root = c.n_layer;
+  const int64_t E = c.n_embd;
+  const DecoderUnits units(c.n_layer);
   std::vector<ParameterView> views;
-  add_parameter(views, "transformer.wte.weight", {c.vocab_size, E}, root);
-  add_parameter(views, "transformer.wpe.weight", {c.n_positions, E}, root);
+  add_parameter(views, "transformer.wte.weight", {c.vocab_size, E},
+                units.token_embedding(c.tie_word_embeddings));
+  add_parameter(views, "transformer.wpe.weight", {c.n_positions, E}, units.embedding);
   for (int64_t layer = 0; layer < c.n_layer; ++layer) add_layer(views, c, layer);
-  add_parameter(views, "transformer.ln_f.weight", {E}, root);
-  add_parameter(views, "transformer.ln_f.bias", {E}, root);
-  if (!c.tie_word_embeddings) add_parameter(views, "lm_head.weight", {c.vocab_size, E}, root);
+  add_parameter(views, "transformer.ln_f.weight", {E}, units.head);
+  add_parameter(views, "transformer.ln_f.bias", {E}, units.head);
+  if (!c.tie_word_embeddings) {
+    add_parameter(views, "lm_head.weight", {c.vocab_size, E}, units.head);
+  }
   for (ParameterView& view : views) view.tp = kParallelModules.placement(view.name);
   models::require_addressable(views, {{"vocab_size", c.vocab_size},
                                       {"n_positions", c.n_positions},

@@ -61,8 +61,8 @@ nlohmann::ordered_json hf_config(const Gpt2Config& config);
 // attn.c_proj.{weight [E, E], bias}, ln_2.{weight, bias},
 // mlp.c_fc.{weight [E, I], bias}, mlp.c_proj.{weight [I, E], bias}}
 // (Conv1D weights are [in, out]); transformer.ln_f.{weight, bias};
-// lm_head.weight [V, E] unless tied. The root unit (n_layer) holds the
-// embeddings, ln_f and lm_head. Without storage. Over tp (Megatron-LM's
+// lm_head.weight [V, E] unless tied; in DecoderUnits (wte in the root when
+// tied). Without storage. Over tp (Megatron-LM's
 // GPT-2): c_attn column-parallel ("shard(1,3)": each rank's columns of q, k
 // and v), c_fc column-parallel ("shard(1)") with their biases; the c_proj
 // weights row-parallel ("shard(0)": their input rows), their biases and the

@@ -11,6 +11,7 @@ namespace meshrun::kit {
 
 using models::add_parameter;
 using models::Block;
+using models::DecoderUnits;
 using nlohmann::ordered_json;
 
 namespace {
@@ -533,21 +534,25 @@ bool is_output_projection_weight(const Composition& c, const std::string& parame
 }  // namespace
 
 std::vector<ParameterView> parameters(const Composition& c) {
-  const int64_t H = c.hidden_size, root = c.num_hidden_layers;
+  const int64_t H = c.hidden_size;
+  const DecoderUnits units(c.num_hidden_layers);
   std::vector<ParameterView> views;
-  add(views, c.embedding_weight(), {c.vocab_size, H}, root, "shard(0)");
+  add(views, c.embedding_weight(), {c.vocab_size, H}, units.token_embedding(c.tie_word_embeddings),
+      "shard(0)");
   if (c.learned_positions()) {
-    add(views, c.position_weight(), {c.max_position_embeddings, H}, root, "replicate");
+    add(views, c.position_weight(), {c.max_position_embeddings, H}, units.embedding, "replicate");
   }
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     for (const LayerOp& op : c.ops) add_op_parameters(views, c, op, layer);
   }
-  add(views, c.final_norm_name + ".weight", {H}, root, "replicate");
+  add(views, c.final_norm_name + ".weight", {H}, units.head, "replicate");
   if (c.final_norm == Op::layernorm) {
-    add(views, c.final_norm_name + ".bias", {H}, root, "replicate");
+    add(views, c.final_norm_name + ".bias", {H}, units.head, "replicate");
   }
-  if (c.lm_head_bias) add(views, "lm_head.bias", {c.vocab_size}, root, "shard(0)");
-  if (!c.tie_word_embeddings) add(views, "lm_head.weight", {c.vocab_size, H}, root, "shard(0)");
+  if (c.lm_head_bias) add(views, "lm_head.bias", {c.vocab_size}, units.head, "shard(0)");
+  if (!c.tie_word_embeddings) {
+    add(views, "lm_head.weight", {c.vocab_size, H}, units.head, "shard(0)");
+  }
   const std::string vocab = c.size_name("vocab_size"), hidden = c.size_name("hidden_size");
   const std::string intermediate = c.size_name("intermediate_size");
   const std::string positions = c.size_name("max_position_embeddings");

@@ -9,6 +9,7 @@ namespace meshrun::llama {
 
 using models::add_parameter;
 using models::Block;
+using models::DecoderUnits;
 
 namespace {
 
@@ -135,9 +136,10 @@ models::ModelModules decoder_modules(bool tie_word_embeddings) {
 
 std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
   const int64_t H = config.hidden_size, I = config.intermediate_size;
-  const int64_t root = root_unit(config);
+  const DecoderUnits units(config.num_hidden_layers);
   std::vector<ParameterView> views;
-  add_parameter(views, "model.embed_tokens.weight", {config.vocab_size, H}, root);
+  add_parameter(views, "model.embed_tokens.weight", {config.vocab_size, H},
+                units.token_embedding(config.tie_word_embeddings));
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
     add_attention_parameters(views, config, layer);
@@ -145,9 +147,9 @@ std::vector<ParameterView> model_parameters(const LlamaConfig& config) {
     add_parameter(views, prefix + "mlp.up_proj.weight", {I, H}, layer);
     add_parameter(views, prefix + "mlp.down_proj.weight", {H, I}, layer);
   }
-  add_parameter(views, "model.norm.weight", {H}, root);
+  add_parameter(views, "model.norm.weight", {H}, units.head);
   if (!config.tie_word_embeddings)
-    add_parameter(views, "lm_head.weight", {config.vocab_size, H}, root);
+    add_parameter(views, "lm_head.weight", {config.vocab_size, H}, units.head);
   for (ParameterView& view : views) view.tp = tensor_parallel_placement(view.name);
   models::require_addressable(
       views, {{"vocab_size", config.vocab_size}, {"hidden_size", H}, {"intermediate_size", I}});

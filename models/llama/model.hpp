@@ -39,9 +39,6 @@ using models::ParameterView;
 // architecture cannot take (the counts themselves are positive).
 void check_config(const LlamaConfig& config);
 
-// The root unit's number: one past the last decoder layer.
-inline int64_t root_unit(const LlamaConfig& config) { return config.num_hidden_layers; }
-
 // Every parameter in Hugging Face's order: model.embed_tokens.weight; per
 // layer N model.layers.N.{input_layernorm, self_attn.{q,k,v,o}_proj,
 // post_attention_layernorm, mlp.{gate,up,down}_proj}.weight;

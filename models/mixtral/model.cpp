@@ -5,6 +5,7 @@
 namespace meshrun::mixtral {
 
 using models::add_parameter;
+using models::DecoderUnits;
 
 void check_config(const MixtralConfig& c) {
   llama::check_config(c);
@@ -70,9 +71,10 @@ nlohmann::ordered_json hf_config(const MixtralConfig& c) {
 std::vector<ParameterView> model_parameters(const MixtralConfig& config) {
   const llama::LlamaConfig& d = config;
   const int64_t H = d.hidden_size, I = d.intermediate_size, E = config.num_local_experts;
-  const int64_t root = d.num_hidden_layers;
+  const DecoderUnits units(d.num_hidden_layers);
   std::vector<ParameterView> views;
-  add_parameter(views, "model.embed_tokens.weight", {d.vocab_size, H}, root);
+  add_parameter(views, "model.embed_tokens.weight", {d.vocab_size, H},
+                units.token_embedding(d.tie_word_embeddings));
   for (int64_t layer = 0; layer < d.num_hidden_layers; ++layer) {
     const std::string prefix = "model.layers." + std::to_string(layer) + ".";
     llama::add_attention_parameters(views, d, layer);
@@ -85,8 +87,8 @@ std::vector<ParameterView> model_parameters(const MixtralConfig& config) {
       for (int k = 1; k <= 3; ++k) views[views.size() - size_t(k)].expert = expert;
     }
   }
-  add_parameter(views, "model.norm.weight", {H}, root);
-  if (!d.tie_word_embeddings) add_parameter(views, "lm_head.weight", {d.vocab_size, H}, root);
+  add_parameter(views, "model.norm.weight", {H}, units.head);
+  if (!d.tie_word_embeddings) add_parameter(views, "lm_head.weight", {d.vocab_size, H}, units.head);
   models::require_addressable(views, {{"vocab_size", d.vocab_size},
                                       {"hidden_size", H},
                                       {"intermediate_size", I},

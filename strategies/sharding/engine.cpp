@@ -500,6 +500,12 @@ void Engine::unshard(int32_t unit, const std::vector<int32_t>& prefetch) {
 void Engine::start_gather(int32_t u) {
   Bucket& bucket = bucket_of(u);
   if (bucket.parameters.held() || bucket.gather.has_value()) return;
+  // A root holding no parameter (its embedding and head are units of their
+  // own) has nothing to move.
+  if (bucket.place.full_numel == 0) {
+    bucket.parameters.allocate(0, false);
+    return;
+  }
   bucket.gather.emplace(groups_, bucket.comm, shard_parameters_.data(), options_.param_dtype,
                         meter_);
 }
@@ -508,14 +514,28 @@ void Engine::complete_gather(int32_t b) {
   Bucket& bucket = buckets_[static_cast<size_t>(b)];
   if (!bucket.gather.has_value()) return;
   if (Buffer* slot = slot_of(b)) {
-    if (!slot->held()) {
-      throw Error(MESHRUN_INTERNAL, "double buffering: unit " + std::to_string(b) +
-                                        "'s gather buffer is still held by the unit two before");
-    }
+    if (!slot->held()) free_slot(slot, b);
     bucket.parameters.swap(*slot);
   }
   bucket.gather->finish(bucket.parameters);
   bucket.gather.reset();
+}
+
+// A slot still lent to an idle unit (the last unit, kept gathered after a
+// forward that had no backward: evaluation) is taken back: that unit is
+// gathered again when next used. A unit computing keeps its slot.
+void Engine::free_slot(Buffer* slot, int32_t b) {
+  for (int32_t holder = 0; holder < static_cast<int32_t>(buckets_.size()); ++holder) {
+    if (holder == b || slot_of(holder) != slot || !buckets_[size_t(holder)].parameters.held()) {
+      continue;
+    }
+    if (units_[static_cast<size_t>(holder)].phase == Phase::idle) {
+      release_bucket(holder);
+      return;
+    }
+  }
+  throw Error(MESHRUN_INTERNAL, "double buffering: unit " + std::to_string(b) +
+                                    "'s gather buffer is still held by a unit computing");
 }
 
 // Layer units alternate between the two buffers in forward order, so the
@@ -570,6 +590,10 @@ void Engine::check_finite_gradients(const Bucket& bucket) const {
 
 // Frees the bucket's gradients once their copy is in the send buffer.
 void Engine::start_reduction(Bucket& bucket) {
+  if (bucket.place.full_numel == 0) {
+    bucket.gradients.release();
+    return;
+  }
   if (options_.report_nan_in_param_grad) check_finite_gradients(bucket);
   const bool average = options_.average_in_collective;
   const float scale =

@@ -261,10 +261,14 @@ class PlanTest(unittest.TestCase):
     def test_sidecar_units_and_tensor_parallel_placement(self):
         model = self.plan_json("--world-size", "4", "distributed.tp_size=2",
                                "distributed.pp_size=1")
+        # The embedding and the head are units of their own (as torchtitan
+        # wraps them); the untied root holds nothing.
         self.assertEqual([u["name"] for u in model["units"]],
-                         ["root"] + [f"model.layers.{i}" for i in range(4)])
-        self.assertEqual(model["units"][0]["parameters"],
-                         ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"])
+                         ["root", "embedding"] + [f"model.layers.{i}" for i in range(4)] +
+                         ["head"])
+        self.assertEqual([u["parameters"] for u in model["units"] if "layers" not in u["name"]],
+                         [[], ["model.embed_tokens.weight"],
+                          ["model.norm.weight", "lm_head.weight"]])
         placement = {p["name"]: (p["tp"], p["local_shape"]) for p in model["parameters"]}
         self.assertEqual(placement["model.layers.0.self_attn.q_proj.weight"], ("shard(0)", [128, 256]))
         self.assertEqual(placement["model.layers.0.self_attn.k_proj.weight"], ("shard(0)", [64, 256]))

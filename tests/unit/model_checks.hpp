@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,10 +21,10 @@ namespace model_checks {
 using NamedShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 
 // The parameters are `expected` in order, indexed in order; those named
-// layer_prefix + "N." are in unit N, the others in the root, unit `root`.
+// layer_prefix + "N." are in unit N, the others in the unit `outside` gives.
 inline void check_parameter_list(const std::vector<meshrun::models::ParameterView>& parameters,
                                  const NamedShapes& expected, const std::string& layer_prefix,
-                                 int64_t root) {
+                                 const std::map<std::string, int64_t>& outside) {
   REQUIRE(parameters.size() == expected.size());
   for (size_t i = 0; i < expected.size(); ++i) {
     const std::string& name = expected[i].first;
@@ -32,7 +33,8 @@ inline void check_parameter_list(const std::vector<meshrun::models::ParameterVie
     CHECK(parameters[i].shape == expected[i].second);
     CHECK(parameters[i].index == int64_t(i));
     const bool in_layer = name.rfind(layer_prefix, 0) == 0;
-    CHECK(parameters[i].unit == (in_layer ? std::stoll(name.substr(layer_prefix.size())) : root));
+    CHECK(parameters[i].unit ==
+          (in_layer ? std::stoll(name.substr(layer_prefix.size())) : outside.at(name)));
   }
 }
 

@@ -296,6 +296,21 @@ void check_checkpointing_is_exact(const OwnedModel<Family>& model,
   CHECK(recomputing.activation_bytes() - first < first);
 }
 
+// A unit as the hooks' text names it: its layer's number, "embedding",
+// "head" or "root".
+template <class Family>
+std::string unit_name(const OwnedModel<Family>& model, int64_t unit) {
+  const meshrun::models::DecoderUnits units(Family::num_layers(model.config()));
+  if (unit < units.embedding) return std::to_string(unit);
+  return unit == units.embedding ? "embedding" : unit == units.head ? "head" : "root";
+}
+
+template <class Family>
+bool holds_unit(const OwnedModel<Family>& model, int64_t unit) {
+  return std::any_of(model.parameters().begin(), model.parameters().end(),
+                     [&](const ParameterView& view) { return view.unit == unit; });
+}
+
 // The unit-boundary calls as text ("pre_forward 0", "gradient_ready root"),
 // with each gradient as it was when announced and each unit's gradients at
 // its post_backward.
@@ -336,29 +351,33 @@ class RecordingHooks : public StageHooks {
   std::map<int64_t, std::vector<float>> unit_gradients_when_ready, gradients_when_ready;
 
  private:
-  std::string name(int64_t unit) const {
-    return unit == Family::num_layers(model_.config()) ? "root" : std::to_string(unit);
-  }
+  std::string name(int64_t unit) const { return unit_name<Family>(model_, unit); }
   const OwnedModel<Family>& model_;
 };
 
 // What model.h documents, checked on the calls of one forward and backward
-// of the whole model: the root's hooks enclose the layers' in forward order
-// and then in reverse; every parameter is announced once, in reverse order,
-// between its unit's pre_backward and post_backward, its gradient final by
-// then.
+// of the whole model: the root's hooks enclose the others', the embedding,
+// the layers and the head in forward order and then in reverse (a unit
+// holding no parameter, a tied model's embedding, has none); every
+// parameter is announced once, in reverse order, between its unit's
+// pre_backward and post_backward, its gradient final by then.
 template <class Family>
 void check_documented_order(const RecordingHooks<Family>& hooks, const OwnedModel<Family>& model) {
-  const int64_t layers = Family::num_layers(model.config());
+  const meshrun::models::DecoderUnits units(Family::num_layers(model.config()));
+  std::vector<int64_t> forward_order;
+  if (holds_unit(model, units.embedding)) forward_order.push_back(units.embedding);
+  for (int64_t l = 0; l < units.embedding; ++l) forward_order.push_back(l);
+  forward_order.push_back(units.head);
+  const auto name = [&](int64_t unit) { return unit_name<Family>(model, unit); };
   std::vector<std::string> expected = {"pre_forward root"};
-  for (int64_t l = 0; l < layers; ++l) {
-    expected.push_back("pre_forward " + std::to_string(l));
-    expected.push_back("post_forward " + std::to_string(l));
+  for (const int64_t u : forward_order) {
+    expected.push_back("pre_forward " + name(u));
+    expected.push_back("post_forward " + name(u));
   }
   expected.insert(expected.end(), {"post_forward root", "pre_backward root"});
-  for (int64_t l = layers - 1; l >= 0; --l) {
-    expected.push_back("pre_backward " + std::to_string(l));
-    expected.push_back("post_backward " + std::to_string(l));
+  for (auto u = forward_order.rbegin(); u != forward_order.rend(); ++u) {
+    expected.push_back("pre_backward " + name(*u));
+    expected.push_back("post_backward " + name(*u));
   }
   expected.push_back("post_backward root");
   std::vector<std::string> unit_events;
@@ -387,8 +406,9 @@ void check_documented_order(const RecordingHooks<Family>& hooks, const OwnedMode
     INFO(view.name);
     CHECK(gradient == std::vector<float>(view.grad, view.grad + view.numel));
   }
-  for (int64_t unit = 0; unit <= layers; ++unit) {
+  for (int64_t unit = 0; unit <= units.root; ++unit) {
     INFO("unit " << unit);
+    if (!holds_unit(model, unit)) continue;
     CHECK(hooks.unit_gradients_when_ready.at(unit) ==
           RecordingHooks<Family>::unit_gradients(model, unit));
   }
@@ -455,10 +475,15 @@ void check_unit_storage(OwnedModel<Family>& owning, const Batch& batch, int64_t 
         expected);
   bound.backward(0, 1.0f, nullptr, nullptr);
 
+  // In post_backward order: the head, the layers last to first, the
+  // embedding, the root.
+  const meshrun::models::DecoderUnits units(layers);
+  std::vector<int64_t> backward_order = {units.head};
+  for (int64_t l = layers - 1; l >= 0; --l) backward_order.push_back(l);
+  backward_order.insert(backward_order.end(), {units.embedding, units.root});
   std::vector<float> expected_grads;
-  for (int64_t unit = layers - 1; unit >= -1; --unit) {  // post_backward order: the root last
-    const std::vector<float> unit_grads =
-        RecordingHooks<Family>::unit_gradients(owning, unit < 0 ? layers : unit);
+  for (const int64_t unit : backward_order) {
+    const std::vector<float> unit_grads = RecordingHooks<Family>::unit_gradients(owning, unit);
     expected_grads.insert(expected_grads.end(), unit_grads.begin(), unit_grads.end());
   }
   CHECK(hooks.grads == expected_grads);

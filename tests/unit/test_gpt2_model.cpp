@@ -145,7 +145,13 @@ TEST_CASE("gpt2 parameters: Hugging Face names, shapes and order, units by block
                   {{"transformer.ln_f.weight", {E}}, {"transformer.ln_f.bias", {E}}});
   if (!tied) expected.push_back({"lm_head.weight", {V, E}});
 
-  model_checks::check_parameter_list(parameters, expected, "transformer.h.", 2);
+  // Two layers: the embedding is unit 2 (wte in the root, 4, when tied), the head 3.
+  model_checks::check_parameter_list(parameters, expected, "transformer.h.",
+                                     {{"transformer.wte.weight", tied ? 4 : 2},
+                                      {"transformer.wpe.weight", 2},
+                                      {"transformer.ln_f.weight", 3},
+                                      {"transformer.ln_f.bias", 3},
+                                      {"lm_head.weight", 3}});
 }
 
 TEST_CASE("gpt2 forward matches a naive double-precision Hugging Face reference", "[gpt2]") {

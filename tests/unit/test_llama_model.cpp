@@ -103,7 +103,11 @@ TEST_CASE("llama parameters: Hugging Face names, shapes and order, units by laye
   expected.push_back({"model.norm.weight", {H}});
   if (!tied) expected.push_back({"lm_head.weight", {V, H}});
 
-  model_checks::check_parameter_list(parameters, expected, "model.layers.", 2);
+  // Two layers: the embedding is unit 2 (the root, 4, when tied), the head 3.
+  model_checks::check_parameter_list(parameters, expected, "model.layers.",
+                                     {{"model.embed_tokens.weight", tied ? 4 : 2},
+                                      {"model.norm.weight", 3},
+                                      {"lm_head.weight", 3}});
 }
 
 TEST_CASE("llama forward matches a naive double-precision Hugging Face reference", "[llama]") {

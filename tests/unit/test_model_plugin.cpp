@@ -98,10 +98,15 @@ TEST_CASE("model plugin: llama's description", "[model]") {
   const meshrun::ModelDescription& d = plan.model->description();
   CHECK(d.config.at("num_key_value_heads") == 4);
   CHECK(d.config.at("architectures") == nlohmann::ordered_json::array({"LlamaForCausalLM"}));
-  CHECK(d.units == std::vector<std::string>{"model.layers.0", "model.layers.1", "root"});
+  CHECK(d.units ==
+        std::vector<std::string>{"model.layers.0", "model.layers.1", "embedding", "head", "root"});
+  CHECK(d.unit_kinds ==
+        std::vector<meshrun::UnitKind>{meshrun::UnitKind::layer, meshrun::UnitKind::layer,
+                                       meshrun::UnitKind::embedding, meshrun::UnitKind::head,
+                                       meshrun::UnitKind::root});
   CHECK(d.parameters.size() == 1 + 2 * 9 + 2);
   CHECK(d.parameters.back().name == "lm_head.weight");
-  CHECK(d.parameters.back().unit == 2);
+  CHECK(d.parameters.back().unit == 3);
   REQUIRE(d.modules.size() == 5);
   CHECK(d.modules[3].group == "head");
   CHECK(d.vocab_size == 11);
@@ -215,7 +220,9 @@ TEST_CASE("model plugin: gpt2's description", "[model][gpt2]") {
   CHECK(d.config.at("activation_function") == "gelu_new");
   CHECK(d.config.at("tie_word_embeddings") == true);  // Hugging Face's GPT-2 default
   CHECK(d.config.at("resid_pdrop") == 0.0);
-  CHECK(d.units == std::vector<std::string>{"transformer.h.0", "transformer.h.1", "root"});
+  CHECK(d.units == std::vector<std::string>{"transformer.h.0", "transformer.h.1", "embedding",
+                                            "head", "root"});
+  CHECK(d.parameters.front().unit == 4);  // wte, tied: in the root, read by embedding and head
   REQUIRE(d.parameters.size() == 2 + 2 * 12 + 2);  // tied: no lm_head.weight
   CHECK(d.parameters.back().name == "transformer.ln_f.bias");
   CHECK(d.parameters[2].name == "transformer.h.0.ln_1.weight");

@@ -148,6 +148,61 @@ TEST_CASE("train: descriptions that do not hold together are refused naming the 
                     Contains("the parameters take 1.407e+14 bytes"));
 }
 
+// The toy with its embedding and head as units of their own (ABI 1.11),
+// listed after the layers, and the root holding nothing.
+std::string split_root_toy() {
+  std::string text = kDescription;
+  const auto replace = [&](const std::string& from, const std::string& to) {
+    text.replace(text.find(from), from.size(), to);
+  };
+  replace(R"("embed", "shape": [4, 2], "unit": "root")",
+          R"("embed", "shape": [4, 2], "unit": "in")");
+  replace(R"("head", "shape": [4, 2], "unit": "root")",
+          R"("head", "shape": [4, 2], "unit": "out")");
+  replace(R"("units": ["layers.0", "layers.1", "root"])",
+          R"("units": ["layers.0", "layers.1", "in", "out", "root"], )"
+          R"("unit_kinds": ["layer", "layer", "embedding", "head", "root"])");
+  return text;
+}
+
+TEST_CASE("train: the embedding and the head units run around the layers, the root encloses them",
+          "[train]") {
+  using Catch::Matchers::Contains;
+  const ModelDescription d = parse_description(split_root_toy(), "toy");
+  CHECK(d.forward_units() == std::vector<int32_t>{2, 0, 1, 3});
+  CHECK(d.is_layer_unit(1));
+  CHECK_FALSE(d.is_layer_unit(2));
+  // The whole model: in forward order, then the root, held though empty.
+  const train::StageUnits all = train::stage_units(d, {{0, 1, 2, 3, 4}, {0, 1, 2, 3}});
+  CHECK(all.strategy.num_units == 5);
+  CHECK(all.strategy.root_unit == 4);
+  CHECK(all.of_model_unit == std::vector<int32_t>{1, 2, 0, 3, 4});
+  CHECK(all.strategy.parameter_units == std::vector<int32_t>{0, 1, 1, 2, 3});
+  // A last pipeline stage: a layer and the head, enclosed by the root.
+  const train::StageUnits last = train::stage_units(d, {{3, 4}, {1, 3}});
+  CHECK(last.strategy.num_units == 3);
+  CHECK(last.strategy.root_unit == 2);
+  CHECK(last.strategy.parameter_units == std::vector<int32_t>{0, 1});
+  // A middle stage of layers only has no root: its first unit stands for it.
+  const train::StageUnits middle = train::stage_units(d, {{1, 2}, {0}});
+  CHECK(middle.strategy.num_units == 1);
+  CHECK(middle.strategy.root_unit == 0);
+
+  std::string text = split_root_toy();
+  const auto broken = [&](const std::string& from, const std::string& to) {
+    std::string changed = text;
+    changed.replace(changed.find(from), from.size(), to);
+    return changed;
+  };
+  CHECK_THROWS_WITH(parse_description(broken(R"("head", "root"])", R"("head", "layer"])"), "toy"),
+                    Contains("unit_kinds[4] (\"layer\") must be \"root\""));
+  CHECK_THROWS_WITH(
+      parse_description(broken(R"("head", "root"])", R"("embedding", "root"])"), "toy"),
+      Contains("one \"embedding\" and one \"head\""));
+  CHECK_THROWS_WITH(parse_description(broken(R"("layer", "layer",)", R"("layer",)"), "toy"),
+                    Contains("an array of 5 kinds"));
+}
+
 // The description's activations, and the part a bfloat16 run keeps in
 // float32 (ABI 1.10): read when given, absent when not (all float32), and
 // refused when a part exceeds its whole.

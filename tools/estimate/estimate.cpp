@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <numeric>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -125,16 +127,63 @@ struct RankShare {
   int64_t layers = 0;
   bool embedding = false, head = false;
   int64_t largest_unit = 0;  // tp-local elements of its largest unit
+  // Tp-local elements a sharded strategy holds gathered at once at most:
+  // the root (kept gathered for the step) and the most that `window`
+  // consecutive units in forward order hold (the one computing and those
+  // prefetched).
+  int64_t gathered_peak = 0;
 };
+
+// The units gathered at once by a sharded strategy: the one computing and
+// those prefetched (fsdp2's deeper backward prefetch, Megatron-FSDP's one
+// ahead with overlap_param_gather); under a pipeline every unit of the
+// rank's stages, gathered for the whole step.
+int64_t gathered_window(const Plan& plan) {
+  const DistributedConfig& d = plan.config->distributed;
+  if (plan.mesh.axis_size(Axis::pp) > 1) return std::numeric_limits<int32_t>::max();
+  if (d.strategy == "fsdp2" && d.enable_fsdp2_prefetch) {
+    return 1 + std::max(d.fsdp2_forward_prefetch_depth, d.fsdp2_backward_prefetch_depth);
+  }
+  return d.strategy == "megatron_fsdp" && d.overlap_param_gather ? 2 : 1;
+}
+
+// The share's layers, largest unit and gathered peak from the units it
+// holds (held_units, in description order).
+void count_units(const ModelDescription& local, const std::vector<int64_t>& unit_numel,
+                 const std::vector<int32_t>& held_units, int64_t window, RankShare& share) {
+  const auto held = [&](int32_t u) {
+    return std::find(held_units.begin(), held_units.end(), u) != held_units.end();
+  };
+  std::vector<int64_t> in_order;
+  for (const int32_t u : local.forward_units()) {
+    if (held(u)) in_order.push_back(unit_numel[size_t(u)]);
+    share.layers += held(u) && local.is_layer_unit(u) ? 1 : 0;
+  }
+  int64_t most = 0;
+  for (size_t first = 0; first < in_order.size(); ++first) {
+    const size_t end = std::min(in_order.size(), first + size_t(window));
+    most = std::max(most, std::accumulate(in_order.begin() + ptrdiff_t(first),
+                                          in_order.begin() + ptrdiff_t(end), int64_t{0}));
+  }
+  const int64_t root = held(local.root_unit()) ? unit_numel[size_t(local.root_unit())] : 0;
+  share.gathered_peak = std::max(share.gathered_peak, most + root);
+  for (const int32_t u : held_units) {
+    share.largest_unit = std::max(share.largest_unit, unit_numel[size_t(u)]);
+  }
+}
 
 std::vector<RankShare> rank_shares(const Plan& plan) {
   const ModelDescription& local = plan.tensor_parallel->local();
+  const int64_t window = gathered_window(plan);
   std::vector<int64_t> unit_numel(local.units.size(), 0);
   for (const ModelParameter& p : local.parameters) unit_numel[size_t(p.unit)] += p.numel;
   const auto& split = plan.model_plan.value("pipeline", nlohmann::ordered_json());
   if (split.is_null() || split.empty()) {
-    return {RankShare{local.numel, int64_t(local.units.size()) - 1, true, true,
-                      *std::max_element(unit_numel.begin(), unit_numel.end())}};
+    RankShare share{local.numel, 0, true, true, 0, 0};
+    std::vector<int32_t> all(local.units.size());
+    std::iota(all.begin(), all.end(), 0);
+    count_units(local, unit_numel, all, window, share);
+    return {share};
   }
   std::vector<RankShare> shares(size_t(plan.mesh.axis_size(Axis::pp)));
   for (const auto& stage : split) {
@@ -142,10 +191,10 @@ std::vector<RankShare> rank_shares(const Plan& plan) {
     const StageContents contents =
         stage_contents(*plan.model, stage.at("modules").get<std::vector<std::string>>());
     for (const int64_t p : contents.parameters) share.numel += local.parameters[size_t(p)].numel;
-    for (const int32_t unit : contents.units) {
-      share.layers += unit == local.root_unit() ? 0 : 1;
-      share.largest_unit = std::max(share.largest_unit, unit_numel[size_t(unit)]);
-    }
+    const int64_t gathered = share.gathered_peak;
+    share.gathered_peak = 0;
+    count_units(local, unit_numel, contents.units, window, share);
+    share.gathered_peak += gathered;
     share.embedding = share.embedding || stage.at("stage").get<int64_t>() == 0;
     share.head = share.head || stage.at("stage").get<size_t>() + 1 == split.size();
   }
@@ -255,22 +304,16 @@ int64_t gathered_bytes(const Config& config) {
              : 4;
 }
 
-// Bytes per element of the largest unit a sharded strategy holds gathered
-// at its peak: the units gathered at once (the one computing and those
-// prefetched; fsdp2's deeper backward prefetch), each in the gathered dtype
-// and in float32 (the copy computed with, or the unit's gradients), and the
-// float32 gradients of the unit being reduce-scattered. Checked against
-// mem.buffers_peak of runs (docs/plan.md, "Estimates").
-int64_t gathered_unit_bytes(const Config& config) {
-  const DistributedConfig& d = config.distributed;
-  const int64_t per_unit = gathered_bytes(config) + 4;
-  int64_t units = 1;
-  if (d.strategy == "fsdp2" && d.enable_fsdp2_prefetch) {
-    units += std::max(d.fsdp2_forward_prefetch_depth, d.fsdp2_backward_prefetch_depth);
-  } else if (d.strategy == "megatron_fsdp" && d.overlap_param_gather) {
-    units += 1;
-  }
-  return units * per_unit + 4;
+// Bytes a sharded strategy holds gathered at its peak: the units gathered
+// at once (RankShare::gathered_peak), each element in the gathered dtype and
+// in float32 (the copy computed with, or the unit's gradients; under a
+// pipeline both, every unit's gradients held for the step's backwards),
+// and the float32 gradients of the largest unit being reduce-scattered.
+// Checked against mem.buffers_peak of runs (docs/plan.md, "Estimates").
+int64_t gathered_buffer_bytes(const Plan& plan, const RankShare& share) {
+  const int64_t gradients = plan.mesh.axis_size(Axis::pp) > 1 ? 4 : 0;
+  return share.gathered_peak * (gathered_bytes(*plan.config) + 4 + gradients) +
+         share.largest_unit * 4;
 }
 
 MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMemoryPlan>& predicted,
@@ -285,7 +328,7 @@ MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMem
   memory.optimizer = 8 * updated;
   memory.buffers = predicted ? int64_t(double(predicted->buffers_held) * fraction) : 0;
   if (strategy_shards(*plan.strategy)) {
-    memory.buffers += share.largest_unit * gathered_unit_bytes(*plan.config);
+    memory.buffers += gathered_buffer_bytes(plan, share);
   }
   memory.checkpointing = checkpointing_mode(*plan.config);
   memory.microbatches_held = held;

@@ -8,13 +8,10 @@ namespace meshrun::train {
 
 StageUnits stage_units(const ModelDescription& d, const StageContents& contents) {
   StageUnits units;
-  units.of_model_unit.assign(d.units.size(), -1);
-  const bool has_root = !contents.units.empty() && contents.units.back() == d.root_unit();
-  const auto layers = int32_t(contents.units.size()) - (has_root ? 1 : 0);
-  for (int32_t k = 0; k < layers; ++k) units.of_model_unit[size_t(contents.units[size_t(k)])] = k;
-  units.strategy.num_units = layers + (has_root ? 1 : 0);
-  units.strategy.root_unit = has_root ? layers : 0;
-  if (has_root) units.of_model_unit[size_t(d.root_unit())] = layers;
+  const StrategyUnitNumbers numbers = strategy_unit_numbers(d, contents.units);
+  units.of_model_unit = numbers.of_model_unit;
+  units.strategy.num_units = numbers.num_units;
+  units.strategy.root_unit = numbers.root_unit;
   std::vector<int64_t> unit_numel(size_t(units.strategy.num_units), 0);
   for (const int64_t p : contents.parameters) {
     const ModelParameter& parameter = d.parameters[size_t(p)];

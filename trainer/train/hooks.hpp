@@ -29,9 +29,8 @@
 
 namespace meshrun::train {
 
-// The strategy's units for a stage: its layer units 0..k-1 in order, then
-// the root when the stage holds root parameters (else the root is its first
-// layer unit), and each parameter's unit by that numbering.
+// The strategy's units for a stage (strategy_unit_numbers) and each
+// parameter's unit by that numbering.
 struct StageUnits {
   StrategyUnits strategy;
   std::vector<int32_t> of_model_unit;   // strategy unit of each description unit, or -1

@@ -1,7 +1,7 @@
 /*
  * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
  * 1.8 adds the description's "flops", 1.9 its "activations", 1.10 their
- * "float32" part).
+ * "float32" part, 1.11 its "unit_kinds").
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -35,7 +35,17 @@
  *                 of b equal blocks of d). With tp > 1 the `parameter` hook
  *                 hands out the rank's piece, of the local shape
  *   "units":      unit names; the last is "root" and encloses the others,
- *                 which are in forward order (a strategy shards per unit)
+ *                 whose layer units are in forward order (a strategy
+ *                 shards per unit)
+ *   "unit_kinds": optional (1.11), one per unit: "layer", "embedding",
+ *                 "head" or "root" (the last, and only it). The
+ *                 embedding's forward runs before the layers and the head's
+ *                 (final norm, lm_head) after them, wherever "units" lists
+ *                 them, at most one each; the root then holds what they
+ *                 share (a tied embedding), possibly nothing. A pipeline
+ *                 split balances and activation checkpointing lists the
+ *                 layer units only. Absent: every unit but the root is a
+ *                 layer
  *   "modules":    [{"name", "parameters": [names], "group"?}], the modules a
  *                 pipeline split may cut between, in forward order; a module
  *                 lists every parameter it uses (a tied lm_head lists the
@@ -152,13 +162,13 @@
  *   forward:   pre_forward(u, input)  [u's compute]  post_forward(u, output)
  *   backward:  pre_backward(u)        [u's compute]  post_backward(u)
  *
- * with the root's pre_ first and post_ last (it encloses the layer units),
- * and gets u's parameter and gradient views with `parameter` after pre_ and
- * uses them only until post_. The host lays the parameters of one unit out
- * one after another in description order, values in one block and
- * gradients in another, so a model may treat adjacent parameters as one
- * tensor (a fused q/k/v projection). In a backward, gradient_ready(p) follows the
- * moment the gradient of p is final for this backward, before
+ * with the root's pre_ first and post_ last (it encloses the other units;
+ * a stage holding the embedding or the head unit calls the root's hooks
+ * even when the root holds no parameter), and gets u's parameter and gradient views with
+ * `parameter` after pre_ and uses them only until post_. The host lays the parameters of one unit
+ * out one after another in description order, values in one block and gradients in another, so a
+ * model may treat adjacent parameters as one tensor (a fused q/k/v projection). In a backward,
+ * gradient_ready(p) follows the moment the gradient of p is final for this backward, before
  * post_backward of p's unit; every parameter of the stage is announced once
  * per backward (over backward_input and backward_weight together when the
  * backward is split, each of which brackets the units it touches with

@@ -79,8 +79,9 @@ typedef struct meshrun_strategy_setup {
   meshrun_communicator* shard_group;
   meshrun_communicator* replicate_group;
   /* Units (docs/design.md, "The runtime"): the modules whose parameters are gathered
-   * together. Units other than `root_unit` are one layer list, numbered in
-   * forward order; the root encloses them (embeddings, final norm, head). */
+   * together. Units other than `root_unit` are numbered in forward order
+   * (the embedding, the layers, the head); the root encloses them and may
+   * hold no parameter (its hooks are still called). */
   int32_t num_units;
   int32_t root_unit;
   const int32_t* parameter_units; /* num_parameters entries in [0, num_units) */
