@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <unordered_map>
 
@@ -218,8 +219,53 @@ void read_modules(const ordered_json& json, const std::string& origin, ModelDesc
   }
 }
 
-// "flops": {"matmul_parameters": n, "attention": {"layers": l, "width": w}},
-// non-negative integers.
+// "gemms" (1.11): [{"k", "n", "count", "rows"?, "tp"?}], positive sizes
+// and counts, rows in (0, 1], tp "k" or "n"; together exactly the
+// matmul_parameters a token meets (k x n x count x rows summed, to 1e-6).
+std::vector<ModelDescription::Gemm> parse_gemms(const ordered_json& gemms, int64_t matmul,
+                                                const std::string& origin) {
+  const auto refuse = [&](size_t i) {
+    bad_description(origin,
+                    fmt::format("flops.gemms[{}] must be {{\"k\": k, \"n\": n, \"count\": c, "
+                                "\"rows\"?: r, \"tp\"?: \"k\" or \"n\"}}, positive integers k, n, "
+                                "c and 0 < r <= 1",
+                                i));
+  };
+  if (!gemms.is_array()) refuse(0);
+  std::vector<ModelDescription::Gemm> parsed;
+  double weights = 0;
+  for (size_t i = 0; i < gemms.size(); ++i) {
+    const ordered_json& g = gemms[i];
+    const auto positive = [&](const char* key) {
+      if (!g.is_object() || !g.contains(key) || !g.at(key).is_number_integer() ||
+          g.at(key).get<int64_t>() <= 0) {
+        refuse(i);
+      }
+      return g.at(key).get<int64_t>();
+    };
+    ModelDescription::Gemm gemm{positive("k"), positive("n"), positive("count"), 1.0, ""};
+    if (g.contains("rows")) {
+      if (!g.at("rows").is_number()) refuse(i);
+      gemm.rows = g.at("rows").get<double>();
+      if (!(gemm.rows > 0 && gemm.rows <= 1)) refuse(i);
+    }
+    if (g.contains("tp")) {
+      gemm.tp = g.at("tp").is_string() ? g.at("tp").get<std::string>() : "";
+      if (gemm.tp != "k" && gemm.tp != "n") refuse(i);
+    }
+    weights += double(gemm.k) * double(gemm.n) * double(gemm.count) * gemm.rows;
+    parsed.push_back(gemm);
+  }
+  if (std::abs(weights - double(matmul)) > 1e-6 * double(std::max<int64_t>(matmul, 1))) {
+    bad_description(origin, fmt::format("flops.gemms hold {:.0f} weights a token meets, but "
+                                        "flops.matmul_parameters says {}: they must agree",
+                                        weights, matmul));
+  }
+  return parsed;
+}
+
+// "flops": {"matmul_parameters": n, "attention": {"layers": l, "width": w},
+// "gemms"?: [...]}, non-negative integers.
 ModelDescription::Flops parse_flops(const ordered_json& flops, const std::string& origin) {
   const auto count = [](const ordered_json& object, const char* key) -> std::optional<int64_t> {
     if (!object.is_object() || !object.contains(key) || !object.at(key).is_number_integer() ||
@@ -237,7 +283,9 @@ ModelDescription::Flops parse_flops(const ordered_json& flops, const std::string
                     "\"flops\" must be {\"matmul_parameters\": n, \"attention\": {\"layers\": l, "
                     "\"width\": w}}, non-negative integers");
   }
-  return {*matmul, *layers, *width};
+  ModelDescription::Flops parsed{*matmul, *layers, *width, {}};
+  if (flops.contains("gemms")) parsed.gemms = parse_gemms(flops.at("gemms"), *matmul, origin);
+  return parsed;
 }
 
 // "activations": {"layer": {"whole": a, "tp_split": b}, "elementwise": {...},

@@ -80,11 +80,22 @@ struct ModelDescription {
     int64_t count = 0, top_k = 0;
   };
   std::optional<Experts> experts;
+  // One of the GEMMs a forward runs (flops.gemms, ABI 1.11): rows x k times
+  // k x n, `rows` the share of a microbatch's rows it takes (a mixture's
+  // expert: top_k / experts), `count` times per forward, with k ("k") or n
+  // ("n") divided over tp ranks, or neither (empty).
+  struct Gemm {
+    int64_t k = 0, n = 0, count = 0;
+    double rows = 1.0;
+    std::string tp;
+  };
   // What a token costs (metrics' flops_per_s and mfu): the weights it meets
   // in matmuls (a mixture of experts: its top_k experts'), and the attention
   // layers with their query width; absent: every parameter, no attention.
+  // `gemms`, when described, are those matmuls as the model runs them.
   struct Flops {
     int64_t matmul_parameters = 0, attention_layers = 0, attention_width = 0;
+    std::vector<Gemm> gemms;
   };
   std::optional<Flops> flops;
   // What the forward keeps for the backward, in float32 elements per token

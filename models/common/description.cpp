@@ -88,9 +88,18 @@ nlohmann::ordered_json activations_json(const ActivationsPerToken& a, const Floa
 }
 
 nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
-                                  int64_t attention_width) {
-  return {{"matmul_parameters", matmul_parameters},
-          {"attention", {{"layers", attention_layers}, {"width", attention_width}}}};
+                                  int64_t attention_width, const std::vector<GemmShape>& gemms) {
+  ordered_json shapes = ordered_json::array();
+  for (const GemmShape& gemm : gemms) {
+    ordered_json shape = {{"k", gemm.k}, {"n", gemm.n}, {"count", gemm.count}};
+    if (gemm.rows != 1.0) shape["rows"] = gemm.rows;
+    if (gemm.tp[0] != '\0') shape["tp"] = gemm.tp;
+    shapes.push_back(std::move(shape));
+  }
+  ordered_json flops = {{"matmul_parameters", matmul_parameters},
+                        {"attention", {{"layers", attention_layers}, {"width", attention_width}}}};
+  if (!shapes.empty()) flops["gemms"] = std::move(shapes);
+  return flops;
 }
 
 nlohmann::ordered_json tp_blocks_json(const std::vector<BlockSpec>& specs) {

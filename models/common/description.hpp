@@ -40,9 +40,6 @@ std::string describe_model(nlohmann::ordered_json fields,
                            const std::vector<ParameterView>& parameters, int64_t num_layers,
                            const ModelModules& modules);
 
-// The description's "flops" (meshrun/model.h): the weights a token meets in
-// matmuls, and the attention layers with their query width (heads x
-// head_dim).
 // The description's "activations" (meshrun/model.h): elements per token,
 // {whole, tp_split} pairs; of the layer's, the element-wise part's and the
 // head's, those a bfloat16 run keeps in float32 (common/kept_activations.hpp:
@@ -57,8 +54,21 @@ struct Float32PerToken {
 nlohmann::ordered_json activations_json(const ActivationsPerToken& activations,
                                         const Float32PerToken& float32);
 
+// One of the GEMMs a forward runs (the description's flops.gemms): rows x
+// k times k x n, on `rows` of a microbatch's rows, `count` times per
+// forward; `tp` "k" or "n" for the dimension split over tp ranks, or empty.
+struct GemmShape {
+  int64_t k, n, count;
+  double rows;
+  const char* tp;
+};
+
+// The description's "flops" (meshrun/model.h): the weights a token meets in
+// matmuls, the attention layers with their query width (heads x head_dim),
+// and the GEMMs the forward runs (none: not described).
 nlohmann::ordered_json flops_json(int64_t matmul_parameters, int64_t attention_layers,
-                                  int64_t attention_width);
+                                  int64_t attention_width,
+                                  const std::vector<GemmShape>& gemms = {});
 
 // The description's "tp_blocks" (meshrun/model.h): each block's name and
 // its modules' styles.

@@ -684,17 +684,43 @@ ordered_json hf_config(const Composition& c) {
   return config;
 }
 
-// Weights a token meets in matmuls, per layer and in lm_head.
-int64_t matmul_parameters(const Composition& c) {
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  int64_t layer = 0;
+// The GEMMs a forward runs, as composed.cpp and mixture_of_experts.cpp run
+// them: attention's fused q/k/v projection (column-parallel) and its output
+// (row-parallel), an MLP's fused input projection and its output, a
+// mixture's router and each expert's two (on top_k / experts of the rows),
+// and lm_head (vocabulary-parallel).
+std::vector<models::GemmShape> gemm_shapes(const Composition& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, L = c.num_hidden_layers;
+  const int64_t E = c.num_local_experts;
+  std::vector<models::GemmShape> gemms;
   for (const LayerOp& op : c.ops) {
-    if (op.op == Op::attention) layer += H * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * H;
-    if (op.op == Op::swiglu_mlp) layer += 3 * H * I;
-    if (op.op == Op::gelu_mlp) layer += 2 * H * I;
-    if (op.op == Op::moe_mlp) layer += H * c.num_local_experts + c.num_experts_per_tok * 3 * H * I;
+    if (op.op == Op::attention) {
+      gemms.push_back({H, c.q_dim() + 2 * c.kv_dim(), L, 1.0, "n"});
+      gemms.push_back({c.q_dim(), H, L, 1.0, "k"});
+    }
+    if (op.op == Op::swiglu_mlp || op.op == Op::gelu_mlp) {
+      gemms.push_back({H, (op.op == Op::swiglu_mlp ? 2 : 1) * I, L, 1.0, "n"});
+      gemms.push_back({I, H, L, 1.0, "k"});
+    }
+    if (op.op == Op::moe_mlp) {
+      const double rows = double(c.num_experts_per_tok) / double(E);
+      gemms.push_back({H, E, L, 1.0, ""});
+      gemms.push_back({H, 2 * I, E * L, rows, ""});
+      gemms.push_back({I, H, E * L, rows, ""});
+    }
   }
-  return c.num_hidden_layers * layer + c.vocab_size * H;
+  gemms.push_back({H, c.vocab_size, 1, 1.0, "n"});
+  return gemms;
+}
+
+// Weights a token meets in matmuls: those of the GEMMs, each on its share
+// of the rows.
+int64_t matmul_parameters(const std::vector<models::GemmShape>& gemms) {
+  double weights = 0;
+  for (const models::GemmShape& g : gemms) {
+    weights += double(g.k) * double(g.n) * double(g.count) * g.rows;
+  }
+  return std::llround(weights);
 }
 
 // What composed.hpp's activations hold per token, in elements, and of
@@ -752,8 +778,9 @@ std::string describe(const Composition& c, const std::vector<ParameterView>& par
                                   {"kv_heads", c.num_key_value_heads}};
   }
   fields["tp_blocks"] = models::tp_blocks_json(tensor_parallel_blocks(c));
-  fields["flops"] =
-      models::flops_json(matmul_parameters(c), c.num_hidden_layers * c.attention_ops(), c.q_dim());
+  const std::vector<models::GemmShape> gemms = gemm_shapes(c);
+  fields["flops"] = models::flops_json(matmul_parameters(gemms),
+                                       c.num_hidden_layers * c.attention_ops(), c.q_dim(), gemms);
   const auto [kept, float32] = activations(c);
   fields["activations"] = models::activations_json(kept, float32);
   return models::describe_model(std::move(fields), parameters, c.num_hidden_layers, modules(c));

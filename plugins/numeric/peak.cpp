@@ -9,6 +9,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "numeric/gemm.hpp"
 
@@ -38,6 +39,22 @@ void fill_with_ones(dnnl::memory& memory, dnnl::memory::data_type type, int64_t 
   }
 }
 
+// Seconds per call of `call`, over at least 3 calls and about `seconds`,
+// after one untimed call (oneDNN compiles its kernel on the first).
+template <class Call>
+double mean_seconds(Call&& call, double seconds) {
+  call();
+  int64_t done = 0;
+  const auto start = Clock::now();
+  double elapsed = 0;
+  while (done < 3 || elapsed < seconds) {
+    call();
+    ++done;
+    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  return elapsed / double(done);
+}
+
 }  // namespace
 
 double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size) {
@@ -59,19 +76,27 @@ double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size) 
           {{DNNL_ARG_SRC, a_memory}, {DNNL_ARG_WEIGHTS, a_memory}, {DNNL_ARG_DST, c_memory}});
       stream.wait();
     };
-    multiply();
-    int64_t done = 0;
-    const auto start = Clock::now();
-    double elapsed = 0;
-    while (done < 3 || elapsed < seconds) {
-      multiply();
-      ++done;
-      elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-    }
-    return 2.0 * double(size) * double(size) * double(size) * double(done) / elapsed;
+    return 2.0 * double(size) * double(size) * double(size) / mean_seconds(multiply, seconds);
   } catch (const dnnl::error& error) {
     throw std::runtime_error(std::string("gemm peak: oneDNN failed: ") + error.what());
   }
+}
+
+double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds) {
+  operand_type(dtype);
+  if (m < 1 || k < 1 || n < 1) throw std::invalid_argument("linear_seconds: sizes must be >= 1");
+  kernels::use_one_gemm_thread_by_default();
+  const kernels::MatmulPrecisionScope precision(
+      dtype == "bfloat16" ? kernels::MatmulPrecision::bfloat16 : kernels::MatmulPrecision::float32);
+  // Small values: a GEMM's speed does not depend on them.
+  std::vector<float> x(size_t(m * k), 0.5f), w(size_t(n * k), 0.25f), y(size_t(m * n));
+  std::vector<float> dx(size_t(m * k)), dw(size_t(n * k), 0.0f);
+  const auto linear = [&] {
+    kernels::gemm(false, true, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
+    kernels::gemm(false, false, m, k, n, 1.0f, y.data(), n, w.data(), k, 0.0f, dx.data(), k);
+    kernels::gemm(true, false, n, k, m, 1.0f, y.data(), n, x.data(), k, 1.0f, dw.data(), k);
+  };
+  return mean_seconds(linear, seconds);
 }
 
 std::vector<PeakResult> run_peak_bench(const std::vector<std::string>& dtypes, int64_t threads,

@@ -20,6 +20,14 @@ namespace meshrun {
 // dtype, std::runtime_error when oneDNN fails.
 double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size = 512);
 
+// Seconds the calling thread takes for one linear's forward and backward
+// through the models' own GEMM (numeric/gemm.hpp: oneDNN, operands
+// converted to bfloat16 on each call where `dtype` is "bfloat16"): y = x
+// W^T, dx = dy W and dW += dy^T x for x [m, k] and W [n, k], the mean over
+// at least 3 rounds and about `seconds`. Throws std::invalid_argument for
+// another dtype or a size below 1.
+double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds);
+
 struct PeakResult {
   std::string dtype;
   int64_t threads = 0;

@@ -233,6 +233,35 @@ TEST_CASE("train: a description's activations say which stay float32", "[train]"
                     Contains("each float32 part at most its whole"));
 }
 
+// The GEMMs a forward runs (ABI 1.11 flops.gemms): read with their rows
+// and tp splits, and refused unless they hold the matmul weights a token
+// meets, or with an entry out of range.
+TEST_CASE("train: a description's GEMMs are its matmul parameters, shape by shape", "[train]") {
+  using Catch::Matchers::Contains;
+  const auto with = [](const std::string& gemms) {
+    std::string text = kDescription;
+    text.replace(text.rfind('}'), 1,
+                 R"(, "flops": {"matmul_parameters": 14, "attention": {"layers": 0, "width": 0}, )"
+                 R"("gemms": )" +
+                     gemms + "}}");
+    return text;
+  };
+  const ModelDescription d = parse_description(
+      with(
+          R"([{"k": 2, "n": 2, "count": 2, "tp": "n"}, {"k": 2, "n": 3, "count": 2, "rows": 0.5}])"),
+      "toy");
+  REQUIRE(d.flops->gemms.size() == 2);
+  CHECK(d.flops->gemms[0].tp == "n");
+  CHECK(d.flops->gemms[1].rows == 0.5);
+  CHECK(d.flops->gemms[1].tp.empty());
+  CHECK_THROWS_WITH(parse_description(with(R"([{"k": 2, "n": 2, "count": 2}])"), "toy"),
+                    Contains("flops.gemms hold 8 weights") && Contains("says 14"));
+  CHECK_THROWS_WITH(parse_description(with(R"([{"k": 2, "n": 7, "count": 1, "rows": 2}])"), "toy"),
+                    Contains("flops.gemms[0] must be"));
+  CHECK_THROWS_WITH(parse_description(with(R"([{"k": 14, "n": 1, "count": 1, "tp": "m"}])"), "toy"),
+                    Contains("flops.gemms[0] must be"));
+}
+
 // The toy with its layers' weights split over tp in one block, and the
 // embedding in another.
 std::string tensor_parallel_toy(const std::string& blocks) {

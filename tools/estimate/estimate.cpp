@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -58,7 +60,9 @@ HardwareProfile cpu_this_machine(int64_t ranks_per_node) {
           0.24 * memcpy * share,
           1e9 * share,
           ranks,
-          false};
+          false,
+          true,
+          share};
 }
 
 [[noreturn]] void bad_profile(const std::string& file, const toml::source_region& where,
@@ -247,6 +251,18 @@ ModelDescription::PerToken minus(const ModelDescription::PerToken& a,
   return {a.whole - b.whole, a.tp_split - b.tp_split};
 }
 
+// Elements per token of one microbatch a rank keeps in bfloat16 in `mode`
+// when its matmuls compute in bfloat16 (the model's description says
+// which it keeps in float32).
+double bfloat16_kept_per_token(const ModelDescription::Activations& a, const RankShare& share,
+                               const std::string& mode, int64_t tp, bool sequence_parallel) {
+  const ModelDescription::KeptInFloat32& f = *a.float32;
+  const ModelDescription::Activations in_bfloat16{
+      minus(a.layer, f.layer), minus(a.elementwise, f.elementwise), 0, minus(a.head, f.head), {}};
+  const double ids = (share.head ? 1.0 : 0.0) + (share.embedding ? 1.0 : 0.0);
+  return kept_per_token(in_bfloat16, share, mode, tp, sequence_parallel) - ids;
+}
+
 // Bytes a rank keeps per token of one microbatch in `mode`: float32, or
 // with bfloat16 matmuls what the model keeps in bfloat16 at 2 bytes (the
 // stream, token ids and targets stay 4).
@@ -256,11 +272,8 @@ double kept_bytes_per_token(const ModelDescription::Activations& a, const RankSh
   if (!bfloat16 || !a.float32) return 4.0 * kept_per_token(a, share, mode, tp, sequence_parallel);
   const ModelDescription::KeptInFloat32& f = *a.float32;
   const ModelDescription::Activations in_float32{f.layer, f.elementwise, a.stream, f.head, {}};
-  const ModelDescription::Activations in_bfloat16{
-      minus(a.layer, f.layer), minus(a.elementwise, f.elementwise), 0, minus(a.head, f.head), {}};
-  const double ids = (share.head ? 1.0 : 0.0) + (share.embedding ? 1.0 : 0.0);
   return 4.0 * kept_per_token(in_float32, share, mode, tp, sequence_parallel) +
-         2.0 * (kept_per_token(in_bfloat16, share, mode, tp, sequence_parallel) - ids);
+         2.0 * bfloat16_kept_per_token(a, share, mode, tp, sequence_parallel);
 }
 
 std::optional<int64_t> activation_bytes(const Plan& plan, const RankShare& share,
@@ -412,17 +425,68 @@ Communication estimate_communication(const Plan& plan, const RankShare& share,
   return comm;
 }
 
+// The most one timed GEMM touches: 64 MiB of weights and about 0.25 GFLOP
+// (a larger GEMM runs at the rate these sizes reach, and a plan must not
+// take minutes); the time is scaled to the whole shape.
+constexpr int64_t kTimedWeights = int64_t{1} << 24;
+constexpr double kTimedFlops = 2.5e8;
+
+// Seconds of one linear's forward and backward on m rows, k in, n out, on
+// this machine's core, timed at a clamped size and scaled.
+double timed_linear(const std::string& dtype, int64_t m, int64_t k, int64_t n,
+                    std::map<std::array<int64_t, 3>, double>& timed) {
+  const int64_t n_timed = std::max<int64_t>(1, std::min(n, kTimedWeights / k));
+  const int64_t m_timed =
+      std::max<int64_t>(1, std::min(m, int64_t(kTimedFlops / (2.0 * double(k) * double(n_timed)))));
+  const std::array<int64_t, 3> shape{m_timed, k, n_timed};
+  if (!timed.contains(shape)) timed[shape] = linear_seconds(dtype, m_timed, k, n_timed, 0.02);
+  return timed[shape] * double(m) / double(m_timed) * double(n) / double(n_timed);
+}
+
+// Seconds of a rank's matmuls in a step. Where the profile times the
+// model's GEMMs and the model describes them: each at its tp-local shape on
+// its rows of a microbatch, forward and backward, for each microbatch of
+// the rank's data-parallel group, its pipeline stage's share; the FLOPs
+// they leave (attention's) at the GEMM rate. Otherwise every FLOP at the
+// rate. Full checkpointing runs the forward again (4/3).
+double matmul_seconds(const Plan& plan, const HardwareProfile& hw, const Estimate& partial,
+                      double rate) {
+  const Config& config = *plan.config;
+  const MeshContext& mesh = plan.mesh;
+  const auto& flops = plan.model->description().flops;
+  const double recompute = checkpointing_mode(config) == "full" ? 4.0 / 3.0 : 1.0;
+  const double all_flops =
+      partial.flops_per_token * double(partial.tokens_per_step) / double(mesh.world_size());
+  if (!hw.times_model_gemms || !flops || flops->gemms.empty()) return all_flops * recompute / rate;
+  const int64_t batch = mesh.axis_size(Axis::pp) > 1
+                            ? config.distributed.pipeline.pp_microbatch_size
+                            : config.train.micro_batch_size;
+  const int64_t rows = batch * config.data.seq_len / mesh.axis_size(Axis::cp);
+  const double microbatches =
+      double(config.train.global_batch_size) / double(mesh.axis_size(Axis::dp) * batch);
+  const int64_t tp = mesh.axis_size(Axis::tp);
+  std::map<std::array<int64_t, 3>, double> timed;
+  double gemms = 0;
+  for (const ModelDescription::Gemm& g : flops->gemms) {
+    const int64_t m = std::max<int64_t>(1, std::llround(double(rows) * g.rows));
+    gemms += double(g.count) * timed_linear(partial.matmul_dtype, m, g.tp == "k" ? g.k / tp : g.k,
+                                            g.tp == "n" ? g.n / tp : g.n, timed);
+  }
+  gemms *= microbatches / double(mesh.axis_size(Axis::pp)) / hw.core_share;
+  const double gemm_flops = 6.0 * double(flops->matmul_parameters) *
+                            double(partial.tokens_per_step) / double(mesh.world_size());
+  return (gemms + std::max(0.0, all_flops - gemm_flops) / rate) * recompute;
+}
+
 TimeEstimate estimate_time(const Plan& plan, const RankShare& share, const HardwareProfile& hw,
                            const Estimate& partial, double bubble_fraction, int64_t updated_numel) {
   const Config& config = *plan.config;
   const MeshContext& mesh = plan.mesh;
   TimeEstimate time;
   const double world = double(mesh.world_size());
-  const double flops = partial.flops_per_token * double(partial.tokens_per_step) / world;
-  const double recompute = checkpointing_mode(config) == "full" ? 4.0 / 3.0 : 1.0;
   const double rate =
       partial.matmul_dtype == "bfloat16" ? hw.matmul_flops_bfloat16 : hw.matmul_flops_float32;
-  time.matmul = flops * recompute / rate;
+  time.matmul = matmul_seconds(plan, hw, partial, rate);
   // Element-wise passes: what the forward keeps is written once and read by
   // the backward, and gradients of the same size are written and read.
   const auto& activations = plan.model->description().activations;
@@ -434,9 +498,17 @@ TimeEstimate estimate_time(const Plan& plan, const RankShare& share, const Hardw
   if (activations) {
     const double rank_tokens =
         double(partial.tokens_per_step) / double(mesh.axis_size(Axis::dp_cp));
-    const double floats = kept_per_token(*activations, share, "none", mesh.axis_size(Axis::tp),
-                                         config.distributed.sequence_parallel);
-    time.elementwise = 4.0 * 4.0 * floats * rank_tokens / hw.memory_bandwidth;
+    const int64_t tp = mesh.axis_size(Axis::tp);
+    const bool sp = config.distributed.sequence_parallel;
+    const double floats = kept_per_token(*activations, share, "none", tp, sp);
+    // A bfloat16 run rounds what it keeps where it is produced (read and
+    // write 4 bytes), copies it to bfloat16 (read 4, write 2) and widens it
+    // for the backward (read 2, write 4).
+    const double converted =
+        partial.matmul_dtype == "bfloat16" && activations->float32
+            ? 20.0 * bfloat16_kept_per_token(*activations, share, "none", tp, sp)
+            : 0.0;
+    time.elementwise = (4.0 * 4.0 * floats + converted) * rank_tokens / hw.memory_bandwidth;
   }
   // AdamW reads parameter, gradient and both moments and writes three of
   // them; the gradient norm reads the gradients once more.
@@ -452,7 +524,11 @@ TimeEstimate estimate_time(const Plan& plan, const RankShare& share, const Hardw
   time.exposed_communication = data_parallel_exposed + comm.tensor_parallel;
   const double busy = time.compute + time.exposed_communication;
   time.bubble_fraction = bubble_fraction;
-  time.step = busy / (1.0 - bubble_fraction);
+  // Ranks sharing cores (core_share < 1) hand the cores they leave idle in
+  // the bubble to the others: the step is the longer of the busy time at
+  // the shared rate and the critical path at a whole core's.
+  time.step =
+      std::max(hw.core_share < 1.0 ? busy : 0.0, busy * hw.core_share / (1.0 - bubble_fraction));
   time.bubble = time.step - busy;
   time.tokens_per_s = double(partial.tokens_per_step) / time.step;
   time.mfu = partial.flops_per_token * double(partial.tokens_per_step) / (time.step * world * rate);

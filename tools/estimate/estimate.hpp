@@ -38,6 +38,11 @@ struct HardwareProfile {
   // Whether communication runs beside compute (a GPU's copy engines and
   // spare SMs); on CPU cores the ranks copy with the cores they compute on.
   bool overlaps_communication = true;
+  // cpu-this-machine: the model's own GEMMs (its description's flops.gemms)
+  // are timed here, one core's worth, of which a rank gets core_share;
+  // otherwise every matmul FLOP runs at the rates above.
+  bool times_model_gemms = false;
+  double core_share = 1.0;
 };
 
 // The profile `name` names: "h100-sxm", "h200", "cpu-this-machine"

@@ -100,7 +100,14 @@
  *                 attention layers with their query width (heads x
  *                 head_dim). The host counts 6 x matmul_parameters + 12 x
  *                 layers x width x seq_len FLOPs per trained token; absent,
- *                 6 x every parameter
+ *                 6 x every parameter. Its optional "gemms" (1.11):
+ *                 [{"k", "n", "count", "rows"?, "tp"?}], those matmuls as
+ *                 the forward runs them: rows x k times k x n, count times,
+ *                 on the share rows (0, 1] of a microbatch's rows (default
+ *                 1), "tp" "k" or "n" for the dimension split over tp
+ *                 ranks; k x n x count x rows summed must equal
+ *                 matmul_parameters (the host refuses it otherwise). The
+ *                 estimate times them on cpu-this-machine
  *   "activations": {"layer": {"whole", "tp_split"}, "elementwise": {...},
  *                 "stream", "head": {...}}, optional (1.9): the
  *                 elements the forward keeps for the backward per token of
