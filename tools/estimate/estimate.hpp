@@ -8,7 +8,8 @@
 // (its plan_memory), units gathered during a step, and the activations the
 // model describes (its description's "activations") for the microbatches
 // the schedule holds at its peak, with and without checkpointing. The step
-// time is compute (matmul FLOPs at the hardware's GEMM rate, the element-wise
+// time is compute (matmul FLOPs at the hardware's GEMM rate, or on
+// cpu-this-machine the model's own GEMM shapes timed here; the element-wise
 // passes and the optimizer at its memory bandwidth), the communication the
 // strategy and tensor parallelism cannot hide behind it, and the pipeline
 // schedule's bubble from its own simulation.
