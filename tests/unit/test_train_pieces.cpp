@@ -93,6 +93,18 @@ const char* const kDescription = R"({
               {"name": "head", "parameters": ["head"]}],
   "vocab_size": 4})";
 
+// `text` with its first `from` replaced by `to`.
+std::string replaced(std::string text, const std::string& from, const std::string& to) {
+  text.replace(text.find(from), from.size(), to);
+  return text;
+}
+
+// A description's `text` with `fields` (", \"key\": value, ...") added last.
+std::string with_fields(std::string text, const std::string& fields) {
+  text.replace(text.rfind('}'), 1, fields + "}");
+  return text;
+}
+
 TEST_CASE("train: flat buffers and strategy units follow the model's description", "[train]") {
   const ModelDescription d = parse_description(kDescription, "toy");
   CHECK(d.numel == 8 + 4 + 2 + 6 + 8);
@@ -119,11 +131,8 @@ TEST_CASE("train: flat buffers and strategy units follow the model's description
 
 TEST_CASE("train: descriptions that do not hold together are refused naming the field", "[train]") {
   using Catch::Matchers::Contains;
-  std::string text = kDescription;
-  const auto broken = [&](const std::string& from, const std::string& to) {
-    std::string changed = text;
-    changed.replace(changed.find(from), from.size(), to);
-    return changed;
+  const auto broken = [](const std::string& from, const std::string& to) {
+    return replaced(kDescription, from, to);
   };
   CHECK_THROWS_WITH(
       parse_description(broken(R"("layers.1", "root"])", R"("root", "layers.1"])"), "toy"),
@@ -151,18 +160,13 @@ TEST_CASE("train: descriptions that do not hold together are refused naming the 
 // The toy with its embedding and head as units of their own (ABI 1.11),
 // listed after the layers, and the root holding nothing.
 std::string split_root_toy() {
-  std::string text = kDescription;
-  const auto replace = [&](const std::string& from, const std::string& to) {
-    text.replace(text.find(from), from.size(), to);
-  };
-  replace(R"("embed", "shape": [4, 2], "unit": "root")",
-          R"("embed", "shape": [4, 2], "unit": "in")");
-  replace(R"("head", "shape": [4, 2], "unit": "root")",
-          R"("head", "shape": [4, 2], "unit": "out")");
-  replace(R"("units": ["layers.0", "layers.1", "root"])",
-          R"("units": ["layers.0", "layers.1", "in", "out", "root"], )"
-          R"("unit_kinds": ["layer", "layer", "embedding", "head", "root"])");
-  return text;
+  std::string text = replaced(kDescription, R"("embed", "shape": [4, 2], "unit": "root")",
+                              R"("embed", "shape": [4, 2], "unit": "in")");
+  text = replaced(text, R"("head", "shape": [4, 2], "unit": "root")",
+                  R"("head", "shape": [4, 2], "unit": "out")");
+  return replaced(text, R"("units": ["layers.0", "layers.1", "root"])",
+                  R"("units": ["layers.0", "layers.1", "in", "out", "root"], )"
+                  R"("unit_kinds": ["layer", "layer", "embedding", "head", "root"])");
 }
 
 TEST_CASE("train: the embedding and the head units run around the layers, the root encloses them",
@@ -188,11 +192,8 @@ TEST_CASE("train: the embedding and the head units run around the layers, the ro
   CHECK(middle.strategy.num_units == 1);
   CHECK(middle.strategy.root_unit == 0);
 
-  std::string text = split_root_toy();
-  const auto broken = [&](const std::string& from, const std::string& to) {
-    std::string changed = text;
-    changed.replace(changed.find(from), from.size(), to);
-    return changed;
+  const auto broken = [](const std::string& from, const std::string& to) {
+    return replaced(split_root_toy(), from, to);
   };
   CHECK_THROWS_WITH(parse_description(broken(R"("head", "root"])", R"("head", "layer"])"), "toy"),
                     Contains("unit_kinds[4] (\"layer\") must be \"root\""));
@@ -209,13 +210,10 @@ TEST_CASE("train: the embedding and the head units run around the layers, the ro
 TEST_CASE("train: a description's activations say which stay float32", "[train]") {
   using Catch::Matchers::Contains;
   const auto with = [](const std::string& float32) {
-    std::string text = kDescription;
-    text.replace(text.rfind('}'), 1,
-                 R"(, "activations": {"layer": {"whole": 10, "tp_split": 6}, )"
-                 R"("elementwise": {"whole": 4, "tp_split": 2}, "stream": 8, )"
-                 R"("head": {"whole": 9, "tp_split": 5})" +
-                     float32 + "}}");
-    return text;
+    return with_fields(kDescription, R"(, "activations": {"layer": {"whole": 10, "tp_split": 6}, )"
+                                     R"("elementwise": {"whole": 4, "tp_split": 2}, "stream": 8, )"
+                                     R"("head": {"whole": 9, "tp_split": 5})" +
+                                         float32 + "}");
   };
   const auto part = [](int layer, int elementwise, int head) {
     const auto pair = [](int whole) {
@@ -239,12 +237,10 @@ TEST_CASE("train: a description's activations say which stay float32", "[train]"
 TEST_CASE("train: a description's GEMMs are its matmul parameters, shape by shape", "[train]") {
   using Catch::Matchers::Contains;
   const auto with = [](const std::string& gemms) {
-    std::string text = kDescription;
-    text.replace(text.rfind('}'), 1,
-                 R"(, "flops": {"matmul_parameters": 14, "attention": {"layers": 0, "width": 0}, )"
-                 R"("gemms": )" +
-                     gemms + "}}");
-    return text;
+    return with_fields(
+        kDescription,
+        R"(, "flops": {"matmul_parameters": 14, "attention": {"layers": 0, "width": 0}, "gemms": )" +
+            gemms + "}");
   };
   const ModelDescription d = parse_description(
       with(
@@ -268,13 +264,12 @@ std::string tensor_parallel_toy(const std::string& blocks) {
   std::string text = kDescription;
   const auto shard = [&](const std::string& name) {
     const std::string from = "{\"name\": \"" + name + "\", ";
-    text.replace(text.find(from), from.size(), from + "\"tp\": \"shard(0)\", ");
+    text = replaced(text, from, from + "\"tp\": \"shard(0)\", ");
   };
   shard("embed");
   shard("layers.0.w");
   shard("layers.1.w");
-  text.replace(text.rfind('}'), 1, ", \"tp_blocks\": " + blocks + "}");
-  return text;
+  return with_fields(text, ", \"tp_blocks\": " + blocks);
 }
 
 TEST_CASE("train: tp_blocks group the sharded parameters, and tp_plan chooses among them",
