@@ -42,7 +42,7 @@ Groups make_groups(const meshrun_strategy_setup& setup) {
 int64_t largest_layer(const ShardLayout& layout, int32_t root) {
   int64_t largest = 0;
   for (int32_t u = 0; u < layout.num_units(); ++u) {
-    if (u != root) largest = std::max(largest, layout.unit(u).full_numel);
+    if (u != root) largest = std::max(largest, layout.block(layout.unit(u).block).padded_numel);
   }
   return largest;
 }
@@ -59,9 +59,9 @@ bool weights_by_shard(const meshrun_strategy_setup& setup) {
   return setup.initial_weights == MESHRUN_INITIAL_WEIGHTS_BY_SHARD;
 }
 
-// The units and rows of `setup`, checked: every parameter in a unit that
-// exists, its rows dividing its elements.
-LayoutInput layout_input(const meshrun_strategy_setup& setup) {
+// The units of `setup`, checked: every parameter in a unit that exists, its
+// rows dividing its elements. Every unit in one block when `one_block`.
+LayoutInput layout_input(const meshrun_strategy_setup& setup, bool one_block) {
   if (setup.num_units < 1) invalid("setup: num_units must be at least 1");
   if (setup.root_unit < 0 || setup.root_unit >= setup.num_units) {
     invalid("setup: root_unit " + std::to_string(setup.root_unit) + " is not in [0, " +
@@ -71,8 +71,10 @@ LayoutInput layout_input(const meshrun_strategy_setup& setup) {
   if (count > 0 && (setup.parameter_units == nullptr || setup.parameter_rows == nullptr)) {
     invalid("setup: parameter_units or parameter_rows is NULL");
   }
-  LayoutInput input{
-      {setup.parameter_offsets, setup.parameter_offsets + count + 1}, {}, {}, setup.num_units};
+  LayoutInput input{{setup.parameter_offsets, setup.parameter_offsets + count + 1},
+                    {},
+                    setup.num_units,
+                    one_block};
   for (int64_t p = 0; p < setup.num_parameters; ++p) {
     const int32_t unit = setup.parameter_units[p];
     const int64_t rows = setup.parameter_rows[p];
@@ -86,7 +88,6 @@ LayoutInput layout_input(const meshrun_strategy_setup& setup) {
               " elements, which " + std::to_string(rows) + " rows do not divide");
     }
   }
-  input.rows.assign(setup.parameter_rows, setup.parameter_rows + count);
   input.units.assign(setup.parameter_units, setup.parameter_units + count);
   return input;
 }
@@ -110,7 +111,7 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
   }
   options_ = parse_(setup->options_json);
   groups_ = make_groups(*setup);
-  const LayoutInput input = layout_input(*setup);
+  const LayoutInput input = layout_input(*setup, options_.single_bucket);
   const bool by_shard = weights_by_shard(*setup);
   strategies::check_flat_float32(setup->parameters, "setup: parameters", input.offsets.back(),
                                  kDLCPU, by_shard);
@@ -171,7 +172,7 @@ void Engine::plan_memory(const meshrun_strategy_plan_input* input,
                          meshrun_strategy_memory_plan* out) const {
   const meshrun_strategy_setup setup = strategies::setup_of(input);
   const EngineOptions options = parse_(setup.options_json);
-  const ShardLayout layout(layout_input(setup), input->shard_ranks, 0);
+  const ShardLayout layout(layout_input(setup, options.single_bucket), input->shard_ranks, 0);
   strategies::write_memory_plan(
       out, layout.local_numel(),
       options.double_buffer ? 2 * largest_layer(layout, setup.root_unit) * int64_t{sizeof(float)}
@@ -189,41 +190,28 @@ void Engine::make_units(const meshrun_strategy_setup& setup) {
   units_.resize(static_cast<size_t>(setup.num_units));
   for (int32_t u = 0; u < setup.num_units; ++u) {
     Unit& unit = units_[static_cast<size_t>(u)];
-    unit.numel = layout_->unit(u).full_numel;
+    const UnitSpan& span = layout_->unit(u);
+    unit.bucket = span.block;
+    unit.offset = span.begin;
+    unit.numel = span.numel;
     unit.reshard_after_forward = reshards_after_forward(u);
   }
   make_buckets();
   if (options_.double_buffer) make_slots(largest_layer(*layout_, root_));
 }
 
-// A bucket per unit; or one of every unit, whose block is the whole local
-// shard (the units' blocks follow each other in unit order) and whose
-// buffers hold the units' full buffers one after the other, anchored at
-// the root, whose backward is the step's last.
+// A bucket per block of the layout: a bucket per unit, or one of every
+// unit anchored at the root, whose backward is the step's last.
 void Engine::make_buckets() {
-  const int32_t count = options_.single_bucket ? 1 : static_cast<int32_t>(units_.size());
-  buckets_.reserve(static_cast<size_t>(count));  // `comm` points into each: never moved
+  const int32_t count = layout_->num_blocks();
+  buckets_.reserve(static_cast<size_t>(count));
   for (int32_t b = 0; b < count; ++b) {
     Bucket& bucket = buckets_.emplace_back(meter_);
+    bucket.place = &layout_->block(b);
     bucket.anchor = options_.single_bucket ? root_ : b;
     bucket.comm = {
-        &bucket.place, layout_->ranks(),
+        bucket.place, layout_->ranks(),
         options_.single_bucket ? "every unit (one bucket)" : "unit " + std::to_string(b)};
-  }
-  for (int32_t u = 0; u < static_cast<int32_t>(units_.size()); ++u) {
-    Unit& unit = units_[static_cast<size_t>(u)];
-    unit.bucket = options_.single_bucket ? 0 : u;
-    UnitPlace& place = buckets_[static_cast<size_t>(unit.bucket)].place;
-    const UnitPlace& own = layout_->unit(u);
-    unit.offset = place.full_numel;
-    if (!options_.single_bucket || u == 0) place.local_begin = own.local_begin;
-    for (ParameterPlace parameter : own.parameters) {
-      parameter.block_begin += place.block_numel;
-      parameter.unit_begin += place.full_numel;
-      place.parameters.push_back(parameter);
-    }
-    place.block_numel += own.block_numel;
-    place.full_numel += own.full_numel;
   }
 }
 
@@ -322,7 +310,8 @@ void Engine::pre_backward(int32_t u) {
   enter(u, Phase::backward);
   Bucket& bucket = bucket_of(u);
   if (!bucket.gradients.held()) {
-    bucket.gradients.allocate(static_cast<size_t>(bucket.place.full_numel) * sizeof(float), true);
+    bucket.gradients.allocate(static_cast<size_t>(bucket.place->padded_numel) * sizeof(float),
+                              true);
   }
 }
 
@@ -502,7 +491,7 @@ void Engine::start_gather(int32_t u) {
   if (bucket.parameters.held() || bucket.gather.has_value()) return;
   // A root holding no parameter (its embedding and head are units of their
   // own) has nothing to move.
-  if (bucket.place.full_numel == 0) {
+  if (bucket.place->full_numel == 0) {
     bucket.parameters.allocate(0, false);
     return;
   }
@@ -574,8 +563,8 @@ void Engine::reshard_all() {
 
 void Engine::check_finite_gradients(const Bucket& bucket) const {
   const float* gradients = bucket.gradients.floats();
-  for (const ParameterPlace& place : bucket.place.parameters) {
-    const float* begin = gradients + place.unit_begin;
+  for (const ParameterPlace& place : bucket.place->parameters) {
+    const float* begin = gradients + place.block_begin;
     const float* found =
         std::find_if(begin, begin + place.numel, [](float value) { return !std::isfinite(value); });
     if (found == begin + place.numel) continue;
@@ -588,9 +577,10 @@ void Engine::check_finite_gradients(const Bucket& bucket) const {
   }
 }
 
-// Frees the bucket's gradients once their copy is in the send buffer.
+// Frees the bucket's gradients once the reduction has them (in float32,
+// as its send buffer).
 void Engine::start_reduction(Bucket& bucket) {
-  if (bucket.place.full_numel == 0) {
+  if (bucket.place->full_numel == 0) {
     bucket.gradients.release();
     return;
   }
@@ -598,7 +588,7 @@ void Engine::start_reduction(Bucket& bucket) {
   const bool average = options_.average_in_collective;
   const float scale =
       average ? 1.0f : 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
-  reductions_.emplace_back(groups_, bucket.comm, bucket.gradients.floats(), options_.reduce_dtype,
+  reductions_.emplace_back(groups_, bucket.comm, bucket.gradients, options_.reduce_dtype,
                            average ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM, scale, meter_);
   bucket.gradients.release();
 }

@@ -130,8 +130,8 @@ class Engine {
   // What one all-gather and one reduction move: a unit, or every unit.
   struct Bucket {
     explicit Bucket(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
-    UnitPlace place;               // the units' places, merged in unit order
-    CommPlace comm;                // points at `place`: a bucket does not move
+    const BlockPlace* place = nullptr;  // in the layout
+    CommPlace comm;
     int32_t anchor = 0;            // the unit whose reshard frees it and whose backward reduces it
     std::optional<Gather> gather;  // in flight
     Buffer parameters;             // held while gathered

@@ -5,46 +5,49 @@
 #include <cstring>
 
 namespace meshrun::sharding {
-namespace {
-
-// Rows per rank: ceil(rows / ranks).
-int64_t chunk_rows(int64_t rows, int64_t ranks) { return (rows + ranks - 1) / ranks; }
-
-void copy(const float* from, float* to, int64_t count) {
-  std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
-}
-
-}  // namespace
 
 ShardLayout::ShardLayout(const LayoutInput& input, int64_t ranks, int64_t rank)
-    : ranks_(ranks), rank_(rank), units_(static_cast<size_t>(input.num_units)) {
+    : ranks_(ranks),
+      rank_(rank),
+      blocks_(input.one_block ? 1 : static_cast<size_t>(input.num_units)),
+      units_(static_cast<size_t>(input.num_units)) {
+  std::vector<std::vector<int64_t>> unit_parameters(static_cast<size_t>(input.num_units));
   for (size_t p = 0; p < input.units.size(); ++p) {
-    UnitPlace& unit = units_[static_cast<size_t>(input.units[p])];
-    ParameterPlace place;
-    place.parameter = static_cast<int64_t>(p);
-    place.numel = input.offsets[p + 1] - input.offsets[p];
-    const int64_t row_numel = input.rows[p] > 0 ? place.numel / input.rows[p] : 0;
-    place.chunk = chunk_rows(input.rows[p], ranks) * row_numel;
-    place.global_begin = input.offsets[p];
-    place.block_begin = unit.block_numel;
-    place.unit_begin = unit.full_numel;
-    unit.block_numel += place.chunk;
-    unit.full_numel += place.numel;
-    unit.parameters.push_back(place);
+    unit_parameters[static_cast<size_t>(input.units[p])].push_back(static_cast<int64_t>(p));
   }
-  for (UnitPlace& unit : units_) {
-    unit.local_begin = local_numel_;
-    local_numel_ += unit.block_numel;
+  for (int32_t u = 0; u < input.num_units; ++u) {
+    UnitSpan& span = units_[static_cast<size_t>(u)];
+    span.block = input.one_block ? 0 : u;
+    BlockPlace& block = blocks_[static_cast<size_t>(span.block)];
+    span.begin = block.full_numel;
+    for (const int64_t p : unit_parameters[static_cast<size_t>(u)]) {
+      const int64_t numel = input.offsets[size_t(p) + 1] - input.offsets[size_t(p)];
+      block.parameters.push_back({p, numel, input.offsets[size_t(p)], block.full_numel});
+      block.full_numel += numel;
+    }
+    span.numel = block.full_numel - span.begin;
+  }
+  for (BlockPlace& block : blocks_) {
+    block.chunk = (block.full_numel + ranks - 1) / ranks;
+    block.padded_numel = ranks * block.chunk;
+    block.local_begin = local_numel_;
+    local_numel_ += block.chunk;
   }
 }
 
-std::vector<meshrun_shard_segment> ShardLayout::segments() const {
+// Rank `rank` holds elements [rank c, (rank + 1) c) of each block's full
+// buffer: the parts of the parameters that overlap them.
+std::vector<meshrun_shard_segment> ShardLayout::segments_of(int64_t rank) const {
   std::vector<meshrun_shard_segment> segments;
-  for (const UnitPlace& unit : units_) {
-    for (const ParameterPlace& place : unit.parameters) {
-      if (place.filled(rank_) == 0) continue;
-      segments.push_back({place.parameter, place.global_begin + rank_ * place.chunk,
-                          unit.local_begin + place.block_begin, place.filled(rank_)});
+  for (const BlockPlace& block : blocks_) {
+    const int64_t first = rank * block.chunk;
+    const int64_t last = first + block.chunk;
+    for (const ParameterPlace& place : block.parameters) {
+      const int64_t begin = std::max(first, place.block_begin);
+      const int64_t end = std::min(last, place.block_begin + place.numel);
+      if (begin >= end) continue;
+      segments.push_back({place.parameter, place.global_begin + (begin - place.block_begin),
+                          block.local_begin + (begin - first), end - begin});
     }
   }
   return segments;
@@ -56,18 +59,16 @@ void ShardLayout::shard(const float* piece, int64_t begin, int64_t count, float*
     const int64_t first = std::max(segment.global_begin, begin);
     const int64_t last = std::min(segment.global_begin + segment.count, end);
     if (first >= last) continue;
-    copy(piece + (first - begin), local + segment.local_begin + (first - segment.global_begin),
-         last - first);
+    std::memcpy(local + segment.local_begin + (first - segment.global_begin),
+                piece + (first - begin), static_cast<size_t>(last - first) * sizeof(float));
   }
 }
 
 void ShardLayout::unshard(const float* gathered, float* full) const {
-  for (const UnitPlace& unit : units_) {
-    for (const ParameterPlace& place : unit.parameters) {
-      for (int64_t r = 0; r < ranks_; ++r) {
-        copy(gathered + r * local_numel_ + unit.local_begin + place.block_begin,
-             full + place.global_begin + r * place.chunk, place.filled(r));
-      }
+  for (int64_t r = 0; r < ranks_; ++r) {
+    for (const meshrun_shard_segment& segment : segments_of(r)) {
+      std::memcpy(full + segment.global_begin, gathered + r * local_numel_ + segment.local_begin,
+                  static_cast<size_t>(segment.count) * sizeof(float));
     }
   }
 }

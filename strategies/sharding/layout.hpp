@@ -1,17 +1,22 @@
-// How fsdp2 shards parameters (PyTorch FSDP2's dim-0 sharding): a pure
+// How the sharded strategies shard parameters: flat, per block, as
+// Megatron-FSDP, DeepSpeed ZeRO-3 and FSDP1's FlatParameter do. A pure
 // function of the parameter layout, the units and the shard group, kept
-// apart from the plugin so that it can be tested without processes.
+// apart from the plugins so that it can be tested without processes.
 //
-// Parameter p of R rows, each of S elements, is cut into chunks of
-// c = ceil(R / W) rows over the W ranks of the shard group: rank r holds
-// rows [r c, min((r + 1) c, R)), padded with zeros to c S elements, so every
-// rank's chunk of p has the same size. The local shard holds this rank's
-// chunks unit by unit (in unit index order) and, within a unit, parameter by
-// parameter (in index order): a unit's chunks form one contiguous block, of
-// the same size on every rank, which is what one all-gather moves.
+// A block is what one all-gather and one reduce-scatter move: a unit, or
+// with one_block every unit. Its parameters, units in unit order and each
+// unit's parameters in index order, laid end to end are its full buffer of
+// F elements; padded with zeros to W c elements, c = ceil(F / W), it is cut
+// into W chunks of c elements, and rank r of the shard group holds chunk r.
+// The local shard holds this rank's chunks block by block.
+//
+// So the W chunks an all-gather receives, rank after rank, are the full
+// buffer itself, and the full gradients are the reduce-scatter's send
+// buffer as they are: no copy between the collectives and the buffers the
+// model computes with. A parameter may straddle two ranks' chunks; the
+// segments (meshrun/strategy.h) say which of its elements a rank holds.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -19,36 +24,39 @@
 
 namespace meshrun::sharding {
 
-// Where one parameter lives: in the setup's flat layout, in the local shard
-// and in its unit's full (gathered) buffer.
+// Where one parameter lives: in the setup's flat layout and in its block's
+// full buffer.
 struct ParameterPlace {
   int64_t parameter = 0;     // index into the setup's parameters
   int64_t numel = 0;         // elements of the full parameter
-  int64_t chunk = 0;         // elements of one rank's padded chunk
   int64_t global_begin = 0;  // in the setup's layout
-  int64_t block_begin = 0;   // of the chunk within its unit's block
-  int64_t unit_begin = 0;    // of the full parameter within the unit's buffer
-
-  // Elements of rank `rank`'s chunk that are parameter elements; the rest of
-  // the chunk is padding.
-  int64_t filled(int64_t rank) const { return std::clamp(numel - rank * chunk, int64_t{0}, chunk); }
+  int64_t block_begin = 0;   // in the block's full buffer
 };
 
-// One unit: its parameters in index order, its block of the local shard and
-// the size of its full buffer.
-struct UnitPlace {
+// One block: its parameters in full-buffer order, its chunk of the local
+// shard and the size of its full buffer.
+struct BlockPlace {
   std::vector<ParameterPlace> parameters;
-  int64_t local_begin = 0;  // of the block in the local shard
-  int64_t block_numel = 0;  // the block: the sum of the chunks
-  int64_t full_numel = 0;   // the full buffer: the sum of the parameters
+  int64_t local_begin = 0;   // of this rank's chunk in the local shard
+  int64_t chunk = 0;         // elements each rank holds: ceil(full_numel / ranks)
+  int64_t full_numel = 0;    // the sum of the parameters
+  int64_t padded_numel = 0;  // ranks x chunk: the gathered buffer
+};
+
+// Where one unit's parameters lie: elements [begin, begin + numel) of its
+// block's full buffer.
+struct UnitSpan {
+  int32_t block = 0;
+  int64_t begin = 0;
+  int64_t numel = 0;
 };
 
 // What the layout is computed from, as the setup gives it (checked).
 struct LayoutInput {
   std::vector<int64_t> offsets;  // num_parameters + 1 element offsets
-  std::vector<int64_t> rows;     // dim 0 of each parameter; divides its numel
   std::vector<int32_t> units;    // unit of each parameter, in [0, num_units)
   int32_t num_units = 0;
+  bool one_block = false;  // every unit in one block; else a block per unit
 };
 
 class ShardLayout {
@@ -58,13 +66,15 @@ class ShardLayout {
 
   int64_t ranks() const { return ranks_; }
   int64_t rank() const { return rank_; }
+  int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
+  const BlockPlace& block(int32_t b) const { return blocks_[static_cast<size_t>(b)]; }
   int32_t num_units() const { return static_cast<int32_t>(units_.size()); }
-  const UnitPlace& unit(int32_t u) const { return units_[static_cast<size_t>(u)]; }
-  // Elements of the local shard: the sum of the unit blocks.
+  const UnitSpan& unit(int32_t u) const { return units_[static_cast<size_t>(u)]; }
+  // Elements of the local shard: the sum of the chunks.
   int64_t local_numel() const { return local_numel_; }
 
   // This rank's pieces of the parameters, in local order (meshrun/strategy.h).
-  std::vector<meshrun_shard_segment> segments() const;
+  std::vector<meshrun_shard_segment> segments() const { return segments_of(rank_); }
   // Writes this rank's parts of elements [begin, begin + count) of the
   // setup's layout, held at `piece`, into `local` (local_numel() elements);
   // padding is left as it is.
@@ -74,9 +84,12 @@ class ShardLayout {
   void unshard(const float* gathered, float* full) const;
 
  private:
+  std::vector<meshrun_shard_segment> segments_of(int64_t rank) const;
+
   int64_t ranks_;
   int64_t rank_;
-  std::vector<UnitPlace> units_;
+  std::vector<BlockPlace> blocks_;
+  std::vector<UnitSpan> units_;
   int64_t local_numel_ = 0;
 };
 

@@ -9,11 +9,6 @@ namespace {
 
 using strategies::throw_if_error;
 
-// Elements of `dtype` at element `offset` of `buffer`.
-std::byte* at(const Buffer& buffer, Dtype dtype, int64_t offset) {
-  return buffer.data() + static_cast<size_t>(offset) * dtype_bytes(dtype);
-}
-
 size_t bytes_of(int64_t numel, Dtype dtype) {
   return static_cast<size_t>(numel) * dtype_bytes(dtype);
 }
@@ -22,24 +17,23 @@ size_t bytes_of(int64_t numel, Dtype dtype) {
 
 Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
                MemoryMeter& meter)
-    : unit_(comm.unit),
-      ranks_(comm.ranks),
+    : block_(comm.block),
       dtype_(dtype),
       what_("all_gather of " + comm.name),
-      send_numel_(unit_->block_numel),
-      recv_numel_(ranks_ * unit_->block_numel),
+      send_numel_(block_->chunk),
+      recv_numel_(block_->padded_numel),
       send_(meter),
       recv_(meter) {
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
-  // In float32 the block goes straight from the shard, which nothing
+  // In float32 the chunk goes straight from the shard, which nothing
   // writes while a step gathers; another dtype needs it cast first.
-  void* block = const_cast<float*>(local + unit_->local_begin);
+  void* chunk = const_cast<float*>(local + block_->local_begin);
   if (dtype != Dtype::float32) {
     send_.allocate(bytes_of(send_numel_, dtype), false);
-    narrow(dtype, local + unit_->local_begin, send_.data(), send_numel_);
-    block = send_.data();
+    narrow(dtype, local + block_->local_begin, send_.data(), send_numel_);
+    chunk = send_.data();
   }
-  const DLTensor send = host_tensor(block, dtype, send_numel_);
+  const DLTensor send = host_tensor(chunk, dtype, send_numel_);
   DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
   throw_if_error(groups.comm->all_gather(groups.shard, &send, &recv, &request), what_);
@@ -50,42 +44,38 @@ bool Gather::done() { return request_.test(what_); }
 
 void Gather::finish(Buffer& full) {
   request_.wait(what_);
-  full.ensure(static_cast<size_t>(unit_->full_numel) * sizeof(float));
-  for (const ParameterPlace& place : unit_->parameters) {
-    for (int64_t r = 0; r < ranks_; ++r) {
-      widen(dtype_, at(recv_, dtype_, r * unit_->block_numel + place.block_begin),
-            full.floats() + place.unit_begin + r * place.chunk, place.filled(r));
-    }
+  if (dtype_ == Dtype::float32 && !full.held()) {
+    full.swap(recv_);
+  } else {
+    full.ensure(bytes_of(block_->full_numel, Dtype::float32));
+    widen(dtype_, recv_.data(), full.floats(), block_->full_numel);
   }
   send_.release();
   recv_.release();
 }
 
-Reduction::Reduction(const Groups& groups, const CommPlace& comm, const float* gradients,
-                     Dtype dtype, int32_t op, float scale, MemoryMeter& meter)
+Reduction::Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradients, Dtype dtype,
+                     int32_t op, float scale, MemoryMeter& meter)
     : groups_(&groups),
-      unit_(comm.unit),
+      block_(comm.block),
       dtype_(dtype),
       op_(op),
       unit_name_(comm.name),
       replicated_(groups.replicate_size == 1),
       what_("reduce_scatter of the gradients of " + unit_name_),
-      send_numel_(comm.ranks * unit_->block_numel),
-      recv_numel_(unit_->block_numel),
+      send_numel_(block_->padded_numel),
+      recv_numel_(block_->chunk),
       send_(meter),
       recv_(meter) {
+  // A shard group of one (ZeRO-0) has nothing to scatter: the gradients go
+  // straight to the all-reduce over the replicas.
   if (comm.ranks == 1 && !replicated_) {
-    start_replicated_only(gradients, scale);
+    cast_into(gradients, recv_, recv_numel_, scale);
+    start_all_reduce();
     return;
   }
-  send_.allocate(bytes_of(send_numel_, dtype), true);
+  cast_into(gradients, send_, send_numel_, scale);
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
-  for (const ParameterPlace& place : unit_->parameters) {
-    for (int64_t r = 0; r < comm.ranks; ++r) {
-      narrow(dtype, gradients + place.unit_begin + r * place.chunk,
-             at(send_, dtype, r * unit_->block_numel + place.block_begin), place.filled(r), scale);
-    }
-  }
   const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
   DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
@@ -93,15 +83,16 @@ Reduction::Reduction(const Groups& groups, const CommPlace& comm, const float* g
   request_ = strategies::Request(*groups.comm, request);
 }
 
-// A shard group of one (ZeRO-0) has nothing to scatter: the gradients go
-// straight to the all-reduce over the replicas.
-void Reduction::start_replicated_only(const float* gradients, float scale) {
-  recv_.allocate(bytes_of(recv_numel_, dtype_), true);
-  for (const ParameterPlace& place : unit_->parameters) {
-    narrow(dtype_, gradients + place.unit_begin, at(recv_, dtype_, place.block_begin),
-           place.filled(0), scale);
+// float32 gradients are scaled where they are and handed over; another
+// dtype gets a buffer of its own.
+void Reduction::cast_into(Buffer& gradients, Buffer& into, int64_t numel, float scale) {
+  if (dtype_ != Dtype::float32) {
+    into.allocate(bytes_of(numel, dtype_), false);
+    narrow(dtype_, gradients.floats(), into.data(), numel, scale);
+    return;
   }
-  start_all_reduce();
+  into.swap(gradients);
+  if (scale != 1.0f) narrow(Dtype::float32, into.floats(), into.data(), numel, scale);
 }
 
 bool Reduction::awaits_replication() const { return !replicated_; }
@@ -126,7 +117,7 @@ bool Reduction::done() { return replicated_ && request_.test(what_); }
 
 void Reduction::finish(float* local_gradients) {
   request_.wait(what_);
-  widen_add(dtype_, recv_.data(), local_gradients + unit_->local_begin, recv_numel_);
+  widen_add(dtype_, recv_.data(), local_gradients + block_->local_begin, recv_numel_);
   send_.release();
   recv_.release();
 }

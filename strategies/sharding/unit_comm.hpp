@@ -24,32 +24,30 @@ struct Groups {
   int64_t replicate_size = 1;
 };
 
-// What one collective moves: the place of a unit (or of several merged
-// into one bucket) in the shard layout, the shard group's size, and what
-// messages call it ("unit 3").
+// What one collective moves: a block of the shard layout (a unit, or every
+// unit), the shard group's size, and what messages call it ("unit 3").
 struct CommPlace {
-  const UnitPlace* unit = nullptr;
+  const BlockPlace* block = nullptr;
   int64_t ranks = 1;
   std::string name;
 };
 
 class Gather {
  public:
-  // Starts the all-gather of `comm`: its block of `local` (this rank's
-  // shard) cast to `dtype` into a send buffer, every rank's block into the
-  // receive buffer, in one all_gather over the shard group.
+  // Starts the all-gather of `comm`: this rank's chunk of `local` (its
+  // shard), cast to `dtype` into a send buffer unless float32, every rank's
+  // chunk into the receive buffer, in one all_gather over the shard group.
   Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
          MemoryMeter& meter);
 
   bool done();
-  // Waits, then makes `full` hold the unit's full parameters widened to
-  // float32: its parameters in index order, each whole, no gaps (in what
-  // `full` holds when that is large enough).
+  // Waits, then makes `full` hold the block's full buffer in float32: the
+  // receive buffer itself when float32 and `full` holds nothing, else
+  // widened (or copied) into what `full` holds when that is large enough.
   void finish(Buffer& full);
 
  private:
-  const UnitPlace* unit_;
-  int64_t ranks_;
+  const BlockPlace* block_;
   Dtype dtype_;
   std::string what_;
   int64_t send_numel_;
@@ -61,16 +59,17 @@ class Gather {
 
 class Reduction {
  public:
-  // Starts the reduction of `comm`'s gradients `gradients` (float32,
-  // laid out as its full buffer): they are multiplied by `scale` and cast
-  // to `dtype` into a send buffer laid out rank by rank (each rank's padded
-  // chunks, padding zero) and reduce-scattered over the shard group with
-  // `op`, then all-reduced with `op` over the replicate group:
+  // Starts the reduction of `comm`'s gradients `gradients` (float32, its
+  // block's padded full buffer, padding zero): they are multiplied by
+  // `scale` and cast to `dtype` (in float32 in place, and the buffer taken
+  // over as the send buffer, leaving `gradients` empty) and
+  // reduce-scattered over the shard group with `op`, then all-reduced with
+  // `op` over the replicate group:
   // MESHRUN_REDUCE_AVG averages, and MESHRUN_REDUCE_SUM with scale 1 /
   // (shard ranks x replicas) averages by summing. A shard group of one
   // skips the reduce-scatter.
-  Reduction(const Groups& groups, const CommPlace& comm, const float* gradients, Dtype dtype,
-            int32_t op, float scale, MemoryMeter& meter);
+  Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradients, Dtype dtype, int32_t op,
+            float scale, MemoryMeter& meter);
 
   // True while the average over the replicate group (HSDP) is still to be
   // started.
@@ -80,16 +79,16 @@ class Reduction {
   void replicate();
   // True once the whole reduction is complete.
   bool done();
-  // Waits, then adds the result to the unit's block of `local_gradients`
+  // Waits, then adds the result to the block's chunk of `local_gradients`
   // (the local shard's gradients).
   void finish(float* local_gradients);
 
  private:
-  void start_replicated_only(const float* gradients, float scale);
+  void cast_into(Buffer& gradients, Buffer& into, int64_t numel, float scale);
   void start_all_reduce();
 
   const Groups* groups_;
-  const UnitPlace* unit_;
+  const BlockPlace* block_;
   Dtype dtype_;
   int32_t op_;  // MESHRUN_REDUCE_AVG or MESHRUN_REDUCE_SUM
   std::string unit_name_;

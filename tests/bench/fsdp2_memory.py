@@ -3,13 +3,16 @@ at once, predicted from the plan.
 
 Walks the hooks of one optimizer step (its micro-batches, the last one
 sync) in the order the model calls them, applying the strategy's buffer rules
-(strategies/sharding): a gather holds a send block (unless param_dtype is
-float32) and the gathered blocks in param_dtype until it completes, then
-the unit's full float32 parameters until it reshards (every layer but the
+(strategies/sharding; a unit's parameters are cut flat into one chunk per
+rank, the unit padded to ranks x chunk): a gather holds a send chunk
+(unless param_dtype is float32) and the padded unit in param_dtype until it
+completes, then the unit's full float32 parameters (in float32 the receive
+buffer itself, padding included) until it reshards (every layer but the
 last after forward under the default heuristic, every unit after its
-backward, the root never after forward); a
-unit in backward holds float32 gradients until its reduction starts, which
-holds the padded unit and a block in reduce_dtype until it completes.
+backward, the root never after forward); a unit in backward holds its
+padded float32 gradients until its reduction starts, which holds the padded
+unit (in float32 the gradients themselves) and a chunk in reduce_dtype
+until it completes.
 Gathers start for the unit and its prefetch depth at each pre-hook.
 Kept gathered (megatron_fsdp's ZeRO-1 and -2), no unit reshards before the
 step ends; deferred (fsdp2's default, ZeRO-1), gradients accumulate whole
@@ -32,21 +35,19 @@ its polls (every hook polls):
 
 
 def unit_sizes(plan, ranks):
-    """[(name, full numel, block numel)] of the plan's units in plan order:
-    the block is this rank's padded chunk of every parameter (rows / ranks,
-    rounded up)."""
+    """[(name, full numel, chunk numel)] of the plan's units in plan order:
+    the chunk is what each rank holds, the unit's elements / ranks rounded
+    up."""
     shapes = {p["name"]: p["shape"] for p in plan["model"]["parameters"]}
     sizes = []
     for unit in plan["model"]["units"]:
-        full = block = 0
+        full = 0
         for name in unit["parameters"]:
-            shape = shapes[name]
-            row = 1
-            for size in shape[1:]:
-                row *= size
-            full += shape[0] * row
-            block += -(-shape[0] // ranks) * row
-        sizes.append((unit["name"], full, block))
+            numel = 1
+            for size in shapes[name]:
+                numel *= size
+            full += numel
+        sizes.append((unit["name"], full, -(-full // ranks)))
     return sizes
 
 
@@ -54,13 +55,14 @@ class _Step:
     def __init__(self, sizes, ranks, param_bytes, reduce_bytes, progress, replicas=1,
                  double_buffer=False):
         self.full = {name: f for name, f, _ in sizes}
-        self.block = {name: b for name, _, b in sizes}
+        self.chunk = {name: c for name, _, c in sizes}
+        self.padded = {name: ranks * c for name, _, c in sizes}
         self.ranks, self.pb, self.rb, self.progress = ranks, param_bytes, reduce_bytes, progress
         self.replicated_only = ranks == 1 and replicas > 1
         self.slotted = {name for name in self.full if name != "root"} if double_buffer else set()
         self.now = self.peak = 0
         if self.slotted:
-            self.add(2 * 4 * max(self.full[name] for name in self.slotted))
+            self.add(2 * 4 * max(self.padded[name] for name in self.slotted))
         self.gathered, self.grads = set(), set()
         self.gathers, self.reductions = {}, []  # with the order they were started in
         self.started = self.waited = 0
@@ -72,14 +74,17 @@ class _Step:
     def gather_buffers(self, u):
         # A float32 gather sends straight from the shard.
         sends = 0 if self.pb == 4 else 1
-        return (sends + self.ranks) * self.block[u] * self.pb
+        return (sends + self.ranks) * self.chunk[u] * self.pb
 
     def reduction_buffers(self, u):
         buffers = 1 if self.replicated_only else self.ranks + 1
-        return buffers * self.block[u] * self.rb
+        return buffers * self.chunk[u] * self.rb
 
     def parameter_bytes(self, u):
-        return 0 if u in self.slotted else 4 * self.full[u]
+        if u in self.slotted:
+            return 0
+        # A float32 gather's receive buffer becomes the parameters.
+        return 4 * (self.padded[u] if self.pb == 4 else self.full[u])
 
     def start(self):
         self.started += 1
@@ -96,8 +101,12 @@ class _Step:
     def complete_gather(self, u):
         if u in self.gathers:
             self.waited = max(self.waited, self.gathers.pop(u))
-            self.add(self.parameter_bytes(u))
-            self.add(-self.gather_buffers(u))
+            if self.pb == 4 and u not in self.slotted:
+                # The receive buffer becomes the parameters.
+                self.add(self.parameter_bytes(u) - self.gather_buffers(u))
+            else:
+                self.add(self.parameter_bytes(u))
+                self.add(-self.gather_buffers(u))
             self.gathered.add(u)
 
     def reshard(self, u):
@@ -125,16 +134,19 @@ class _Step:
         self.complete_gather(u)
 
     def start_reduction(self, u):
-        self.add(self.reduction_buffers(u))
-        self.reductions.append((u, self.start()))
         self.grads.remove(u)
-        self.add(-4 * self.full[u])
-
+        if self.rb == 4:
+            # float32 gradients are handed over as the send buffer.
+            self.add(self.reduction_buffers(u) - 4 * self.padded[u])
+        else:
+            self.add(self.reduction_buffers(u))
+            self.add(-4 * self.padded[u])
+        self.reductions.append((u, self.start()))
 
     def grads_for(self, u):
         if u not in self.grads:
             self.grads.add(u)
-            self.add(4 * self.full[u])
+            self.add(4 * self.padded[u])
 
     def reshard_all(self):
         for u in list(self.full):

@@ -101,15 +101,19 @@ class Checks:
 
 
 def check_nonfinite_gradients_refused(wrapped):
-    """clip_grad_norm_ with error_if_nonfinite raises on every rank, naming a
-    parameter, and scales nothing; without it the norm is returned."""
+    """clip_grad_norm_ with error_if_nonfinite raises on every rank, naming
+    the first parameter in the module's order that the rank holds a part of,
+    and scales nothing; without it the norm is returned."""
     wrapped.zero_grad()
     wrapped.local_parameters.grad.fill_(float("nan"))
     assert math.isnan(wrapped.clip_grad_norm_(1.0))
+    names = [name for name, _ in wrapped.module.named_parameters()]
+    held = ([s.parameter for s in wrapped.strategy.shard_segments()] if wrapped.sharded
+            else range(len(names)))
     try:
         wrapped.clip_grad_norm_(1.0, error_if_nonfinite=True)
     except RuntimeError as error:
-        assert "the gradient of 'model.embed_tokens.weight' is not finite" in str(error), error
+        assert f"the gradient of '{names[min(held)]}' is not finite" in str(error), error
     else:
         raise AssertionError("clip_grad_norm_ accepted a NaN gradient")
     wrapped.zero_grad()

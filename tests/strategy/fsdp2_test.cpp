@@ -157,6 +157,13 @@ struct Model {
   std::vector<float> gradients;
 };
 
+// Elements of the unit's gathered buffer: its parameters padded to a
+// multiple of the shard group's `ranks` (strategies/sharding/layout.hpp).
+int64_t padded_unit_numel(const Model& model, int32_t unit, int64_t ranks) {
+  const auto numel = static_cast<int64_t>(model.unit_values(unit, model.weights).size());
+  return (numel + ranks - 1) / ranks * ranks;
+}
+
 // The options the host sends, with float32 gathers so that views compare
 // exactly; `changes` are merged in (RFC 7386: null removes a key).
 std::string options_with(const Json& changes = Json::object()) {
@@ -448,7 +455,11 @@ void defers_until_sync(Context& c) {
   c.checker.check(std::all_of(gradients.data, gradients.data + gradients.numel,
                               [](float g) { return g == 0.0f; }),
                   "shard gradients stay zero before the sync micro-batch");
-  c.checker.check(strategy->memory().buffers == model.numel() * int64_t{sizeof(float)},
+  int64_t unreduced_bytes = 0;
+  for (int32_t unit = 0; unit < kUnits; ++unit) {
+    unreduced_bytes += padded_unit_numel(model, unit, c.world.size()) * int64_t{sizeof(float)};
+  }
+  c.checker.check(strategy->memory().buffers == unreduced_bytes,
                   "the unreduced gradients of every unit are held, nothing else: " +
                       std::to_string(strategy->memory().buffers) + " bytes");
   strategy->begin_micro_batch(true);
@@ -483,10 +494,6 @@ void prefetch_changes_nothing(Context& c) {
   }
 }
 
-int64_t unit_numel(const Model& model, int32_t unit) {
-  return static_cast<int64_t>(model.unit_values(unit, model.weights).size());
-}
-
 // Whether the unit's views exist; a resharded unit has none.
 bool gathered(Strategy& strategy, int32_t unit) {
   try {
@@ -519,7 +526,9 @@ void reshards_after_forward(Context& c) {
     int64_t gathered_bytes = 0;
     for (int32_t unit = 0; unit < kUnits; ++unit) {
       const bool expected = test.gathered.count(unit) > 0;
-      if (expected) gathered_bytes += unit_numel(model, unit) * int64_t{sizeof(float)};
+      if (expected) {
+        gathered_bytes += padded_unit_numel(model, unit, c.world.size()) * int64_t{sizeof(float)};
+      }
       c.checker.check(gathered(*strategy, unit) == expected,
                       test.what + ": unit " + std::to_string(unit) +
                           (expected ? " was resharded" : " stayed gathered"));

@@ -86,7 +86,8 @@ class Equivalence(MegatronTest):
         # per micro-batch, which the walk predicts as a model of one unit.
         plan = plan_json(self.runs.config, 4, *MEGATRON)
         sizes = unit_sizes(plan, 4)
-        merged = [("root", sum(full for _, full, _ in sizes), sum(b for _, _, b in sizes))]
+        total = sum(full for _, full, _ in sizes)
+        merged = [("root", total, -(-total // 4))]
         for level in (1, 3):
             with self.subTest(zero=level):
                 output = self.assert_trains_as_ddp(f"one-bucket-{level}", 4, *zero(level),
@@ -104,7 +105,7 @@ class Equivalence(MegatronTest):
     def test_every_level_holds_what_its_schedule_predicts(self):
         # Two micro-batches per rank, so that ZeRO-1's whole gradients
         # accumulate. The master weights, their gradients and AdamW's state
-        # are sharded at every level (1/4 of DDP's, up to the row padding of
+        # are sharded at every level (1/4 of DDP's, up to the padding of
         # 4 shards). What a step holds beyond them (mem.buffers_peak: gathered
         # parameters, unit gradients, collective buffers) is predicted by
         # walking the step's hooks with the level's rules
@@ -152,7 +153,7 @@ class Equivalence(MegatronTest):
 
     def test_double_buffering_changes_nothing_but_where_units_are_gathered(self):
         plan = plan_json(self.runs.config, 2, *MEGATRON)
-        largest_layer = max(full for name, full, _ in unit_sizes(plan, 2) if name != "root")
+        largest_layer = max(2 * chunk for name, _, chunk in unit_sizes(plan, 2) if name != "root")
         double_plan = plan_json(self.runs.config, 2, *zero(3), "distributed.fsdp_double_buffer=true")
         single = self.runs.train("single-buffer", 2, *zero(3))
         double = self.runs.train("double-buffer", 2, *zero(3), "distributed.fsdp_double_buffer=true")

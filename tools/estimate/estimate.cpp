@@ -318,15 +318,20 @@ int64_t gathered_bytes(const Config& config) {
 }
 
 // Bytes a sharded strategy holds gathered at its peak: the units gathered
-// at once (RankShare::gathered_peak), each element in the gathered dtype and
-// in float32 (the copy computed with, or the unit's gradients; under a
-// pipeline both, every unit's gradients held for the step's backwards),
-// and the float32 gradients of the largest unit being reduce-scattered.
-// Checked against mem.buffers_peak of runs (docs/plan.md, "Estimates").
+// at once (RankShare::gathered_peak) in float32 (the copy computed with; a
+// float32 gather receives into it) and, gathered in another dtype, in that
+// dtype too (a receive buffer, or the unit's gradients), and the float32
+// gradients of the largest unit being reduce-scattered. Under a pipeline
+// every unit of the stages stays gathered with its float32 gradients for
+// the step's backwards, and one unit at a time is in flight. Checked
+// against mem.buffers_peak of runs (docs/plan.md, "Estimates").
 int64_t gathered_buffer_bytes(const Plan& plan, const RankShare& share) {
-  const int64_t gradients = plan.mesh.axis_size(Axis::pp) > 1 ? 4 : 0;
-  return share.gathered_peak * (gathered_bytes(*plan.config) + 4 + gradients) +
-         share.largest_unit * 4;
+  const int64_t gathered = gathered_bytes(*plan.config);
+  const int64_t received = gathered == 4 ? 0 : gathered;
+  if (plan.mesh.axis_size(Axis::pp) > 1) {
+    return share.gathered_peak * (4 + 4) + share.largest_unit * (received + 4);
+  }
+  return share.gathered_peak * (4 + received) + share.largest_unit * 4;
 }
 
 MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMemoryPlan>& predicted,
