@@ -15,8 +15,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "numeric/bfloat16.hpp"
 #include "numeric/gemm.hpp"
 
 namespace meshrun::kernels {
@@ -346,6 +348,63 @@ Real causal_softmax_row(Real* row, int64_t t, int64_t width) {
   return max + std::log(sum);
 }
 
+// Rows of one sequence's q, k, v (or dY) as attention's GEMMs read them:
+// under bfloat16 matmuls (float, native) a bfloat16 copy of the whole
+// sequence, made once for every head and query block, where each GEMM would
+// round the same rows again (k and v once per query block and query head).
+template <typename Real>
+class SequenceRows {
+ public:
+  SequenceRows(const Real* data, int64_t rows, int64_t ld) : data_(data), ld_(ld) {
+    if constexpr (std::is_same_v<Real, float>) {
+      if (matmul_precision() == MatmulPrecision::bfloat16 && bfloat16_matmuls_native()) {
+        copy_.resize(size_t(rows * ld));
+        to_bfloat16(data, copy_.data(), rows * ld);
+      }
+    }
+  }
+  // The rows from `row` on, from column `column` on.
+  GemmOperand at(int64_t row, int64_t column) const requires std::is_same_v<Real, float> {
+    const int64_t offset = row * ld_ + column;
+    if (copy_.empty()) return {data_ + offset, nullptr, ld_};
+    return {nullptr, copy_.data() + offset, ld_};
+  }
+  const Real* data(int64_t row, int64_t column) const { return data_ + row * ld_ + column; }
+  int64_t ld() const { return ld_; }
+
+ private:
+  const Real* data_;
+  int64_t ld_;
+  std::vector<uint16_t> copy_;
+};
+
+// C = alpha op(A) op(B) + beta C with A, B rows of sequences, or with A
+// float32 (the scores) and B rows of a sequence.
+template <typename Real>
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, Real alpha,
+          const SequenceRows<Real>& a, int64_t a_row, int64_t a_column, const SequenceRows<Real>& b,
+          int64_t b_row, int64_t b_column, Real beta, Real* c, int64_t ldc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    gemm(transpose_a, transpose_b, m, n, k, alpha, a.at(a_row, a_column), b.at(b_row, b_column),
+         beta, c, ldc);
+  } else {
+    gemm(transpose_a, transpose_b, m, n, k, alpha, a.data(a_row, a_column), a.ld(),
+         b.data(b_row, b_column), b.ld(), beta, c, ldc);
+  }
+}
+template <typename Real>
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, Real alpha,
+          const Real* a, int64_t lda, const SequenceRows<Real>& b, int64_t b_row, int64_t b_column,
+          Real beta, Real* c, int64_t ldc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    gemm(transpose_a, transpose_b, m, n, k, alpha, GemmOperand{a, nullptr, lda},
+         b.at(b_row, b_column), beta, c, ldc);
+  } else {
+    gemm(transpose_a, transpose_b, m, n, k, alpha, a, lda, b.data(b_row, b_column), b.ld(), beta, c,
+         ldc);
+  }
+}
+
 // out: [N, heads * d]; lse: shape.lse_size(); scores: scratch of
 // shape.scores_size().
 template <typename Real>
@@ -355,36 +414,35 @@ void attention_forward(Real* out, Real* lse, Real* scores, const Real* qkv,
   const int64_t ld_qkv = shape.qkv_dim(), ld_out = shape.q_dim();
   const Real scale = Real(1) / std::sqrt(Real(d));
   for (int64_t b = 0; b < shape.batch; ++b) {
-    const Real* seq = qkv + b * T * ld_qkv;
+    const SequenceRows<Real> seq(qkv + b * T * ld_qkv, T, ld_qkv);
     for (int64_t h = 0; h < shape.heads; ++h) {
-      const Real* q = seq + shape.q_offset(h);
-      const Real* k = seq + shape.k_offset(h);
-      const Real* v = seq + shape.v_offset(h);
       Real* row_lse = lse + (b * shape.heads + h) * T;
       Real* y = out + b * T * ld_out + h * d;
       for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
         const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
-        gemm(false, true, rows, t1, d, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0), scores,
-             T);
+        gemm(false, true, rows, t1, d, scale, seq, t0, shape.q_offset(h), seq, 0, shape.k_offset(h),
+             Real(0), scores, T);
         for (int64_t t = t0; t < t1; ++t) {
           row_lse[t] = causal_softmax_row(scores + (t - t0) * T, t, t1);
         }
-        gemm(false, false, rows, d, t1, Real(1), scores, T, v, ld_qkv, Real(0), y + t0 * ld_out,
-             ld_out);
+        gemm(false, false, rows, d, t1, Real(1), scores, T, seq, 0, shape.v_offset(h), Real(0),
+             y + t0 * ld_out, ld_out);
       }
     }
   }
 }
 
-// P of query block [t0, t1) from its log-sum-exps, into `probs` (rows of
-// width T): P_ts = exp(S_ts - L_t) for s <= t, 0 for s in (t, t1).
+// P of query block [t0, t1) of query head h from its log-sum-exps, into
+// `probs` (rows of width T): P_ts = exp(S_ts - L_t) for s <= t, 0 for s in
+// (t, t1).
 template <typename Real>
-void recompute_probabilities(Real* probs, const Real* q, const Real* k, const Real* block_lse,
-                             int64_t t0, int64_t t1, const AttentionShape& shape) {
-  const int64_t T = shape.seq_len, ld_qkv = shape.qkv_dim();
+void recompute_probabilities(Real* probs, const SequenceRows<Real>& seq, int64_t h,
+                             const Real* block_lse, int64_t t0, int64_t t1,
+                             const AttentionShape& shape) {
+  const int64_t T = shape.seq_len;
   const Real scale = Real(1) / std::sqrt(Real(shape.head_dim));
-  gemm(false, true, t1 - t0, t1, shape.head_dim, scale, q + t0 * ld_qkv, ld_qkv, k, ld_qkv, Real(0),
-       probs, T);
+  gemm(false, true, t1 - t0, t1, shape.head_dim, scale, seq, t0, shape.q_offset(h), seq, 0,
+       shape.k_offset(h), Real(0), probs, T);
   for (int64_t t = t0; t < t1; ++t) {
     Real* row = probs + (t - t0) * T;
     for (int64_t s = 0; s <= t; ++s) row[s] = std::exp(row[s] - block_lse[t - t0]);
@@ -408,20 +466,17 @@ void attention_backward(Real* d_qkv, Real* probs, Real* d_scores, const Real* d_
   const Real scale = Real(1) / std::sqrt(Real(d));
   std::fill_n(d_qkv, shape.batch * T * ld_qkv, Real(0));
   for (int64_t b = 0; b < shape.batch; ++b) {
-    const Real* seq = qkv + b * T * ld_qkv;
+    const SequenceRows<Real> seq(qkv + b * T * ld_qkv, T, ld_qkv);
+    const SequenceRows<Real> dy(d_out + b * T * ld_out, T, ld_out);
     Real* d_seq = d_qkv + b * T * ld_qkv;
     for (int64_t h = 0; h < shape.heads; ++h) {
-      const Real* q = seq + shape.q_offset(h);
-      const Real* k = seq + shape.k_offset(h);
-      const Real* v = seq + shape.v_offset(h);
       const Real* row_lse = lse + (b * shape.heads + h) * T;
-      const Real* dy = d_out + b * T * ld_out + h * d;
       for (int64_t t0 = 0; t0 < T; t0 += shape.query_block) {
         const int64_t t1 = std::min(T, t0 + shape.query_block), rows = t1 - t0;
-        recompute_probabilities(probs, q, k, row_lse + t0, t0, t1, shape);
-        gemm(true, false, t1, d, rows, Real(1), probs, T, dy + t0 * ld_out, ld_out, Real(1),
+        recompute_probabilities(probs, seq, h, row_lse + t0, t0, t1, shape);
+        gemm(true, false, t1, d, rows, Real(1), probs, T, dy, t0, h * d, Real(1),
              d_seq + shape.v_offset(h), ld_qkv);
-        gemm(false, true, rows, t1, d, Real(1), dy + t0 * ld_out, ld_out, v, ld_qkv, Real(0),
+        gemm(false, true, rows, t1, d, Real(1), dy, t0, h * d, seq, 0, shape.v_offset(h), Real(0),
              d_scores, T);
         for (int64_t t = t0; t < t1; ++t) {
           const Real* p_row = probs + (t - t0) * T;
@@ -431,9 +486,9 @@ void attention_backward(Real* d_qkv, Real* probs, Real* d_scores, const Real* d_
           for (int64_t s = 0; s <= t; ++s) ds_row[s] = p_row[s] * (ds_row[s] - dot);
           std::fill(ds_row + t + 1, ds_row + t1, Real(0));
         }
-        gemm(false, false, rows, d, t1, scale, d_scores, T, k, ld_qkv, Real(0),
+        gemm(false, false, rows, d, t1, scale, d_scores, T, seq, 0, shape.k_offset(h), Real(0),
              d_seq + shape.q_offset(h) + t0 * ld_qkv, ld_qkv);
-        gemm(true, false, t1, d, rows, scale, d_scores, T, q + t0 * ld_qkv, ld_qkv, Real(1),
+        gemm(true, false, t1, d, rows, scale, d_scores, T, seq, t0, shape.q_offset(h), Real(1),
              d_seq + shape.k_offset(h), ld_qkv);
       }
     }

@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -92,15 +93,20 @@ class BfloatMatmuls {
     return matmuls;
   }
 
-  // op(A) and op(B) of `shape` are read from float32, rounded to bfloat16.
-  void run(GemmShape shape, const float* a, const float* b, float* c) {
+  // op(A) and op(B) of `shape`: a float32 operand is rounded to bfloat16
+  // into a packed copy, a bfloat16 one read where it is.
+  void run(GemmShape shape, const GemmOperand& a, const GemmOperand& b, float* c) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    const uint16_t* a16 =
-        packed(a, a_rows(shape), a_cols(shape), shape.lda, copies_.a, copies_.a_capacity);
-    const uint16_t* b16 =
-        packed(b, b_rows(shape), b_cols(shape), shape.ldb, copies_.b, copies_.b_capacity);
-    shape.lda = a_cols(shape);
-    shape.ldb = b_cols(shape);
+    const uint16_t* a16 = a.bfloat16;
+    if (a16 == nullptr) {
+      a16 = packed(a.data, a_rows(shape), a_cols(shape), shape.lda, copies_.a, copies_.a_capacity);
+      shape.lda = a_cols(shape);
+    }
+    const uint16_t* b16 = b.bfloat16;
+    if (b16 == nullptr) {
+      b16 = packed(b.data, b_rows(shape), b_cols(shape), shape.ldb, copies_.b, copies_.b_capacity);
+      shape.ldb = b_cols(shape);
+    }
     Primitive& primitive = find(shape);
     primitive.a.set_data_handle(const_cast<uint16_t*>(a16));
     primitive.b.set_data_handle(const_cast<uint16_t*>(b16));
@@ -168,7 +174,24 @@ void float_gemm(const GemmShape& s, const float* a, const float* b, float* c) {
   }
 }
 
-void bfloat16_gemm(GemmShape s, const float* a, const float* b, float* c) {
+// The rows x cols matrix of `operand` (row stride ld) in float32, rounded
+// to bfloat16, into `out` (row stride cols), which grows as needed.
+const float* rounded(const GemmOperand& operand, int64_t rows, int64_t cols,
+                     std::unique_ptr<float[]>& out, size_t& capacity) {
+  if (operand.bfloat16 == nullptr)
+    return packed(operand.data, rows, cols, operand.ld, out, capacity);
+  const auto size = size_t(rows * cols);
+  if (size > capacity) {
+    out.reset(new float[size]);  // uninitialized: every element is written below
+    capacity = size;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    from_bfloat16(operand.bfloat16 + r * operand.ld, out.get() + r * cols, cols);
+  }
+  return out.get();
+}
+
+void bfloat16_gemm(GemmShape s, const GemmOperand& a, const GemmOperand& b, float* c) {
   if (native_bfloat16()) {
     BfloatMatmuls::instance().run(s, a, b, c);
     return;
@@ -176,8 +199,8 @@ void bfloat16_gemm(GemmShape s, const float* a, const float* b, float* c) {
   // Widening a bfloat16 is exact, so float32 products of the rounded
   // copies are the bfloat16 products.
   OperandCopies<float> copies;
-  const float* rounded_a = packed(a, a_rows(s), a_cols(s), s.lda, copies.a, copies.a_capacity);
-  const float* rounded_b = packed(b, b_rows(s), b_cols(s), s.ldb, copies.b, copies.b_capacity);
+  const float* rounded_a = rounded(a, a_rows(s), a_cols(s), copies.a, copies.a_capacity);
+  const float* rounded_b = rounded(b, b_rows(s), b_cols(s), copies.b, copies.b_capacity);
   s.lda = a_cols(s);
   s.ldb = b_cols(s);
   float_gemm(s, rounded_a, rounded_b, c);
@@ -207,9 +230,27 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, f
   if (m == 0 || n == 0) return;
   const GemmShape shape{transpose_a, transpose_b, m, n, k, lda, ldb, ldc, alpha, beta};
   if (matmul_precision() == MatmulPrecision::bfloat16 && k > 0) {
-    bfloat16_gemm(shape, a, b, c);
+    bfloat16_gemm(shape, {a, nullptr, lda}, {b, nullptr, ldb}, c);
   } else {
     float_gemm(shape, a, b, c);
+  }
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const GemmOperand& a, const GemmOperand& b, float beta, float* c, int64_t ldc) {
+  if (a.bfloat16 == nullptr && b.bfloat16 == nullptr) {
+    gemm(transpose_a, transpose_b, m, n, k, alpha, a.data, a.ld, b.data, b.ld, beta, c, ldc);
+    return;
+  }
+  if (matmul_precision() != MatmulPrecision::bfloat16) {
+    throw std::invalid_argument("gemm: a bfloat16 operand under float32 matmul precision");
+  }
+  if (m == 0 || n == 0) return;
+  const GemmShape shape{transpose_a, transpose_b, m, n, k, a.ld, b.ld, ldc, alpha, beta};
+  if (k > 0) {
+    bfloat16_gemm(shape, a, b, c);
+  } else if (beta == 0.0f) {
+    for (int64_t r = 0; r < m; ++r) std::fill_n(c + r * ldc, n, 0.0f);
   }
 }
 

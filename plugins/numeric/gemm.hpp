@@ -59,4 +59,21 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, d
           const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
           int64_t ldc);
 
+// One operand of the gemm below, as stored with row stride `ld`: float32
+// (`data`; a bfloat16 matmul rounds it), or already bfloat16 (`bfloat16`,
+// not null; read as it is).
+struct GemmOperand {
+  const float* data = nullptr;
+  const uint16_t* bfloat16 = nullptr;
+  int64_t ld = 0;
+};
+
+// The float gemm above with operands that may already be bfloat16, so that
+// an operand several GEMMs read is rounded once instead of by each (one
+// sequence's q, k and v in attention). The same products as the float
+// gemm of the operands widened. A bfloat16 operand needs the bfloat16
+// matmul precision; under float32 it is refused (std::invalid_argument).
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
+          const GemmOperand& a, const GemmOperand& b, float beta, float* c, int64_t ldc);
+
 }  // namespace meshrun::kernels

@@ -12,12 +12,14 @@
 #include <cstdlib>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "common/layers.hpp"
 #include "meshrun/dtype.hpp"
+#include "numeric/bfloat16.hpp"
 
 namespace {
 
@@ -109,6 +111,34 @@ TEST_CASE("bfloat16 matmuls round every operand and sum in float32", "[layers]")
     }
   }
   CHECK(largest_difference > 1e-4);
+}
+
+TEST_CASE("a bfloat16 operand is read as it is, and only under bfloat16 matmuls", "[layers]") {
+  const int64_t m = 6, n = 5, k = 33, pad = 3, ldc = n;
+  const bool transpose_a = GENERATE(false, true), transpose_b = GENERATE(false, true);
+  CAPTURE(transpose_a, transpose_b);
+  const int64_t lda = (transpose_a ? m : k) + pad, ldb = (transpose_b ? k : n) + pad;
+  const auto a = random_matrix(transpose_a ? k : m, lda, 4);
+  const auto b = random_matrix(transpose_b ? n : k, ldb, 5);
+  // A rounded into bfloat16 once, pad columns included, as attention's
+  // sequence copies are.
+  std::vector<uint16_t> a16(a.size());
+  meshrun::kernels::to_bfloat16(a.data(), a16.data(), int64_t(a.size()));
+  const meshrun::kernels::GemmOperand bfloat16_a{nullptr, a16.data(), lda};
+  const meshrun::kernels::GemmOperand float32_b{b.data(), nullptr, ldb};
+  std::vector<float> c(size_t(m * ldc), 0.0f);
+  CHECK_THROWS_AS(
+      gemm(transpose_a, transpose_b, m, n, k, 1.0f, bfloat16_a, float32_b, 0.0f, c.data(), ldc),
+      std::invalid_argument);
+  MatmulPrecisionScope scope(MatmulPrecision::bfloat16);
+  gemm(transpose_a, transpose_b, m, n, k, 0.5f, bfloat16_a, float32_b, 0.0f, c.data(), ldc);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      const Product rounded = reference(a, lda, transpose_a, b, ldb, transpose_b, i, j, k, true);
+      CHECK(std::abs(c[size_t(i * ldc + j)] - 0.5 * rounded.value) <=
+            1e-5 * 0.5 * rounded.magnitude);
+    }
+  }
 }
 
 // ctest runs these tests once as they are and once with
