@@ -52,16 +52,23 @@ int64_t a_cols(const GemmShape& s) { return s.transpose_a ? s.m : s.k; }
 int64_t b_rows(const GemmShape& s) { return s.transpose_b ? s.n : s.k; }
 int64_t b_cols(const GemmShape& s) { return s.transpose_b ? s.k : s.n; }
 
+// `out` holding at least `size` elements, grown when it holds fewer; its
+// contents are left uninitialized: the callers write every element they read.
+template <typename Element>
+Element* grown(std::unique_ptr<Element[]>& out, size_t& capacity, size_t size) {
+  if (size > capacity) {
+    out.reset(new Element[size]);
+    capacity = size;
+  }
+  return out.get();
+}
+
 // The rows x cols matrix stored at x with row stride ld, rounded to
 // bfloat16 into `out` (row stride cols), which grows as needed.
 template <typename Element>
 const Element* packed(const float* x, int64_t rows, int64_t cols, int64_t ld,
                       std::unique_ptr<Element[]>& out, size_t& capacity) {
-  const auto size = size_t(rows * cols);
-  if (size > capacity) {
-    out.reset(new Element[size]);  // uninitialized: every element is written below
-    capacity = size;
-  }
+  grown(out, capacity, size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     if constexpr (std::is_same_v<Element, uint16_t>) {
       to_bfloat16(x + r * ld, out.get() + r * cols, cols);
@@ -94,9 +101,14 @@ class BfloatMatmuls {
   }
 
   // op(A) and op(B) of `shape`: a float32 operand is rounded to bfloat16
-  // into a packed copy, a bfloat16 one read where it is.
+  // into a packed copy, a bfloat16 one read where it is. Shapes whose m or
+  // k is not a multiple of kShapeQuantum compute on zero-padded copies.
   void run(GemmShape shape, const GemmOperand& a, const GemmOperand& b, float* c) {
     const std::lock_guard<std::mutex> lock(mutex_);
+    if (shape.m % kShapeQuantum != 0 || shape.k % kShapeQuantum != 0) {
+      run_padded(shape, a, b, c);
+      return;
+    }
     const uint16_t* a16 = a.bfloat16;
     if (a16 == nullptr) {
       a16 = packed(a.data, a_rows(shape), a_cols(shape), shape.lda, copies_.a, copies_.a_capacity);
@@ -107,6 +119,76 @@ class BfloatMatmuls {
       b16 = packed(b.data, b_rows(shape), b_cols(shape), shape.ldb, copies_.b, copies_.b_capacity);
       shape.ldb = b_cols(shape);
     }
+    execute(shape, a16, b16, c);
+  }
+
+ private:
+  // A primitive is compiled per shape, and the experts of a mixture see a
+  // new number of rows (m, and k for their weight gradients) in nearly
+  // every GEMM: Mixtral-like runs compiled about 55 primitives a rank a
+  // step, each 0.15-0.36 ms, and the cache kept growing. Rounded up to a
+  // multiple of 16 (zero rows and columns, which add nothing), a run meets
+  // a bounded set of shapes.
+  static constexpr int64_t kShapeQuantum = 16;
+
+  static int64_t rounded_up(int64_t size) {
+    return (size + kShapeQuantum - 1) / kShapeQuantum * kShapeQuantum;
+  }
+
+  // `shape` with m and k rounded up: A and B copied into zero-padded
+  // bfloat16 buffers, C computed into a padded float32 one (holding C's
+  // rows first when beta = 1) and copied back.
+  void run_padded(const GemmShape& shape, const GemmOperand& a, const GemmOperand& b, float* c) {
+    GemmShape padded_shape = shape;
+    padded_shape.m = rounded_up(shape.m);
+    padded_shape.k = rounded_up(shape.k);
+    padded_shape.lda = a_cols(padded_shape);
+    padded_shape.ldb = b_cols(padded_shape);
+    const uint16_t* a16 =
+        zero_padded({a.data, a.bfloat16, shape.lda}, a_rows(shape), a_cols(shape),
+                    a_rows(padded_shape), a_cols(padded_shape), copies_.a, copies_.a_capacity);
+    const uint16_t* b16 =
+        zero_padded({b.data, b.bfloat16, shape.ldb}, b_rows(shape), b_cols(shape),
+                    b_rows(padded_shape), b_cols(padded_shape), copies_.b, copies_.b_capacity);
+    if (padded_shape.m == shape.m) {
+      execute(padded_shape, a16, b16, c);
+      return;
+    }
+    padded_shape.ldc = shape.n;
+    grown(padded_c_, c_capacity_, size_t(padded_shape.m * shape.n));
+    if (shape.beta != 0.0f) {
+      for (int64_t r = 0; r < shape.m; ++r) {
+        std::copy_n(c + r * shape.ldc, shape.n, padded_c_.get() + r * shape.n);
+      }
+    }
+    execute(padded_shape, a16, b16, padded_c_.get());
+    for (int64_t r = 0; r < shape.m; ++r) {
+      std::copy_n(padded_c_.get() + r * shape.n, shape.n, c + r * shape.ldc);
+    }
+  }
+
+  // The rows x cols matrix of `x` (row stride x.ld) in bfloat16 at the top
+  // left of a padded_rows x padded_cols one of zeros, in `out` (row stride
+  // padded_cols), which grows as needed.
+  static const uint16_t* zero_padded(const GemmOperand& x, int64_t rows, int64_t cols,
+                                     int64_t padded_rows, int64_t padded_cols,
+                                     std::unique_ptr<uint16_t[]>& out, size_t& capacity) {
+    const auto size = size_t(padded_rows * padded_cols);
+    grown(out, capacity, size);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* row = out.get() + r * padded_cols;
+      if (x.bfloat16 != nullptr) {
+        std::copy_n(x.bfloat16 + r * x.ld, cols, row);
+      } else {
+        to_bfloat16(x.data + r * x.ld, row, cols);
+      }
+      std::fill(row + cols, row + padded_cols, uint16_t{0});
+    }
+    std::fill(out.get() + rows * padded_cols, out.get() + size, uint16_t{0});
+    return out.get();
+  }
+
+  void execute(const GemmShape& shape, const uint16_t* a16, const uint16_t* b16, float* c) {
     Primitive& primitive = find(shape);
     primitive.a.set_data_handle(const_cast<uint16_t*>(a16));
     primitive.b.set_data_handle(const_cast<uint16_t*>(b16));
@@ -117,7 +199,6 @@ class BfloatMatmuls {
     stream_.wait();
   }
 
- private:
   struct Primitive {
     dnnl::matmul matmul;
     dnnl::memory a, b, c;
@@ -152,6 +233,8 @@ class BfloatMatmuls {
   std::mutex mutex_;
   std::map<GemmShape, Primitive> primitives_;
   OperandCopies<uint16_t> copies_;
+  std::unique_ptr<float[]> padded_c_;
+  size_t c_capacity_ = 0;
 };
 
 // Whether oneDNN may use the CPU's bfloat16 instructions (AVX512_BF16 or
@@ -180,11 +263,7 @@ const float* rounded(const GemmOperand& operand, int64_t rows, int64_t cols,
                      std::unique_ptr<float[]>& out, size_t& capacity) {
   if (operand.bfloat16 == nullptr)
     return packed(operand.data, rows, cols, operand.ld, out, capacity);
-  const auto size = size_t(rows * cols);
-  if (size > capacity) {
-    out.reset(new float[size]);  // uninitialized: every element is written below
-    capacity = size;
-  }
+  grown(out, capacity, size_t(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     from_bfloat16(operand.bfloat16 + r * operand.ld, out.get() + r * cols, cols);
   }
