@@ -166,7 +166,10 @@ int launch_local(int nproc_per_node, const std::vector<std::string>& command,
   check_options(nproc_per_node, options);
   check_command(command, options);
   prefer_fast_blas_kernels();
-  return run_mpirun(mpirun_command(nproc_per_node, command, options, host_facts()), options);
+  const SessionDirectory session;
+  HostFacts facts = host_facts();
+  facts.session_base = session.path();
+  return run_mpirun(mpirun_command(nproc_per_node, command, options, facts), options);
 }
 
 bool prefer_fast_blas_kernels() {

@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
@@ -319,6 +321,19 @@ std::optional<std::string> find_on_path(const std::string& name) {
   return std::nullopt;
 }
 
+SessionDirectory::SessionDirectory() {
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp") +
+                        "/meshrun-session-XXXXXX";
+  if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+}
+
+SessionDirectory::~SessionDirectory() {
+  if (path_.empty()) return;
+  std::error_code ignored;  // what cannot be removed stays, as Open MPI's own would
+  std::filesystem::remove_all(path_, ignored);
+}
+
 HostFacts host_facts() {
   const auto mpirun = find_on_path("mpirun");
   if (!mpirun) {
@@ -326,7 +341,7 @@ HostFacts host_facts() {
                 "mpirun not found on PATH: meshrun starts ranks through Open MPI's mpirun; "
                 "install the Debian package openmpi-bin");
   }
-  return {*mpirun, geteuid() == 0, cpu_count(), meshrun_variables(), transport_chosen()};
+  return {*mpirun, geteuid() == 0, cpu_count(), meshrun_variables(), transport_chosen(), {}};
 }
 
 std::vector<std::string> mpirun_command(int nproc_per_node, const std::vector<std::string>& command,
@@ -342,6 +357,9 @@ std::vector<std::string> mpirun_command(int nproc_per_node, const std::vector<st
     // start probing the network transports (UCX, OFI), 0.2 s of each run.
     if (!facts.transport_chosen) {
       argv.insert(argv.end(), {"--mca", "pml", "ob1", "--mca", "btl", "self,vader"});
+    }
+    if (!facts.session_base.empty()) {
+      argv.insert(argv.end(), {"--mca", "orte_tmpdir_base", facts.session_base});
     }
   } else {
     if (!options.hostfile.empty()) argv.insert(argv.end(), {"--hostfile", options.hostfile});

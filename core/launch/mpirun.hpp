@@ -19,6 +19,27 @@ struct HostFacts {
   // The environment names Open MPI's transport (OMPI_MCA_pml, _btl or _mtl):
   // meshrun then leaves the choice to it.
   bool transport_chosen = false;
+  // A folder of this launch's own for Open MPI's session files on this
+  // machine (SessionDirectory); empty: Open MPI's default.
+  std::string session_base = {};
+};
+
+// A folder of one launch's own for Open MPI's session files, removed with
+// what is in it when the launch ends. Launches that start together
+// otherwise race to create the one Open MPI shares
+// (/tmp/ompi.<host>.<uid>), and the loser fails in orte_init ("mkdir ...:
+// File exists"). Made under $TMPDIR, else /tmp; where it cannot be made,
+// path() is empty and Open MPI's default serves.
+class SessionDirectory {
+ public:
+  SessionDirectory();
+  ~SessionDirectory();
+  SessionDirectory(const SessionDirectory&) = delete;
+  SessionDirectory& operator=(const SessionDirectory&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
 };
 
 // `name` as execvp would find it: itself when it has a '/', else the first

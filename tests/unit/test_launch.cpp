@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <string>
@@ -229,6 +231,13 @@ TEST_CASE("launch: mpirun command line", "[launch]") {
              "./train", "--steps", "3"});
   // A transport named in the environment is the user's choice.
   facts.transport_chosen = true;
+  // Open MPI's session files go to the launch's own folder on this machine.
+  facts.session_base = "/tmp/meshrun-session-abc123";
+  CHECK(meshrun::launch::mpirun_command(2, program, {}, facts) ==
+        Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--use-hwthread-cpus", "-np",
+             "2", "--mca", "orte_tmpdir_base", "/tmp/meshrun-session-abc123", "-x",
+             "MESHRUN_LOG_LEVEL", "./train", "--steps", "3"});
+  facts.session_base.clear();
 
   facts.root = true;
   facts.forwarded_env.clear();
@@ -248,6 +257,19 @@ TEST_CASE("launch: mpirun command line", "[launch]") {
   CHECK(meshrun::launch::mpirun_command(2, program, {"", 0, 3}, facts) ==
         Argv{"/usr/bin/mpirun", "--tag-output", "--bind-to", "none", "--map-by", "ppr:2:node",
              "-np", "6", "./train", "--steps", "3"});
+}
+
+TEST_CASE("launch: a session folder of its own, gone when the launch ends", "[launch]") {
+  std::string path;
+  {
+    const meshrun::launch::SessionDirectory session;
+    path = session.path();
+    REQUIRE_FALSE(path.empty());
+    CHECK(std::filesystem::is_directory(path));
+    std::ofstream(path + "/left-by-open-mpi") << "session file";
+    std::filesystem::create_directory(path + "/ompi.host.0");
+  }
+  CHECK_FALSE(std::filesystem::exists(path));
 }
 
 TEST_CASE("launch: tagged output becomes lines per rank", "[launch]") {
