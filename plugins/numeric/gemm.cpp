@@ -13,7 +13,6 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <type_traits>
 
 #include "meshrun/dtype.hpp"
 #include "numeric/bfloat16.hpp"
@@ -63,20 +62,40 @@ Element* grown(std::unique_ptr<Element[]>& out, size_t& capacity, size_t size) {
   return out.get();
 }
 
-// The rows x cols matrix stored at x with row stride ld, rounded to
-// bfloat16 into `out` (row stride cols), which grows as needed.
-template <typename Element>
-const Element* packed(const float* x, int64_t rows, int64_t cols, int64_t ld,
-                      std::unique_ptr<Element[]>& out, size_t& capacity) {
-  grown(out, capacity, size_t(rows * cols));
+// The rows x cols matrix of `x` (row stride x.ld) in bfloat16, at the top
+// left of a padded_rows x padded_cols one of zeros, in `out` (row stride
+// padded_cols), which grows as needed.
+const uint16_t* bfloat16_copy(const GemmOperand& x, int64_t rows, int64_t cols, int64_t padded_rows,
+                              int64_t padded_cols, std::unique_ptr<uint16_t[]>& out,
+                              size_t& capacity) {
+  const auto size = size_t(padded_rows * padded_cols);
+  uint16_t* copy = grown(out, capacity, size);
   for (int64_t r = 0; r < rows; ++r) {
-    if constexpr (std::is_same_v<Element, uint16_t>) {
-      to_bfloat16(x + r * ld, out.get() + r * cols, cols);
+    uint16_t* row = copy + r * padded_cols;
+    if (x.bfloat16 != nullptr) {
+      std::copy_n(x.bfloat16 + r * x.ld, cols, row);
     } else {
-      round_to_bfloat16(x + r * ld, out.get() + r * cols, cols);
+      to_bfloat16(x.data + r * x.ld, row, cols);
+    }
+    std::fill(row + cols, row + padded_cols, uint16_t{0});
+  }
+  std::fill(copy + rows * padded_cols, copy + size, uint16_t{0});
+  return copy;
+}
+
+// The rows x cols matrix of `x` (row stride x.ld) rounded to bfloat16 and
+// held in float32, in `out` (row stride cols), which grows as needed.
+const float* rounded_copy(const GemmOperand& x, int64_t rows, int64_t cols,
+                          std::unique_ptr<float[]>& out, size_t& capacity) {
+  float* copy = grown(out, capacity, size_t(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (x.bfloat16 != nullptr) {
+      from_bfloat16(x.bfloat16 + r * x.ld, copy + r * cols, cols);
+    } else {
+      round_to_bfloat16(x.data + r * x.ld, copy + r * cols, cols);
     }
   }
-  return out.get();
+  return copy;
 }
 
 // Scratch for the two operands of one GEMM, kept between calls: a step's
@@ -100,26 +119,44 @@ class BfloatMatmuls {
     return matmuls;
   }
 
-  // op(A) and op(B) of `shape`: a float32 operand is rounded to bfloat16
-  // into a packed copy, a bfloat16 one read where it is. Shapes whose m or
-  // k is not a multiple of kShapeQuantum compute on zero-padded copies.
-  void run(GemmShape shape, const GemmOperand& a, const GemmOperand& b, float* c) {
+  // op(A) and op(B) of `shape`, with m and k rounded up to multiples of
+  // kShapeQuantum: a bfloat16 operand that needs no padding is read where
+  // it is, the others are copied into zero-padded bfloat16 buffers, and C
+  // is computed into a padded float32 one (holding C's rows first when
+  // beta = 1) when m is padded, then copied back.
+  void run(const GemmShape& shape, const GemmOperand& a, const GemmOperand& b, float* c) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (shape.m % kShapeQuantum != 0 || shape.k % kShapeQuantum != 0) {
-      run_padded(shape, a, b, c);
-      return;
-    }
+    GemmShape padded = shape;
+    padded.m = rounded_up(shape.m);
+    padded.k = rounded_up(shape.k);
+    const bool same_size = padded.m == shape.m && padded.k == shape.k;
     const uint16_t* a16 = a.bfloat16;
-    if (a16 == nullptr) {
-      a16 = packed(a.data, a_rows(shape), a_cols(shape), shape.lda, copies_.a, copies_.a_capacity);
-      shape.lda = a_cols(shape);
+    if (a16 == nullptr || !same_size) {
+      a16 = bfloat16_copy(a, a_rows(shape), a_cols(shape), a_rows(padded), a_cols(padded),
+                          copies_.a, copies_.a_capacity);
+      padded.lda = a_cols(padded);
     }
     const uint16_t* b16 = b.bfloat16;
-    if (b16 == nullptr) {
-      b16 = packed(b.data, b_rows(shape), b_cols(shape), shape.ldb, copies_.b, copies_.b_capacity);
-      shape.ldb = b_cols(shape);
+    if (b16 == nullptr || !same_size) {
+      b16 = bfloat16_copy(b, b_rows(shape), b_cols(shape), b_rows(padded), b_cols(padded),
+                          copies_.b, copies_.b_capacity);
+      padded.ldb = b_cols(padded);
     }
-    execute(shape, a16, b16, c);
+    if (padded.m == shape.m) {
+      execute(padded, a16, b16, c);
+      return;
+    }
+    padded.ldc = shape.n;
+    float* padded_c = grown(padded_c_, c_capacity_, size_t(padded.m * shape.n));
+    if (shape.beta != 0.0f) {
+      for (int64_t r = 0; r < shape.m; ++r) {
+        std::copy_n(c + r * shape.ldc, shape.n, padded_c + r * shape.n);
+      }
+    }
+    execute(padded, a16, b16, padded_c);
+    for (int64_t r = 0; r < shape.m; ++r) {
+      std::copy_n(padded_c + r * shape.n, shape.n, c + r * shape.ldc);
+    }
   }
 
  private:
@@ -133,59 +170,6 @@ class BfloatMatmuls {
 
   static int64_t rounded_up(int64_t size) {
     return (size + kShapeQuantum - 1) / kShapeQuantum * kShapeQuantum;
-  }
-
-  // `shape` with m and k rounded up: A and B copied into zero-padded
-  // bfloat16 buffers, C computed into a padded float32 one (holding C's
-  // rows first when beta = 1) and copied back.
-  void run_padded(const GemmShape& shape, const GemmOperand& a, const GemmOperand& b, float* c) {
-    GemmShape padded_shape = shape;
-    padded_shape.m = rounded_up(shape.m);
-    padded_shape.k = rounded_up(shape.k);
-    padded_shape.lda = a_cols(padded_shape);
-    padded_shape.ldb = b_cols(padded_shape);
-    const uint16_t* a16 =
-        zero_padded({a.data, a.bfloat16, shape.lda}, a_rows(shape), a_cols(shape),
-                    a_rows(padded_shape), a_cols(padded_shape), copies_.a, copies_.a_capacity);
-    const uint16_t* b16 =
-        zero_padded({b.data, b.bfloat16, shape.ldb}, b_rows(shape), b_cols(shape),
-                    b_rows(padded_shape), b_cols(padded_shape), copies_.b, copies_.b_capacity);
-    if (padded_shape.m == shape.m) {
-      execute(padded_shape, a16, b16, c);
-      return;
-    }
-    padded_shape.ldc = shape.n;
-    grown(padded_c_, c_capacity_, size_t(padded_shape.m * shape.n));
-    if (shape.beta != 0.0f) {
-      for (int64_t r = 0; r < shape.m; ++r) {
-        std::copy_n(c + r * shape.ldc, shape.n, padded_c_.get() + r * shape.n);
-      }
-    }
-    execute(padded_shape, a16, b16, padded_c_.get());
-    for (int64_t r = 0; r < shape.m; ++r) {
-      std::copy_n(padded_c_.get() + r * shape.n, shape.n, c + r * shape.ldc);
-    }
-  }
-
-  // The rows x cols matrix of `x` (row stride x.ld) in bfloat16 at the top
-  // left of a padded_rows x padded_cols one of zeros, in `out` (row stride
-  // padded_cols), which grows as needed.
-  static const uint16_t* zero_padded(const GemmOperand& x, int64_t rows, int64_t cols,
-                                     int64_t padded_rows, int64_t padded_cols,
-                                     std::unique_ptr<uint16_t[]>& out, size_t& capacity) {
-    const auto size = size_t(padded_rows * padded_cols);
-    grown(out, capacity, size);
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* row = out.get() + r * padded_cols;
-      if (x.bfloat16 != nullptr) {
-        std::copy_n(x.bfloat16 + r * x.ld, cols, row);
-      } else {
-        to_bfloat16(x.data + r * x.ld, row, cols);
-      }
-      std::fill(row + cols, row + padded_cols, uint16_t{0});
-    }
-    std::fill(out.get() + rows * padded_cols, out.get() + size, uint16_t{0});
-    return out.get();
   }
 
   void execute(const GemmShape& shape, const uint16_t* a16, const uint16_t* b16, float* c) {
@@ -257,19 +241,6 @@ void float_gemm(const GemmShape& s, const float* a, const float* b, float* c) {
   }
 }
 
-// The rows x cols matrix of `operand` (row stride ld) in float32, rounded
-// to bfloat16, into `out` (row stride cols), which grows as needed.
-const float* rounded(const GemmOperand& operand, int64_t rows, int64_t cols,
-                     std::unique_ptr<float[]>& out, size_t& capacity) {
-  if (operand.bfloat16 == nullptr)
-    return packed(operand.data, rows, cols, operand.ld, out, capacity);
-  grown(out, capacity, size_t(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    from_bfloat16(operand.bfloat16 + r * operand.ld, out.get() + r * cols, cols);
-  }
-  return out.get();
-}
-
 void bfloat16_gemm(GemmShape s, const GemmOperand& a, const GemmOperand& b, float* c) {
   if (native_bfloat16()) {
     BfloatMatmuls::instance().run(s, a, b, c);
@@ -278,8 +249,8 @@ void bfloat16_gemm(GemmShape s, const GemmOperand& a, const GemmOperand& b, floa
   // Widening a bfloat16 is exact, so float32 products of the rounded
   // copies are the bfloat16 products.
   OperandCopies<float> copies;
-  const float* rounded_a = rounded(a, a_rows(s), a_cols(s), copies.a, copies.a_capacity);
-  const float* rounded_b = rounded(b, b_rows(s), b_cols(s), copies.b, copies.b_capacity);
+  const float* rounded_a = rounded_copy(a, a_rows(s), a_cols(s), copies.a, copies.a_capacity);
+  const float* rounded_b = rounded_copy(b, b_rows(s), b_cols(s), copies.b, copies.b_capacity);
   s.lda = a_cols(s);
   s.ldb = b_cols(s);
   float_gemm(s, rounded_a, rounded_b, c);

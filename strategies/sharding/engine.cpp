@@ -207,10 +207,9 @@ void Engine::make_buckets() {
   buckets_.reserve(static_cast<size_t>(count));
   for (int32_t b = 0; b < count; ++b) {
     Bucket& bucket = buckets_.emplace_back(meter_);
-    bucket.place = &layout_->block(b);
     bucket.anchor = options_.single_bucket ? root_ : b;
     bucket.comm = {
-        bucket.place, layout_->ranks(),
+        &layout_->block(b), layout_->ranks(),
         options_.single_bucket ? "every unit (one bucket)" : "unit " + std::to_string(b)};
   }
 }
@@ -310,7 +309,7 @@ void Engine::pre_backward(int32_t u) {
   enter(u, Phase::backward);
   Bucket& bucket = bucket_of(u);
   if (!bucket.gradients.held()) {
-    bucket.gradients.allocate(static_cast<size_t>(bucket.place->padded_numel) * sizeof(float),
+    bucket.gradients.allocate(static_cast<size_t>(bucket.comm.block->padded_numel) * sizeof(float),
                               true);
   }
 }
@@ -491,7 +490,7 @@ void Engine::start_gather(int32_t u) {
   if (bucket.parameters.held() || bucket.gather.has_value()) return;
   // A root holding no parameter (its embedding and head are units of their
   // own) has nothing to move.
-  if (bucket.place->full_numel == 0) {
+  if (bucket.comm.block->full_numel == 0) {
     bucket.parameters.allocate(0, false);
     return;
   }
@@ -563,7 +562,7 @@ void Engine::reshard_all() {
 
 void Engine::check_finite_gradients(const Bucket& bucket) const {
   const float* gradients = bucket.gradients.floats();
-  for (const ParameterPlace& place : bucket.place->parameters) {
+  for (const ParameterPlace& place : bucket.comm.block->parameters) {
     const float* begin = gradients + place.block_begin;
     const float* found =
         std::find_if(begin, begin + place.numel, [](float value) { return !std::isfinite(value); });
@@ -580,7 +579,7 @@ void Engine::check_finite_gradients(const Bucket& bucket) const {
 // Frees the bucket's gradients once the reduction has them (in float32,
 // as its send buffer).
 void Engine::start_reduction(Bucket& bucket) {
-  if (bucket.place->full_numel == 0) {
+  if (bucket.comm.block->full_numel == 0) {
     bucket.gradients.release();
     return;
   }

@@ -130,8 +130,7 @@ class Engine {
   // What one all-gather and one reduction move: a unit, or every unit.
   struct Bucket {
     explicit Bucket(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
-    const BlockPlace* place = nullptr;  // in the layout
-    CommPlace comm;
+    CommPlace comm;                // its block of the layout
     int32_t anchor = 0;            // the unit whose reshard frees it and whose backward reduces it
     std::optional<Gather> gather;  // in flight
     Buffer parameters;             // held while gathered
