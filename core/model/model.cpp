@@ -157,6 +157,7 @@ struct ModelStage::Bridge {
     table.post_backward = &post_backward;
     table.gradient_ready = &gradient_ready;
     table.parameter = &parameter;
+    table.parameter_bfloat16 = &parameter_bfloat16;
   }
 
   template <class Body>
@@ -258,28 +259,44 @@ struct ModelStage::Bridge {
                   fmt::format("{}: parameter {} is not one of the stage's", hook, parameter));
     }
   }
+  // Parameter `index`'s storage, which the model may ask for between its
+  // unit's pre_ and post_ hooks only; `hook` names the hook in errors.
+  ParameterStorage storage(int64_t index, const char* hook) {
+    check_held(index, hook);
+    const ModelParameter& p = description.parameters[size_t(index)];
+    const auto unit = entered.find(p.unit);
+    if (unit == entered.end()) {
+      throw Error(MESHRUN_FAILED_PRECONDITION,
+                  fmt::format("{}: parameter '{}' asked for outside the pre_/post_ hooks of its "
+                              "unit '{}'",
+                              hook, p.name, description.units[size_t(p.unit)]));
+    }
+    return hooks.parameter(index, unit->second);
+  }
+  DLTensor view(int64_t index, const void* data, DLDataType dtype) const {
+    const ModelParameter& p = description.parameters[size_t(index)];
+    return DLTensor{const_cast<void*>(data),
+                    {kDLCPU, 0},
+                    int32_t(p.shape.size()),
+                    dtype,
+                    const_cast<int64_t*>(p.shape.data()),
+                    nullptr,
+                    0};
+  }
   static meshrun_error* parameter(void* context, int64_t index, DLTensor* value,
                                   DLTensor* gradient) {
     return guarded(context, [&](Bridge& b) {
-      b.check_held(index, "parameter");
-      const ModelParameter& p = b.description.parameters[size_t(index)];
-      const auto unit = b.entered.find(p.unit);
-      if (unit == b.entered.end()) {
-        throw Error(MESHRUN_FAILED_PRECONDITION,
-                    fmt::format("parameter '{}' asked for outside the pre_/post_ hooks of its "
-                                "unit '{}'",
-                                p.name, b.description.units[size_t(p.unit)]));
+      const ParameterStorage storage = b.storage(index, "parameter");
+      if (value != nullptr) *value = b.view(index, storage.value, dtype_float32());
+      if (gradient != nullptr) *gradient = b.view(index, storage.gradient, dtype_float32());
+    });
+  }
+  static meshrun_error* parameter_bfloat16(void* context, int64_t index, DLTensor* value) {
+    return guarded(context, [&](Bridge& b) {
+      if (value == nullptr) {
+        throw Error(MESHRUN_INVALID_ARGUMENT, "parameter_bfloat16: value is NULL");
       }
-      const ParameterStorage storage = b.hooks.parameter(index, unit->second);
-      int64_t* shape = const_cast<int64_t*>(p.shape.data());
-      const auto ndim = int32_t(p.shape.size());
-      if (value != nullptr) {
-        *value = DLTensor{storage.value, {kDLCPU, 0}, ndim, dtype_float32(), shape, nullptr, 0};
-      }
-      if (gradient != nullptr) {
-        *gradient =
-            DLTensor{storage.gradient, {kDLCPU, 0}, ndim, dtype_float32(), shape, nullptr, 0};
-      }
+      *value = b.view(index, b.storage(index, "parameter_bfloat16").bfloat16, dtype_bfloat16());
     });
   }
 

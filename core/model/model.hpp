@@ -221,6 +221,9 @@ StrategyUnitNumbers strategy_unit_numbers(const ModelDescription& description,
 struct ParameterStorage {
   float* value = nullptr;
   float* gradient = nullptr;  // null outside a backward
+  // The same values in bfloat16 when the strategy gathered them so
+  // (meshrun/model.h, parameter_bfloat16), else null.
+  const uint16_t* bfloat16 = nullptr;
 };
 
 // What a stage calls at unit boundaries (meshrun/model.h, "Hooks"); units

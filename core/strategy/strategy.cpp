@@ -251,23 +251,44 @@ std::pair<FloatView, FloatView> Strategy::unit_views(int32_t unit) {
   call("unit_views",
        [&] { return api().unit_views(instance_.handle(), unit, &parameters, &gradients); });
   const std::string where = fmt::format("unit_views(unit {})", unit);
-  if (unit < 0 || static_cast<size_t>(unit) >= unit_numel_.size()) {
-    throw Error(MESHRUN_INTERNAL,
-                fmt::format("strategy {} {}: views handed back for a unit not in [0, {})",
-                            library().name(), where, unit_numel_.size()));
-  }
-  const int64_t numel = unit_numel_[static_cast<size_t>(unit)];
+  const int64_t numel = unit_numel(unit, where);
   const char* expected = "the unit's parameter elements";
   const FloatView parameter_view = float_view(parameters, where, "parameters", false);
-  check_length(parameter_view, numel, where, "parameters", expected);
+  check_length(parameter_view.numel, numel, where, "parameters", expected);
   // Gradient views exist in the unit's backward only.
   const bool in_backward = in_backward_[static_cast<size_t>(unit)];
   const std::string gradients_where = in_backward ? where + " in the unit's backward" : where;
   const FloatView gradient_view = float_view(gradients, gradients_where, "gradients", !in_backward);
   if (gradient_view.data != nullptr) {
-    check_length(gradient_view, numel, gradients_where, "gradients", expected);
+    check_length(gradient_view.numel, numel, gradients_where, "gradients", expected);
   }
   return {parameter_view, gradient_view};
+}
+
+Bfloat16View Strategy::unit_views_bfloat16(int32_t unit) {
+  require_sharded("unit_views_bfloat16");
+  if (api().struct_size < MESHRUN_STRATEGY_API_SIZE_1_12 || api().unit_views_bfloat16 == nullptr) {
+    return {};
+  }
+  DLTensor parameters{};
+  call("unit_views_bfloat16",
+       [&] { return api().unit_views_bfloat16(instance_.handle(), unit, &parameters); });
+  const std::string where = fmt::format("unit_views_bfloat16(unit {})", unit);
+  const int64_t numel = unit_numel(unit, where);
+  const auto [data, view_numel] =
+      flat_view(parameters, where, "parameters", true, dtype_bfloat16(), "bfloat16");
+  if (data == nullptr) return {};
+  check_length(view_numel, numel, where, "parameters", "the unit's parameter elements");
+  return {static_cast<const uint16_t*>(data), view_numel};
+}
+
+int64_t Strategy::unit_numel(int32_t unit, const std::string& where) const {
+  if (unit < 0 || static_cast<size_t>(unit) >= unit_numel_.size()) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("strategy {} {}: views handed back for a unit not in [0, {})",
+                            library().name(), where, unit_numel_.size()));
+  }
+  return unit_numel_[static_cast<size_t>(unit)];
 }
 
 std::pair<FloatView, FloatView> Strategy::local_shard() {
@@ -278,7 +299,7 @@ std::pair<FloatView, FloatView> Strategy::local_shard() {
        [&] { return api().local_shard(instance_.handle(), &parameters, &gradients); });
   const FloatView parameter_view = float_view(parameters, "local_shard", "parameters", false);
   const FloatView gradient_view = float_view(gradients, "local_shard", "gradients", false);
-  check_length(gradient_view, parameter_view.numel, "local_shard", "gradients",
+  check_length(gradient_view.numel, parameter_view.numel, "local_shard", "gradients",
                "as many as the parameters view");
   return {parameter_view, gradient_view};
 }
@@ -303,6 +324,14 @@ void Strategy::gather_parameters(float* full, int64_t numel) {
 
 FloatView Strategy::float_view(const DLTensor& tensor, const std::string& where, const char* what,
                                bool may_be_null) const {
+  const auto [data, numel] =
+      flat_view(tensor, where, what, may_be_null, dtype_float32(), "float32");
+  return {static_cast<float*>(data), numel};
+}
+
+std::pair<void*, int64_t> Strategy::flat_view(const DLTensor& tensor, const std::string& where,
+                                              const char* what, bool may_be_null,
+                                              DLDataType expected, const char* dtype_name) const {
   if (tensor.data == nullptr && may_be_null) return {};
   const auto fail = [&](const std::string& problem) {
     throw Error(MESHRUN_INTERNAL,
@@ -313,9 +342,9 @@ FloatView Strategy::float_view(const DLTensor& tensor, const std::string& where,
                      static_cast<int>(tensor.device.device_type), static_cast<int>(kDLCPU)));
   }
   const DLDataType dtype = tensor.dtype;
-  if (dtype.code != kDLFloat || dtype.bits != 32 || dtype.lanes != 1) {
-    fail(fmt::format("has dtype code {} bits {}{}, expected float32", dtype.code, dtype.bits,
-                     dtype.lanes != 1 ? fmt::format(" lanes {}", dtype.lanes) : ""));
+  if (dtype.code != expected.code || dtype.bits != expected.bits || dtype.lanes != 1) {
+    fail(fmt::format("has dtype code {} bits {}{}, expected {}", dtype.code, dtype.bits,
+                     dtype.lanes != 1 ? fmt::format(" lanes {}", dtype.lanes) : "", dtype_name));
   }
   if (tensor.ndim != 1) fail(fmt::format("has {} dimensions, expected 1", tensor.ndim));
   if (tensor.shape == nullptr) fail("has no shape (shape is NULL)");
@@ -325,16 +354,15 @@ FloatView Strategy::float_view(const DLTensor& tensor, const std::string& where,
   }
   // A view of no elements needs no memory.
   if (tensor.data == nullptr && tensor.shape[0] > 0) fail("has data NULL");
-  return {reinterpret_cast<float*>(static_cast<std::byte*>(tensor.data) + tensor.byte_offset),
-          tensor.shape[0]};
+  return {static_cast<std::byte*>(tensor.data) + tensor.byte_offset, tensor.shape[0]};
 }
 
-void Strategy::check_length(const FloatView& view, int64_t numel, const std::string& where,
+void Strategy::check_length(int64_t view_numel, int64_t numel, const std::string& where,
                             const char* what, const char* expected) const {
-  if (view.numel == numel) return;
+  if (view_numel == numel) return;
   throw Error(MESHRUN_INTERNAL,
               fmt::format("strategy {} {}: {} view has {} elements, expected {} ({})",
-                          library().name(), where, what, view.numel, numel, expected));
+                          library().name(), where, what, view_numel, numel, expected));
 }
 
 void Strategy::require_sharded(const char* entry_point) const {

@@ -49,6 +49,12 @@ struct FloatView {
   int64_t numel = 0;
 };
 
+// The same for bfloat16 elements.
+struct Bfloat16View {
+  const uint16_t* data = nullptr;
+  int64_t numel = 0;
+};
+
 // The strategy's memory, for metrics.jsonl's "mem".
 struct StrategyMemory {
   int64_t buffers = 0;
@@ -115,6 +121,9 @@ class Strategy {
   void post_backward(int32_t unit);
   // The unit's full parameters and (in its backward, else data null) gradients.
   std::pair<FloatView, FloatView> unit_views(int32_t unit);
+  // The unit's full parameters as the strategy gathered them in bfloat16
+  // (ABI 1.12); data null when it holds none or its table predates 1.12.
+  Bfloat16View unit_views_bfloat16(int32_t unit);
   // This rank's shard of the parameters and their gradients.
   std::pair<FloatView, FloatView> local_shard();
   std::vector<meshrun_shard_segment> shard_segments();
@@ -137,10 +146,17 @@ class Strategy {
   // Throws INTERNAL naming the first property that fails.
   FloatView float_view(const DLTensor& tensor, const std::string& where, const char* what,
                        bool may_be_null) const;
-  // Throws INTERNAL unless `view` has `numel` elements; `expected` says
-  // where that number comes from.
-  void check_length(const FloatView& view, int64_t numel, const std::string& where,
-                    const char* what, const char* expected) const;
+  // The same for a view of `dtype` (named `dtype_name` in messages).
+  std::pair<void*, int64_t> flat_view(const DLTensor& tensor, const std::string& where,
+                                      const char* what, bool may_be_null, DLDataType dtype,
+                                      const char* dtype_name) const;
+  // The number of elements of `unit`'s views; INTERNAL naming `where` for a
+  // unit out of range.
+  int64_t unit_numel(int32_t unit, const std::string& where) const;
+  // Throws INTERNAL unless a view of `view_numel` elements has `numel`;
+  // `expected` says where that number comes from.
+  void check_length(int64_t view_numel, int64_t numel, const std::string& where, const char* what,
+                    const char* expected) const;
   // MESHRUN_INITIAL_WEIGHTS_BY_SHARD, once the plugin is known to take it;
   // INVALID_ARGUMENT naming the plugin otherwise.
   int32_t by_shard_weights() const;

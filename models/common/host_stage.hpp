@@ -39,6 +39,7 @@ class HostHooks : public StageHooks {
     const auto [values, gradient] = hooks_.parameter(view.index);
     view.data = values;
     view.grad = backward ? gradient : nullptr;
+    view.bfloat16 = hooks_.parameter_bfloat16(view.index);
   }
 
  private:

@@ -45,11 +45,42 @@ void embedding_backward(Real* d_table, const int32_t* tokens, const Real* d_out,
 }
 
 // ---------------------------------------------------------------------------
+// A weight as the linears' GEMMs read it: `data`, and where the host holds
+// one, `bfloat16`: the same numbers in bfloat16 (a strategy that gathers in
+// bfloat16 keeps what it received), which a bfloat16 matmul reads instead of
+// rounding `data` again. A bare pointer makes one without.
+
+template <typename Real>
+struct Weight {
+  Weight(const Real* data) : data(data) {}  // NOLINT(google-explicit-constructor)
+  Weight(const Real* data, const uint16_t* bfloat16) : data(data), bfloat16(bfloat16) {}
+  const Real* data;
+  const uint16_t* bfloat16 = nullptr;
+};
+
+// C = alpha op(A) op(W) + beta C, the weight read in bfloat16 where a
+// bfloat16 matmul can (the products are the same either way).
+template <typename Real>
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, Real alpha,
+          const Real* a, int64_t lda, const Weight<Real>& b, int64_t ldb, Real beta, Real* c,
+          int64_t ldc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    if (b.bfloat16 != nullptr && matmul_precision() == MatmulPrecision::bfloat16 &&
+        bfloat16_matmuls_native()) {
+      gemm(transpose_a, transpose_b, m, n, k, alpha, GemmOperand{a, nullptr, lda},
+           GemmOperand{nullptr, b.bfloat16, ldb}, beta, c, ldc);
+      return;
+    }
+  }
+  gemm(transpose_a, transpose_b, m, n, k, alpha, a, lda, b.data, ldb, beta, c, ldc);
+}
+
+// ---------------------------------------------------------------------------
 // Linear without bias: y[N, out] = x[N, in] W[out, in]^T
 
 template <typename Real>
-void linear_forward(Real* y, const Real* x, const Real* weight, int64_t rows, int64_t in,
-                    int64_t out) {
+void linear_forward(Real* y, const Real* x, std::type_identity_t<Weight<Real>> weight, int64_t rows,
+                    int64_t in, int64_t out) {
   gemm(false, true, rows, out, in, Real(1), x, in, weight, in, Real(0), y, out);
 }
 
@@ -58,8 +89,8 @@ void linear_forward(Real* y, const Real* x, const Real* weight, int64_t rows, in
 //   input:  dx[N, in] = dy[N, out] W[out, in]
 //   weight: dW[out, in] += dy^T x
 template <typename Real>
-void linear_backward_input(Real* dx, const Real* dy, const Real* weight, int64_t rows, int64_t in,
-                           int64_t out) {
+void linear_backward_input(Real* dx, const Real* dy, std::type_identity_t<Weight<Real>> weight,
+                           int64_t rows, int64_t in, int64_t out) {
   gemm(false, false, rows, in, out, Real(1), dy, out, weight, in, Real(0), dx, in);
 }
 
@@ -73,8 +104,8 @@ void linear_backward_weight(Real* d_weight, const Real* dy, const Real* x, int64
 // Conv1D, GPT-2's linear, without bias: y[N, out] = x[N, in] W[in, out]
 
 template <typename Real>
-void conv1d_forward(Real* y, const Real* x, const Real* weight, int64_t rows, int64_t in,
-                    int64_t out) {
+void conv1d_forward(Real* y, const Real* x, std::type_identity_t<Weight<Real>> weight, int64_t rows,
+                    int64_t in, int64_t out) {
   gemm(false, false, rows, out, in, Real(1), x, in, weight, out, Real(0), y, out);
 }
 
@@ -82,8 +113,8 @@ void conv1d_forward(Real* y, const Real* x, const Real* weight, int64_t rows, in
 //   input:  dx[N, in] = dy[N, out] W[in, out]^T
 //   weight: dW[in, out] += x^T dy
 template <typename Real>
-void conv1d_backward_input(Real* dx, const Real* dy, const Real* weight, int64_t rows, int64_t in,
-                           int64_t out) {
+void conv1d_backward_input(Real* dx, const Real* dy, std::type_identity_t<Weight<Real>> weight,
+                           int64_t rows, int64_t in, int64_t out) {
   gemm(false, true, rows, in, out, Real(1), dy, out, weight, out, Real(0), dx, in);
 }
 

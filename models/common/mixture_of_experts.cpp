@@ -150,12 +150,12 @@ void experts_forward(const ParameterView* views, MixtureActivations& saved,
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
       std::copy_n(scratch.received.begin() + at, count, in.begin() + own);
     });
-    linear_forward(saved.gate_up[size_t(j)].data(), in.data(), expert_view(views, j, kW1).data,
-                   rows, H, 2 * I);
+    linear_forward(saved.gate_up[size_t(j)].data(), in.data(),
+                   weight_of(expert_view(views, j, kW1)), rows, H, 2 * I);
     swiglu_forward(saved.act[size_t(j)].data(), saved.gate_up[size_t(j)].data(), rows, I);
     scratch.expert_out.resize(size_t(rows * H));
     linear_forward(scratch.expert_out.data(), saved.act[size_t(j)].data(),
-                   expert_view(views, j, kW2).data, rows, I, H);
+                   weight_of(expert_view(views, j, kW2)), rows, I, H);
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
       std::copy_n(scratch.expert_out.begin() + own, count, scratch.returned.begin() + at);
     });
@@ -185,13 +185,14 @@ void experts_backward(const ParameterView* views, MixtureActivations& saved,
     scratch.d_act.resize(size_t(rows * I));
     scratch.d_gate_up.resize(size_t(rows * 2 * I));
     scratch.d_expert_in.resize(size_t(rows * H));
-    linear_backward_input(scratch.d_act.data(), scratch.expert_out.data(), w2.data, rows, I, H);
+    linear_backward_input(scratch.d_act.data(), scratch.expert_out.data(), weight_of(w2), rows, I,
+                          H);
     gradients.linear({&w2, &w2, WeightLayout::out_in, rows, I, H}, scratch.expert_out.data(),
                      saved.act[size_t(j)]);
     swiglu_backward(scratch.d_gate_up.data(), scratch.d_act.data(), saved.gate_up[size_t(j)].data(),
                     rows, I);
-    linear_backward_input(scratch.d_expert_in.data(), scratch.d_gate_up.data(), w1.data, rows, H,
-                          2 * I);
+    linear_backward_input(scratch.d_expert_in.data(), scratch.d_gate_up.data(), weight_of(w1), rows,
+                          H, 2 * I);
     gradients.linear({&w1, &w3, WeightLayout::out_in, rows, H, 2 * I}, scratch.d_gate_up.data(),
                      saved.expert_in[size_t(j)]);
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
@@ -300,7 +301,7 @@ void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const 
                      MixtureActivations& saved, float* y) {
   const MixtureShape& shape = scratch.shape;
   const int64_t N = shape.rows, H = shape.hidden, K = shape.top_k;
-  linear_forward(saved.probs.data(), x, views[0].data, N, H, shape.experts);
+  linear_forward(saved.probs.data(), x, weight_of(views[0]), N, H, shape.experts);
   softmax_rows(saved.probs.data(), N, shape.experts);
   route(saved, shape);
   order_slots(saved, scratch);
@@ -356,8 +357,8 @@ void mixture_backward(MixtureScratch& scratch, const ParameterView* views, const
   }
   router_probability_gradient(saved, scratch, loss_scale);
   softmax_backward_rows(scratch.d_probs.data(), saved.probs.data(), N, E);
-  linear_backward_input(scratch.d_router_input.data(), scratch.d_probs.data(), views[0].data, N, H,
-                        E);
+  linear_backward_input(scratch.d_router_input.data(), scratch.d_probs.data(), weight_of(views[0]),
+                        N, H, E);
   for (int64_t i = 0; i < N * H; ++i) dx[i] += scratch.d_router_input[size_t(i)];
   gradients.linear({&views[0], &views[0], WeightLayout::out_in, N, H, E}, scratch.d_probs.data(),
                    x_kept);

@@ -35,6 +35,9 @@ struct ParameterView {
   int64_t unit = 0;
   float* data = nullptr;
   float* grad = nullptr;
+  // data's values in bfloat16 when the host holds them (a strategy that
+  // gathers in bfloat16), else null; bound with data.
+  const uint16_t* bfloat16 = nullptr;
   // "replicate", "shard(d)": the rank's 1/tp of dimension d, or
   // "shard(d,blocks)": of each of `blocks` equal blocks of d (docs/plan.md).
   std::string tp = "replicate";

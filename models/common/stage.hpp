@@ -89,6 +89,7 @@
 #include "common/context_parallel.hpp"
 #include "common/expert_parallel.hpp"
 #include "common/kept_activations.hpp"
+#include "common/layers.hpp"
 #include "common/parameters.hpp"
 #include "common/tensor_parallel.hpp"
 
@@ -126,6 +127,11 @@ class StageHooks {
   // storage (valid until the unit's post_ hook).
   virtual void bind(ParameterView& view, bool backward) = 0;
 };
+
+// The view's values as the linears' GEMMs read them (layers.hpp, Weight).
+inline kernels::Weight<float> weight_of(const ParameterView& view) {
+  return {view.data, view.bfloat16};
+}
 
 // How a linear's weight is stored: Hugging Face's nn.Linear [out, in]
 // (y = x W^T) or GPT-2's Conv1D [in, out] (y = x W).

@@ -13,6 +13,7 @@ namespace meshrun::gpt2 {
 using namespace kernels;
 using models::Block;
 using models::bytes_of;
+using models::weight_of;
 using models::WeightLayout;
 
 namespace {
@@ -20,14 +21,14 @@ namespace {
 // y = x W + b of the Conv1D whose weight is conv[0] and bias conv[1].
 void conv1d_bias_forward(float* y, const float* x, const ParameterView* conv, int64_t rows,
                          int64_t in, int64_t out) {
-  conv1d_forward(y, x, conv[0].data, rows, in, out);
+  conv1d_forward(y, x, weight_of(conv[0]), rows, in, out);
   bias_forward(y, conv[1].data, rows, out);
 }
 
 // The row-parallel c_proj: y = sum over tp of x_r W_r, then + b once.
 void row_parallel_forward(float* y, const float* x, const ParameterView* conv, int64_t rows,
                           int64_t in, int64_t out, models::TensorParallelGroup& tp) {
-  conv1d_forward(y, x, conv[0].data, rows, in, out);
+  conv1d_forward(y, x, weight_of(conv[0]), rows, in, out);
   models::reduce_partial_sums(tp, y, rows * out);
   bias_forward(y, conv[1].data, rows, out);
 }
@@ -46,7 +47,7 @@ void conv1d_parameter_gradients(const float* dy, const ParameterView* conv, std:
 void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
                           std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
                           WeightGradients& gradients) {
-  conv1d_backward_input(dx, dy, conv[0].data, rows, in, out);
+  conv1d_backward_input(dx, dy, weight_of(conv[0]), rows, in, out);
   conv1d_parameter_gradients(dy, conv, x, rows, in, out, gradients);
 }
 
@@ -56,7 +57,7 @@ void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
 void column_parallel_backward(float* dx, const float* dy, const ParameterView* conv,
                               std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
                               models::TensorParallelGroup& group, WeightGradients& gradients) {
-  conv1d_backward_input(dx, dy, conv[0].data, rows, in, out);
+  conv1d_backward_input(dx, dy, weight_of(conv[0]), rows, in, out);
   if (group.size() > 1) group.start_all_reduce_sum(dx, rows * in);
   conv1d_parameter_gradients(dy, conv, x, rows, in, out, gradients);
 }
@@ -205,7 +206,8 @@ void Gpt2::layer_backward(Pass& pass, const ParameterView* block, const float* x
 
   // Attention's backward reads its output, which the parameters' gradients
   // may then take.
-  conv1d_backward_input(pass.d_attention.data(), d_residual, block[kAttnProjWeight].data, N, Q, E);
+  conv1d_backward_input(pass.d_attention.data(), d_residual, weight_of(block[kAttnProjWeight]), N,
+                        Q, E);
   pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), saved.qkv.data(),
                        saved.attention.data(), saved.lse.data());
   conv1d_parameter_gradients(d_residual, &block[kAttnProjWeight], saved.attention, N, Q, E,

@@ -13,6 +13,7 @@ namespace meshrun::kit {
 using namespace kernels;
 using models::bytes_of;
 using models::LinearWeight;
+using models::weight_of;
 using models::WeightLayout;
 
 namespace {
@@ -274,10 +275,10 @@ void output_projection(Pass& pass, const Projections& p, Block block, const floa
   const int64_t N = pass.rows(), H = pass.hidden;
   TensorParallelGroup& group = pass.group(block);
   if (!pass.sequence_parallel) {
-    p.layout.forward(y, x, p.out_weight().data, N, width, H);
+    p.layout.forward(y, x, weight_of(p.out_weight()), N, width, H);
     models::reduce_partial_sums(group, y, N * H);
   } else {
-    p.layout.forward(pass.projection.data(), x, p.out_weight().data, N, width, H);
+    p.layout.forward(pass.projection.data(), x, weight_of(p.out_weight()), N, width, H);
     models::reduce_scatter_rows(group, pass.projection.data(), y, pass.stream_rows(), H);
   }
   if (p.op.bias_out) bias_forward(y, p.out_bias().data, pass.stream_rows(), H);
@@ -287,7 +288,7 @@ void attention_forward(Pass& pass, const Projections& p, const float* in, OpActi
                        float* y) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden;
-  p.layout.forward(kept.qkv.data(), in, p.in_weight().data, N, H, shape.qkv_dim());
+  p.layout.forward(kept.qkv.data(), in, weight_of(p.in_weight()), N, H, shape.qkv_dim());
   if (p.op.bias_in) bias_forward(kept.qkv.data(), p.in_bias().data, N, shape.qkv_dim());
   if (!pass.composition.learned_positions()) {
     rotary_forward(kept.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
@@ -300,7 +301,7 @@ void attention_forward(Pass& pass, const Projections& p, const float* in, OpActi
 void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept, float* y) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const int64_t width = p.inputs * I;
-  p.layout.forward(kept.hidden.data(), in, p.in_weight().data, N, H, width);
+  p.layout.forward(kept.hidden.data(), in, weight_of(p.in_weight()), N, H, width);
   if (p.op.bias_in) bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
   models::round_kept(pass.bfloat16_activations, kept.hidden);
   activation_out_of_line(kept, p.op, pass);
@@ -367,7 +368,7 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   const int64_t N = pass.rows(), H = pass.hidden;
   std::vector<float> d_input = pass.take();
   float* full = pass.sequence_parallel ? pass.projection.data() : d_input.data();
-  p.layout.backward_input(full, dy, p.in_weight().data, N, H, width);
+  p.layout.backward_input(full, dy, weight_of(p.in_weight()), N, H, width);
   TensorParallelGroup& group = pass.group(block);
   if (pass.sequence_parallel) {
     group.start_reduce_scatter_sum(full, d_input.data(), pass.stream_numel());
@@ -402,7 +403,7 @@ void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   const float* d_out = block_output_gradient(pass, dy);
-  p.layout.backward_input(pass.d_attention.data(), d_out, p.out_weight().data, N, Q, H);
+  p.layout.backward_input(pass.d_attention.data(), d_out, weight_of(p.out_weight()), N, Q, H);
   pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), kept.qkv.data(),
                        kept.attention.data(), kept.lse.data());
   gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, Q, H}, d_out,
@@ -423,7 +424,7 @@ void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpAc
                   const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const float* d_out = block_output_gradient(pass, dy);
-  p.layout.backward_input(pass.d_act.data(), d_out, p.out_weight().data, N, I, H);
+  p.layout.backward_input(pass.d_act.data(), d_out, weight_of(p.out_weight()), N, I, H);
   gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, I, H}, d_out, kept.act);
   output_bias_backward(p, d_out, N, H, gradients);
   if (p.op.op == Op::swiglu_mlp) {
@@ -620,7 +621,7 @@ double Composed::head_forward(Pass& pass, const ParameterView* head, const Param
     return models::lm_head_loss_forward(saved.logits.data(), saved.norm.data(), lm_head, targets, N,
                                         H, pass.head_vocab, group);
   }
-  linear_forward(saved.logits.data(), saved.norm.data(), lm_head.data, N, H, V);
+  linear_forward(saved.logits.data(), saved.norm.data(), weight_of(lm_head), N, H, V);
   bias_forward(saved.logits.data(), head[c.final_norm_views()].data, N, V);
   return models::vocab_parallel_cross_entropy_forward(saved.logits.data(), targets, N,
                                                       pass.head_vocab, group);
@@ -641,7 +642,7 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
                                                   loss_scale);
     bias_backward(bias.grad, saved.logits.data(), N, V);
     gradients.vector_ready(bias);
-    linear_backward_input(d_norm.data(), saved.logits.data(), lm_head.data, N, H, V);
+    linear_backward_input(d_norm.data(), saved.logits.data(), weight_of(lm_head), N, H, V);
     gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, N, H, V}, saved.logits.data(),
                      saved.norm);
   }

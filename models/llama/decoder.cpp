@@ -10,6 +10,7 @@ namespace meshrun::llama {
 using namespace kernels;
 using models::Block;
 using models::bytes_of;
+using models::weight_of;
 using models::WeightLayout;
 
 constexpr WeightLayout kOutIn = WeightLayout::out_in;
@@ -199,12 +200,12 @@ void attention_forward(DecoderPass& pass, const ParameterView* layer, const floa
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, n = pass.stream_rows();
   block_input_norm(pass, saved.norm1.data(), saved.rstd1.data(), x, layer[kInputNorm]);
-  linear_forward(saved.qkv.data(), saved.norm1.data(), layer[kQ].data, N, H, shape.qkv_dim());
+  linear_forward(saved.qkv.data(), saved.norm1.data(), weight_of(layer[kQ]), N, H, shape.qkv_dim());
   rotary_forward(saved.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                  shape.heads + shape.kv_heads, shape.qkv_dim());
   pass.attend.forward(saved.attention.data(), saved.lse.data(), saved.qkv.data());
-  linear_forward(pass.projection.data(), saved.attention.data(), layer[kO].data, N, shape.q_dim(),
-                 H);
+  linear_forward(pass.projection.data(), saved.attention.data(), weight_of(layer[kO]), N,
+                 shape.q_dim(), H);
   residual_forward(saved.h.data(), x, finish_row_parallel(pass, pass.group(Block::attention)),
                    n * H);
   models::round_kept(pass.bfloat16_activations, saved.h);
@@ -215,10 +216,10 @@ void Llama::layer_forward(Pass& pass, const ParameterView* layer, const float* x
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate, n = pass.stream_rows();
   attention_forward(pass, layer, x, saved);
   block_input_norm(pass, saved.norm2.data(), saved.rstd2.data(), saved.h.data(), layer[kPostNorm]);
-  linear_forward(saved.gate_up.data(), saved.norm2.data(), layer[kGate].data, N, H, 2 * I);
+  linear_forward(saved.gate_up.data(), saved.norm2.data(), weight_of(layer[kGate]), N, H, 2 * I);
   models::round_kept(pass.bfloat16_activations, saved.gate_up);
   swiglu_out_of_line(saved.mlp.data(), saved.gate_up.data(), pass);
-  linear_forward(pass.projection.data(), saved.mlp.data(), layer[kDown].data, N, I, H);
+  linear_forward(pass.projection.data(), saved.mlp.data(), weight_of(layer[kDown]), N, I, H);
   residual_forward(out, saved.h.data(), finish_row_parallel(pass, pass.group(Block::mlp)), n * H);
 }
 
@@ -230,10 +231,11 @@ void Llama::layer_backward(Pass& pass, const ParameterView* layer, const float* 
                            LayerActivations& saved, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   float* d_out = block_output_gradient(pass);
-  linear_backward_input(pass.d_mlp.data(), d_out, layer[kDown].data, N, I, H);
+  linear_backward_input(pass.d_mlp.data(), d_out, weight_of(layer[kDown]), N, I, H);
   gradients.linear({&layer[kDown], &layer[kDown], kOutIn, N, I, H}, d_out, saved.mlp);
   swiglu_backward(pass.d_gate_up.data(), pass.d_mlp.data(), saved.gate_up.data(), N, I);
-  linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), layer[kGate].data, N, H, 2 * I);
+  linear_backward_input(pass.d_norm.data(), pass.d_gate_up.data(), weight_of(layer[kGate]), N, H,
+                        2 * I);
   start_input_gradient_sum(pass, pass.group(Block::mlp));
   gradients.linear({&layer[kGate], &layer[kUp], kOutIn, N, H, 2 * I}, pass.d_gate_up.data(),
                    saved.norm2);
@@ -248,14 +250,14 @@ void attention_backward(DecoderPass& pass, const ParameterView* layer, const flo
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   float* d_h = block_output_gradient(pass);
-  linear_backward_input(pass.d_attention.data(), d_h, layer[kO].data, N, Q, H);
+  linear_backward_input(pass.d_attention.data(), d_h, weight_of(layer[kO]), N, Q, H);
   // Attention's backward reads its output, which o_proj's gradient may take.
   pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), saved.qkv.data(),
                        saved.attention.data(), saved.lse.data());
   gradients.linear({&layer[kO], &layer[kO], kOutIn, N, Q, H}, d_h, saved.attention);
   rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
                   shape.heads + shape.kv_heads, shape.qkv_dim());
-  linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), layer[kQ].data, N, H,
+  linear_backward_input(pass.d_norm.data(), pass.d_qkv.data(), weight_of(layer[kQ]), N, H,
                         shape.qkv_dim());
   start_input_gradient_sum(pass, pass.group(Block::attention));
   gradients.linear({&layer[kQ], &layer[kV], kOutIn, N, H, shape.qkv_dim()}, pass.d_qkv.data(),

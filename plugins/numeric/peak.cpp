@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "numeric/bfloat16.hpp"
 #include "numeric/gemm.hpp"
 
 namespace meshrun {
@@ -82,7 +83,8 @@ double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size) 
   }
 }
 
-double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds) {
+double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds,
+                      bool weight_in_bfloat16) {
   operand_type(dtype);
   if (m < 1 || k < 1 || n < 1) throw std::invalid_argument("linear_seconds: sizes must be >= 1");
   kernels::use_one_gemm_thread_by_default();
@@ -91,9 +93,19 @@ double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n,
   // Small values: a GEMM's speed does not depend on them.
   std::vector<float> x(size_t(m * k), 0.5f), w(size_t(n * k), 0.25f), y(size_t(m * n));
   std::vector<float> dx(size_t(m * k)), dw(size_t(n * k), 0.0f);
+  std::vector<uint16_t> w_bfloat16;
+  if (weight_in_bfloat16) {
+    w_bfloat16.resize(w.size());
+    kernels::to_bfloat16(w.data(), w_bfloat16.data(), int64_t(w.size()));
+  }
+  const auto weight = [&](int64_t ld) {
+    return weight_in_bfloat16 ? kernels::GemmOperand{nullptr, w_bfloat16.data(), ld}
+                              : kernels::GemmOperand{w.data(), nullptr, ld};
+  };
   const auto linear = [&] {
-    kernels::gemm(false, true, m, n, k, 1.0f, x.data(), k, w.data(), k, 0.0f, y.data(), n);
-    kernels::gemm(false, false, m, k, n, 1.0f, y.data(), n, w.data(), k, 0.0f, dx.data(), k);
+    kernels::gemm(false, true, m, n, k, 1.0f, {x.data(), nullptr, k}, weight(k), 0.0f, y.data(), n);
+    kernels::gemm(false, false, m, k, n, 1.0f, {y.data(), nullptr, n}, weight(k), 0.0f, dx.data(),
+                  k);
     kernels::gemm(true, false, n, k, m, 1.0f, y.data(), n, x.data(), k, 1.0f, dw.data(), k);
   };
   return mean_seconds(linear, seconds);

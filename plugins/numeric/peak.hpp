@@ -22,11 +22,13 @@ double gemm_flops_per_s(const std::string& dtype, double seconds, int64_t size =
 
 // Seconds the calling thread takes for one linear's forward and backward
 // through the models' own GEMM (numeric/gemm.hpp: oneDNN, operands
-// converted to bfloat16 on each call where `dtype` is "bfloat16"): y = x
-// W^T, dx = dy W and dW += dy^T x for x [m, k] and W [n, k], the mean over
-// at least 3 rounds and about `seconds`. Throws std::invalid_argument for
-// another dtype or a size below 1.
-double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds);
+// converted to bfloat16 on each call where `dtype` is "bfloat16", but W
+// when `weight_in_bfloat16`, as a strategy gathering in bfloat16 lends it):
+// y = x W^T, dx = dy W and dW += dy^T x for x [m, k] and W [n, k], the mean
+// over at least 3 rounds and about `seconds`. Throws std::invalid_argument
+// for another dtype, a size below 1, or a bfloat16 W under float32.
+double linear_seconds(const std::string& dtype, int64_t m, int64_t k, int64_t n, double seconds,
+                      bool weight_in_bfloat16 = false);
 
 struct PeakResult {
   std::string dtype;

@@ -65,6 +65,12 @@ struct Entries {
     return on(i, [&](T& t) { t.gather_parameters(full); });
   }
 
+  // ABI 1.12
+  static meshrun_error* unit_views_bfloat16(meshrun_plugin_instance* i, int32_t unit,
+                                            DLTensor* parameters) {
+    return on(i, [&](T& t) { t.unit_views_bfloat16(unit, parameters); });
+  }
+
   // ABI 1.6
   static meshrun_error* plan_memory(meshrun_plugin_instance* i,
                                     const meshrun_strategy_plan_input* input,
@@ -91,11 +97,13 @@ meshrun_strategy_api replicated_strategy_table(int32_t mesh_family) {
   return api;
 }
 
-// The ABI 1.6 strategy table of a sharded strategy: every entry set, and
+// The ABI 1.12 strategy table of a sharded strategy: every entry set, and
 // setups with weights by shard taken.
 template <class T>
 meshrun_strategy_api sharded_strategy_table(int32_t mesh_family) {
   meshrun_strategy_api api = replicated_strategy_table<T>(mesh_family);
+  api.struct_size = MESHRUN_STRATEGY_API_SIZE_1_12;
+  api.unit_views_bfloat16 = &Entries<T>::unit_views_bfloat16;
   api.pre_forward = &Entries<T>::pre_forward;
   api.post_forward = &Entries<T>::post_forward;
   api.pre_backward = &Entries<T>::pre_backward;

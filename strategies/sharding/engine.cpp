@@ -361,14 +361,18 @@ Engine::Unit& Engine::leave(int32_t u, Phase phase) {
   return unit;
 }
 
-void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
-  Unit& unit = unit_at(u, "unit_views");
-  const Bucket& bucket = bucket_of(u);
-  if (!bucket.parameters.held()) {
-    out_of_order("unit_views: unit " + std::to_string(u) +
+void Engine::check_gathered(int32_t u, const char* call) {
+  if (!bucket_of(u).parameters.held()) {
+    out_of_order(std::string(call) + ": unit " + std::to_string(u) +
                  " is not gathered (views exist between pre_forward and post_forward, and "
                  "between pre_backward and post_backward)");
   }
+}
+
+void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
+  Unit& unit = unit_at(u, "unit_views");
+  check_gathered(u, "unit_views");
+  const Bucket& bucket = bucket_of(u);
   if (parameters != nullptr) {
     *parameters = float32_tensor(bucket.parameters.floats() + unit.offset, unit.numel);
   }
@@ -377,6 +381,16 @@ void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
     *gradients =
         float32_tensor(in_backward ? bucket.gradients.floats() + unit.offset : nullptr, unit.numel);
   }
+}
+
+void Engine::unit_views_bfloat16(int32_t u, DLTensor* parameters) {
+  Unit& unit = unit_at(u, "unit_views_bfloat16");
+  check_gathered(u, "unit_views_bfloat16");
+  if (parameters == nullptr) invalid("unit_views_bfloat16: parameters is NULL");
+  const Buffer& received = bucket_of(u).received;
+  auto* data = reinterpret_cast<uint16_t*>(received.data());
+  *parameters =
+      host_tensor(received.held() ? data + unit.offset : nullptr, Dtype::bfloat16, unit.numel);
 }
 
 void Engine::local_shard(DLTensor* parameters, DLTensor* gradients) {
@@ -505,7 +519,7 @@ void Engine::complete_gather(int32_t b) {
     if (!slot->held()) free_slot(slot, b);
     bucket.parameters.swap(*slot);
   }
-  bucket.gather->finish(bucket.parameters);
+  bucket.gather->finish(bucket.parameters, bucket.received);
   bucket.gather.reset();
 }
 
@@ -541,6 +555,7 @@ void Engine::reshard(int32_t u) {
 }
 
 void Engine::release_bucket(int32_t b) {
+  buckets_[static_cast<size_t>(b)].received.release();
   Buffer& parameters = buckets_[static_cast<size_t>(b)].parameters;
   Buffer* slot = slot_of(b);
   if (slot != nullptr && parameters.held()) {
@@ -609,12 +624,14 @@ void Engine::finish_first_reduction() {
 
 // Completes whatever communication has finished: copies out, no new
 // collectives.
+// Reductions first: what they free is then free before completed gathers
+// take their float32 (and bfloat16) buffers.
 void Engine::poll() {
+  while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
   for (int32_t b = 0; b < static_cast<int32_t>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[static_cast<size_t>(b)];
     if (bucket.gather.has_value() && bucket.gather->done()) complete_gather(b);
   }
-  while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
 }
 
 }  // namespace meshrun::sharding

@@ -106,6 +106,8 @@ class Engine {
   void pre_backward(int32_t unit);
   void post_backward(int32_t unit);
   void unit_views(int32_t unit, DLTensor* parameters, DLTensor* gradients);
+  // ABI 1.12: the unit's parameters as the bfloat16 gather received them.
+  void unit_views_bfloat16(int32_t unit, DLTensor* parameters);
   void local_shard(DLTensor* parameters, DLTensor* gradients);
   void shard_segments(meshrun_shard_segment* segments, int64_t capacity, int64_t* count) const;
   void gather_parameters(DLTensor* full);
@@ -129,11 +131,12 @@ class Engine {
 
   // What one all-gather and one reduction move: a unit, or every unit.
   struct Bucket {
-    explicit Bucket(MemoryMeter& meter) : parameters(meter), gradients(meter) {}
+    explicit Bucket(MemoryMeter& meter) : parameters(meter), received(meter), gradients(meter) {}
     CommPlace comm;                // its block of the layout
     int32_t anchor = 0;            // the unit whose reshard frees it and whose backward reduces it
     std::optional<Gather> gather;  // in flight
     Buffer parameters;             // held while gathered
+    Buffer received;               // the same, as gathered in bfloat16 (empty otherwise)
     Buffer gradients;              // held from the first pre_backward until reduced
   };
 
@@ -142,6 +145,7 @@ class Engine {
   void check_setup_done(const char* call) const;
   Unit& unit_at(int32_t unit, const char* call);
   void check_idle(int32_t unit, const char* call) const;
+  void check_gathered(int32_t unit, const char* call);
   void check_between_units(const char* call) const;
   void check_outside_step(const char* call) const;
   void shard_rank_zero_weights(const meshrun_strategy_setup& setup, const ShardLayout& layout);

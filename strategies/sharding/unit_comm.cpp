@@ -42,7 +42,7 @@ Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, 
 
 bool Gather::done() { return request_.test(what_); }
 
-void Gather::finish(Buffer& full) {
+void Gather::finish(Buffer& full, Buffer& received) {
   request_.wait(what_);
   if (dtype_ == Dtype::float32 && !full.held()) {
     full.swap(recv_);
@@ -50,6 +50,7 @@ void Gather::finish(Buffer& full) {
     full.ensure(bytes_of(block_->full_numel, Dtype::float32));
     widen(dtype_, recv_.data(), full.floats(), block_->full_numel);
   }
+  if (dtype_ == Dtype::bfloat16) received.swap(recv_);
   send_.release();
   recv_.release();
 }

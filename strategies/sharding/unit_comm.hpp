@@ -44,7 +44,9 @@ class Gather {
   // Waits, then makes `full` hold the block's full buffer in float32: the
   // receive buffer itself when float32 and `full` holds nothing, else
   // widened (or copied) into what `full` holds when that is large enough.
-  void finish(Buffer& full);
+  // Gathered in bfloat16, `received` then holds the receive buffer, the same
+  // numbers in bfloat16, for matmuls that read bfloat16 operands.
+  void finish(Buffer& full, Buffer& received);
 
  private:
   const BlockPlace* block_;

@@ -7,7 +7,9 @@ sync) in the order the model calls them, applying the strategy's buffer rules
 rank, the unit padded to ranks x chunk): a gather holds a send chunk
 (unless param_dtype is float32) and the padded unit in param_dtype until it
 completes, then the unit's full float32 parameters (in float32 the receive
-buffer itself, padding included) until it reshards (every layer but the
+buffer itself, padding included; in bfloat16, the only 2-byte param_dtype
+walked here, the padded receive buffer beside them, which the matmuls read)
+until it reshards (every layer but the
 last after forward under the default heuristic, every unit after its
 backward, the root never after forward); a unit in backward holds its
 padded float32 gradients until its reduction starts, which holds the padded
@@ -86,6 +88,10 @@ class _Step:
         # A float32 gather's receive buffer becomes the parameters.
         return 4 * (self.padded[u] if self.pb == 4 else self.full[u])
 
+    def received_bytes(self, u):
+        # A bfloat16 gather keeps its receive buffer until the unit reshards.
+        return 0 if self.pb == 4 else self.ranks * self.chunk[u] * self.pb
+
     def start(self):
         self.started += 1
         return self.started
@@ -106,20 +112,20 @@ class _Step:
                 self.add(self.parameter_bytes(u) - self.gather_buffers(u))
             else:
                 self.add(self.parameter_bytes(u))
-                self.add(-self.gather_buffers(u))
+                self.add(self.received_bytes(u) - self.gather_buffers(u))
             self.gathered.add(u)
 
     def reshard(self, u):
         if u in self.gathered:
             self.gathered.remove(u)
-            self.add(-self.parameter_bytes(u))
+            self.add(-self.parameter_bytes(u) - self.received_bytes(u))
 
     def poll(self):
+        while self.reductions and self.complete(self.reductions[0][1]):
+            self.finish_reduction()
         for u in [u for u in self.full if u in self.gathers]:
             if self.complete(self.gathers[u]):
                 self.complete_gather(u)
-        while self.reductions and self.complete(self.reductions[0][1]):
-            self.finish_reduction()
 
     def finish_reduction(self):
         u, started = self.reductions.pop(0)

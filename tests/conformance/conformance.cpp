@@ -254,6 +254,11 @@ TEST_CASE("identity and kind table agree with the file name", "[conformance]") {
           api.strategy->weights_by_shard != 0) {
         CHECK(api.strategy->local_shard != nullptr);
       }
+      // A bfloat16 view (ABI 1.12) is a sharded table's, beside unit_views.
+      if (api.strategy->struct_size >= MESHRUN_STRATEGY_API_SIZE_1_12 &&
+          api.strategy->unit_views_bfloat16 != nullptr) {
+        CHECK(api.strategy->unit_views != nullptr);
+      }
       break;
     case meshrun::PluginKind::schedule:
       REQUIRE(api.schedule != nullptr);

@@ -13,7 +13,8 @@
 // unit views. Checked against values computed here: the shard segments
 // cover every element once over the shard group; unit views equal the
 // weights (exact in float32, exactly the rounded weights in bfloat16 and
-// float16); the local shard's gradients are the average over the
+// float16, and the bfloat16 view a bfloat16 gather keeps the same numbers);
+// the local shard's gradients are the average over the
 // data-parallel ranks, with deferred and non-deferred sync over 2
 // micro-batches, with bfloat16 reduction, and with HSDP (2 x 2, the
 // communicators split here); every prefetch setting gives the same bits;
@@ -210,13 +211,22 @@ std::unique_ptr<Strategy> make_strategy(Context& c, Model& model, const Groups& 
                                     &units);
 }
 
-// Checks the unit's parameter view against `expected` (exactly).
+// Checks the unit's parameter view against `expected` (exactly), and its
+// bfloat16 view, where the strategy holds one, against the same numbers.
 void check_view(Context& c, Strategy& strategy, int32_t unit, const std::vector<float>& expected,
                 const std::string& what) {
   const auto [parameters, gradients] = strategy.unit_views(unit);
   const bool equal = parameters.numel == static_cast<int64_t>(expected.size()) &&
                      std::equal(expected.begin(), expected.end(), parameters.data);
   c.checker.check(equal, what + ": unit " + std::to_string(unit) + " view differs from weights");
+  const meshrun::Bfloat16View bfloat16 = strategy.unit_views_bfloat16(unit);
+  if (bfloat16.data == nullptr) return;
+  bool bfloat16_equal = bfloat16.numel == static_cast<int64_t>(expected.size());
+  for (int64_t i = 0; bfloat16_equal && i < bfloat16.numel; ++i) {
+    bfloat16_equal = meshrun::bfloat16_to_float(bfloat16.data[i]) == expected[size_t(i)];
+  }
+  c.checker.check(bfloat16_equal,
+                  what + ": unit " + std::to_string(unit) + " bfloat16 view differs from weights");
 }
 
 // A forward through the hooks, checking every unit's view against the unit's
@@ -419,6 +429,10 @@ void views_equal_weights(Context& c) {
     for (float& value : expected) value = rounded(value, dtype);
     // Outside a step, as an evaluation runs.
     forward(c, *strategy, model, expected, dtype);
+    strategy->pre_forward(kRoot);
+    c.checker.check((strategy->unit_views_bfloat16(kRoot).data != nullptr) == (dtype == "bfloat16"),
+                    dtype + ": a bfloat16 view exactly when gathering in bfloat16");
+    strategy->post_forward(kRoot);
   }
 }
 

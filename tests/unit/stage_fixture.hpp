@@ -20,6 +20,7 @@
 #include <catch2/catch.hpp>
 
 #include "common/stage.hpp"
+#include "meshrun/dtype.hpp"
 
 namespace stage_fixture {
 
@@ -87,6 +88,16 @@ class OwnedStage : public StageHooks {
     const ParameterView& owned = owned_view(view.index);
     view.data = owned.data;
     view.grad = backward ? owned.grad : nullptr;
+    view.bfloat16 = bfloat16_.empty() ? nullptr : bfloat16_.data() + (owned.data - params_.data());
+  }
+  // Rounds the parameters to bfloat16 and from now on binds each view to a
+  // bfloat16 copy of them too, as a strategy gathering in bfloat16 does.
+  void hold_bfloat16_copy() {
+    bfloat16_.resize(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      bfloat16_[i] = meshrun::float_to_bfloat16(params_[i]);
+      params_[i] = meshrun::bfloat16_to_float(bfloat16_[i]);
+    }
   }
 
  private:
@@ -98,6 +109,7 @@ class OwnedStage : public StageHooks {
   std::unique_ptr<Stage> stage_;
   std::vector<ParameterView> views_;
   std::vector<float> params_, grads_;
+  std::vector<uint16_t> bfloat16_;  // hold_bfloat16_copy's, else empty
   StageHooks* observer_ = nullptr;
 };
 

@@ -21,6 +21,7 @@
 // show as a gradient mismatch, deterministically for the fixed seed).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -259,6 +260,48 @@ TEST_CASE("kit gradients of every parameter match central differences of the los
     }
     finite_differences::require_close(view.name, analytic.data(), numeric, 1e-3, 2e-2);
   }
+}
+
+// A strategy gathering in bfloat16 hands the model a bfloat16 copy of the
+// weights beside the float32 ones (the same numbers): bfloat16 matmuls read
+// the copy. The copied model's float32 matrices are NaN, so a loss or a
+// gradient that matches the model without a copy shows that no GEMM read
+// them; norms, biases and the embedding lookup still read float32.
+TEST_CASE("kit bfloat16 matmuls read the weights' bfloat16 copy where the host holds one",
+          "[kit][bfloat16]") {
+  if (!meshrun::kernels::bfloat16_matmuls_native()) {
+    WARN("no bfloat16 instructions: bfloat16 matmuls round float32 operands instead");
+    return;
+  }
+  const Composition composition =
+      GENERATE(qwen2_like(2), phi_like(2), gpt2_like(2), mixtral_like(2, 0.1));
+  INFO(composition.model_type);
+  const meshrun::kernels::MatmulPrecisionScope bfloat16(
+      meshrun::kernels::MatmulPrecision::bfloat16);
+  KitModel rounded(composition), copied(composition);
+  for (KitModel* model : {&rounded, &copied}) {
+    randomize(*model, 9);
+    model->zero_grad();
+  }
+  for (ParameterView& view : rounded.parameters()) {
+    for (int64_t i = 0; i < view.numel; ++i)
+      view.data[i] = meshrun::rounded_to_bfloat16(view.data[i]);
+  }
+  copied.hold_bfloat16_copy();
+  for (ParameterView& view : copied.parameters()) {
+    const bool embedding =
+        view.name.rfind("model.embed_tokens", 0) == 0 || view.name.rfind("transformer.w", 0) == 0;
+    if (view.shape.size() == 2 && !embedding) {
+      std::fill_n(view.data, view.numel, std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+  const Batch batch = random_batch(kVocab, kBatch, kSeqLen, 10);
+  const float loss = rounded.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen);
+  CHECK(copied.forward(batch.tokens.data(), batch.targets.data(), kBatch, kSeqLen) == loss);
+  rounded.backward();
+  copied.backward();
+  CHECK(std::equal(rounded.grad_buffer(), rounded.grad_buffer() + rounded.num_parameters(),
+                   copied.grad_buffer()));
 }
 
 std::vector<Batch> random_batches(int count) {

@@ -136,6 +136,9 @@ struct RankShare {
   // consecutive units in forward order hold (the one computing and those
   // prefetched).
   int64_t gathered_peak = 0;
+  // Tp-local elements of the two consecutive units that hold the most: a
+  // unit's gradients while the one after it is still being reduced.
+  int64_t reducing_peak = 0;
 };
 
 // The units gathered at once by a sharded strategy: the one computing and
@@ -163,14 +166,18 @@ void count_units(const ModelDescription& local, const std::vector<int64_t>& unit
     if (held(u)) in_order.push_back(unit_numel[size_t(u)]);
     share.layers += held(u) && local.is_layer_unit(u) ? 1 : 0;
   }
-  int64_t most = 0;
-  for (size_t first = 0; first < in_order.size(); ++first) {
-    const size_t end = std::min(in_order.size(), first + size_t(window));
-    most = std::max(most, std::accumulate(in_order.begin() + ptrdiff_t(first),
-                                          in_order.begin() + ptrdiff_t(end), int64_t{0}));
-  }
+  const auto most_in_window = [&](int64_t units) {
+    int64_t most = 0;
+    for (size_t first = 0; first < in_order.size(); ++first) {
+      const size_t end = std::min(in_order.size(), first + size_t(units));
+      most = std::max(most, std::accumulate(in_order.begin() + ptrdiff_t(first),
+                                            in_order.begin() + ptrdiff_t(end), int64_t{0}));
+    }
+    return most;
+  };
   const int64_t root = held(local.root_unit()) ? unit_numel[size_t(local.root_unit())] : 0;
-  share.gathered_peak = std::max(share.gathered_peak, most + root);
+  share.gathered_peak = std::max(share.gathered_peak, most_in_window(window) + root);
+  share.reducing_peak = std::max(share.reducing_peak, most_in_window(2));
   for (const int32_t u : held_units) {
     share.largest_unit = std::max(share.largest_unit, unit_numel[size_t(u)]);
   }
@@ -183,7 +190,7 @@ std::vector<RankShare> rank_shares(const Plan& plan) {
   for (const ModelParameter& p : local.parameters) unit_numel[size_t(p.unit)] += p.numel;
   const auto& split = plan.model_plan.value("pipeline", nlohmann::ordered_json());
   if (split.is_null() || split.empty()) {
-    RankShare share{local.numel, 0, true, true, 0, 0};
+    RankShare share{local.numel, 0, true, true, 0, 0, 0};
     std::vector<int32_t> all(local.units.size());
     std::iota(all.begin(), all.end(), 0);
     count_units(local, unit_numel, all, window, share);
@@ -320,8 +327,10 @@ int64_t gathered_bytes(const Config& config) {
 // Bytes a sharded strategy holds gathered at its peak: the units gathered
 // at once (RankShare::gathered_peak) in float32 (the copy computed with; a
 // float32 gather receives into it) and, gathered in another dtype, in that
-// dtype too (a receive buffer, or the unit's gradients), and the float32
-// gradients of the largest unit being reduce-scattered. Under a pipeline
+// dtype too (what the gather received, which a bfloat16 gather keeps for
+// the matmuls while the unit is gathered), and the float32 gradients of
+// two consecutive units (RankShare::reducing_peak): one computing its
+// backward while the one after it is reduce-scattered. Under a pipeline
 // every unit of the stages stays gathered with its float32 gradients for
 // the step's backwards, and one unit at a time is in flight. Checked
 // against mem.buffers_peak of runs (docs/plan.md, "Estimates").
@@ -329,9 +338,9 @@ int64_t gathered_buffer_bytes(const Plan& plan, const RankShare& share) {
   const int64_t gathered = gathered_bytes(*plan.config);
   const int64_t received = gathered == 4 ? 0 : gathered;
   if (plan.mesh.axis_size(Axis::pp) > 1) {
-    return share.gathered_peak * (4 + 4) + share.largest_unit * (received + 4);
+    return share.gathered_peak * (4 + 4 + received) + share.largest_unit * 4;
   }
-  return share.gathered_peak * (4 + received) + share.largest_unit * 4;
+  return share.gathered_peak * (4 + received) + share.reducing_peak * 4;
 }
 
 MemoryEstimate estimate_memory(const Plan& plan, const std::optional<StrategyMemoryPlan>& predicted,
@@ -437,14 +446,17 @@ constexpr int64_t kTimedWeights = int64_t{1} << 24;
 constexpr double kTimedFlops = 2.5e8;
 
 // Seconds of one linear's forward and backward on m rows, k in, n out, on
-// this machine's core, timed at a clamped size and scaled.
-double timed_linear(const std::string& dtype, int64_t m, int64_t k, int64_t n,
-                    std::map<std::array<int64_t, 3>, double>& timed) {
+// this machine's core, timed at a clamped size and scaled; the weight read
+// as bfloat16 when `weight_in_bfloat16`.
+double timed_linear(const std::string& dtype, bool weight_in_bfloat16, int64_t m, int64_t k,
+                    int64_t n, std::map<std::array<int64_t, 3>, double>& timed) {
   const int64_t n_timed = std::max<int64_t>(1, std::min(n, kTimedWeights / k));
   const int64_t m_timed =
       std::max<int64_t>(1, std::min(m, int64_t(kTimedFlops / (2.0 * double(k) * double(n_timed)))));
   const std::array<int64_t, 3> shape{m_timed, k, n_timed};
-  if (!timed.contains(shape)) timed[shape] = linear_seconds(dtype, m_timed, k, n_timed, 0.02);
+  if (!timed.contains(shape)) {
+    timed[shape] = linear_seconds(dtype, m_timed, k, n_timed, 0.02, weight_in_bfloat16);
+  }
   return timed[shape] * double(m) / double(m_timed) * double(n) / double(n_timed);
 }
 
@@ -470,11 +482,16 @@ double matmul_seconds(const Plan& plan, const HardwareProfile& hw, const Estimat
   const double microbatches =
       double(config.train.global_batch_size) / double(mesh.axis_size(Axis::dp) * batch);
   const int64_t tp = mesh.axis_size(Axis::tp);
+  // A strategy gathering in bfloat16 lends the weights as gathered: the
+  // GEMMs read them without rounding.
+  const bool weight_in_bfloat16 = partial.matmul_dtype == "bfloat16" &&
+                                  strategy_shards(*plan.strategy) && gathered_bytes(config) == 2;
   std::map<std::array<int64_t, 3>, double> timed;
   double gemms = 0;
   for (const ModelDescription::Gemm& g : flops->gemms) {
     const int64_t m = std::max<int64_t>(1, std::llround(double(rows) * g.rows));
-    gemms += double(g.count) * timed_linear(partial.matmul_dtype, m, g.tp == "k" ? g.k / tp : g.k,
+    gemms += double(g.count) * timed_linear(partial.matmul_dtype, weight_in_bfloat16, m,
+                                            g.tp == "k" ? g.k / tp : g.k,
                                             g.tp == "n" ? g.n / tp : g.n, timed);
   }
   gemms *= microbatches / double(mesh.axis_size(Axis::pp)) / hw.core_share;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <tuple>
+
 #include "errors.hpp"
 
 namespace meshrun::train {
@@ -48,19 +50,22 @@ UnitBinding::UnitBinding(Strategy& strategy, const StageUnits& units,
 }
 
 void UnitBinding::bind(int32_t strategy_unit) {
-  views_[size_t(strategy_unit)] = strategy_.unit_views(strategy_unit);
+  Views& views = views_[size_t(strategy_unit)];
+  std::tie(views.parameters, views.gradients) = strategy_.unit_views(strategy_unit);
+  views.bfloat16 = strategy_.unit_views_bfloat16(strategy_unit);
 }
 
 ParameterStorage UnitBinding::storage(int64_t parameter, bool backward) const {
   const auto k = size_t(stage_position_[size_t(parameter)]);
-  const auto& [values, gradients] = views_[size_t(units_.strategy.parameter_units[k])];
+  const Views& views = views_[size_t(units_.strategy.parameter_units[k])];
   const int64_t offset = units_.offset_in_unit[k];
-  if (values.data == nullptr || (backward && gradients.data == nullptr)) {
+  if (views.parameters.data == nullptr || (backward && views.gradients.data == nullptr)) {
     throw Error(MESHRUN_FAILED_PRECONDITION,
                 fmt::format("the strategy holds no gathered {} for stage parameter {}",
                             backward ? "gradients" : "parameters", k));
   }
-  return {values.data + offset, backward ? gradients.data + offset : nullptr};
+  return {views.parameters.data + offset, backward ? views.gradients.data + offset : nullptr,
+          views.bfloat16.data != nullptr ? views.bfloat16.data + offset : nullptr};
 }
 
 PartBindings::PartBindings(const std::vector<StrategyPart>& parts, size_t description_parameters)

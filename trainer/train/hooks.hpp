@@ -81,16 +81,22 @@ class UnitBinding {
  public:
   UnitBinding(Strategy& strategy, const StageUnits& units, const std::vector<int64_t>& parameters,
               size_t description_parameters);
-  // Takes the unit's views from the strategy (unit_views).
+  // Takes the unit's views from the strategy (unit_views, and
+  // unit_views_bfloat16 when it gathers in bfloat16).
   void bind(int32_t strategy_unit);
   ParameterStorage storage(int64_t parameter, bool backward) const;
   const StageUnits& units() const { return units_; }
 
  private:
+  struct Views {
+    FloatView parameters;
+    FloatView gradients;
+    Bfloat16View bfloat16;
+  };
   Strategy& strategy_;
   const StageUnits& units_;
-  std::vector<std::pair<FloatView, FloatView>> views_;  // per strategy unit
-  std::vector<int64_t> stage_position_;                 // per description parameter
+  std::vector<Views> views_;             // per strategy unit
+  std::vector<int64_t> stage_position_;  // per description parameter
 };
 
 // A sharded strategy over some of a stage's parameters (description

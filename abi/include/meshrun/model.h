@@ -1,7 +1,7 @@
 /*
  * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
  * 1.8 adds the description's "flops", 1.9 its "activations", 1.10 their
- * "float32" part, 1.11 its "unit_kinds").
+ * "float32" part, 1.11 its "unit_kinds"; 1.12 adds the hooks' parameter_bfloat16).
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -243,6 +243,17 @@ typedef struct meshrun_model_hooks {
   meshrun_error* (*parameter)(void* context, int64_t parameter, DLTensor* value,
                               DLTensor* gradient);
   const meshrun_extension* extensions;
+
+  /* ---- ABI 1.12 (read it only when struct_size covers it) ---- */
+
+  /* Fills `value` with a bfloat16 view of parameter `parameter`'s values
+   * when the host holds one (a strategy that gathers in bfloat16 keeps what
+   * it received): the same numbers as `parameter`'s float32 view, each
+   * exactly a bfloat16, laid out alike (adjacent parameters of a unit
+   * adjacent), so a bfloat16 matmul reads it instead of rounding again.
+   * `value->data` is NULL when the host holds none. Memory and validity as
+   * `parameter`'s; errors as `parameter`'s. */
+  meshrun_error* (*parameter_bfloat16)(void* context, int64_t parameter, DLTensor* value);
 } meshrun_model_hooks;
 
 /* What a stage computes and with whom. Borrowed for the stage_create call,
@@ -362,6 +373,8 @@ struct meshrun_model_api {
 #define MESHRUN_MODEL_API_SIZE_1_7 MESHRUN_STRUCT_SIZE(meshrun_model_api, take_statistics)
 /* The size of the ABI 1.5 hooks and stage setup. */
 #define MESHRUN_MODEL_HOOKS_SIZE_1_5 MESHRUN_STRUCT_SIZE(meshrun_model_hooks, extensions)
+/* The size of the ABI 1.12 hooks, with parameter_bfloat16. */
+#define MESHRUN_MODEL_HOOKS_SIZE_1_12 MESHRUN_STRUCT_SIZE(meshrun_model_hooks, parameter_bfloat16)
 #define MESHRUN_MODEL_STAGE_SETUP_SIZE_1_5 \
   MESHRUN_STRUCT_SIZE(meshrun_model_stage_setup, extensions)
 

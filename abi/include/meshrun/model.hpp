@@ -83,6 +83,17 @@ class ModelHooks {
     check(hooks_->parameter(hooks_->context, parameter, &value, &gradient));
     return {data_of<float>(&value), data_of<float>(&gradient)};
   }
+  // The parameter's bfloat16 values when the host holds them (ABI 1.12),
+  // else NULL.
+  const uint16_t* parameter_bfloat16(int64_t parameter) const {
+    if (hooks_->struct_size < MESHRUN_MODEL_HOOKS_SIZE_1_12 ||
+        hooks_->parameter_bfloat16 == nullptr) {
+      return nullptr;
+    }
+    DLTensor value{};
+    check(hooks_->parameter_bfloat16(hooks_->context, parameter, &value));
+    return data_of<const uint16_t>(&value);
+  }
 
  private:
   static DLTensor float_tensor(float* data, int64_t* numel) {

@@ -248,13 +248,28 @@ struct meshrun_strategy_api {
   meshrun_error* (*plan_memory)(meshrun_plugin_instance* instance,
                                 const meshrun_strategy_plan_input* input,
                                 meshrun_strategy_memory_plan* out);
+
+  /* ---- ABI 1.12 ---- */
+
+  /* A flat bfloat16 view of the unit's full parameters, laid out as
+   * unit_views' float32 one and holding the same numbers (each exactly a
+   * bfloat16): the all-gather's receive buffer of a strategy gathering in
+   * bfloat16, which a model's bfloat16 matmuls read instead of rounding the
+   * float32 view again. `parameters` gets data NULL when the strategy holds
+   * none (it gathers in another dtype). Owned by the strategy, valid as
+   * unit_views'. FAILED_PRECONDITION when the unit is not gathered,
+   * OUT_OF_RANGE for a unit out of range. NULL: the strategy holds none. */
+  meshrun_error* (*unit_views_bfloat16)(meshrun_plugin_instance* instance, int32_t unit,
+                                        DLTensor* parameters);
 };
 
-/* The size of the ABI 1.0, 1.2, 1.3 and 1.6 strategy tables. */
+/* The size of the ABI 1.0, 1.2, 1.3, 1.6 and 1.12 strategy tables. */
 #define MESHRUN_STRATEGY_API_SIZE_1_0 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, extensions)
 #define MESHRUN_STRATEGY_API_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, memory)
 #define MESHRUN_STRATEGY_API_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, gather_parameters)
 #define MESHRUN_STRATEGY_API_SIZE_1_6 MESHRUN_STRUCT_SIZE(meshrun_strategy_api, plan_memory)
+#define MESHRUN_STRATEGY_API_SIZE_1_12 \
+  MESHRUN_STRUCT_SIZE(meshrun_strategy_api, unit_views_bfloat16)
 /* The size of the ABI 1.2, 1.3 and 1.6 setup structs. */
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, extensions)
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
