@@ -56,6 +56,10 @@ class StrategySegment(ctypes.Structure):
                 ("local_begin", ctypes.c_int64), ("count", ctypes.c_int64)]
 
 
+# meshrun_step_callback: int32_t (*)(void* context, const char* metrics_json).
+STEP_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_char_p)
+
+
 def _signatures():
     i32, i64, f64, char_p, ptr = (ctypes.c_int32, ctypes.c_int64, ctypes.c_double,
                                   ctypes.c_char_p, ctypes.c_void_p)
@@ -116,6 +120,8 @@ def _signatures():
             e, [ptr, char_p, i64, i64, ctypes.POINTER(char_p), tensor]),
         "meshrun_strategy_load_checkpoint": (
             e, [ptr, char_p, i64, ctypes.POINTER(char_p), tensor, p_i64]),
+        # ABI 1.12: the whole of `meshrun train` in this process.
+        "meshrun_run_train": (e, [ptr, char_p, STEP_CALLBACK, ptr]),
     }
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import weakref
 
+from . import _capi
 from ._capi import check, library
 from .comm import Comm
 from .errors import FAILED_PRECONDITION, MeshrunError
@@ -166,6 +167,37 @@ class Runtime:
     def local_rank(self):
         """The rank among this node's ranks (0 when the launcher does not say)."""
         return self._joined()[2]
+
+    def train(self, output_dir=None, on_step=None):
+        """Trains as `meshrun train` does, this process being one rank of
+        the joined job (collective: every rank calls it), with this
+        runtime's config: the model, strategy and schedule it names, its
+        data, validation, checkpoints and the export at the end; rank 0
+        writes metrics.jsonl, run.json and the export into `output_dir`
+        (None: runs/<start time>).
+
+        on_step(metrics) is called on every rank after each step with the
+        step's metrics.jsonl object as a dict ("mem" is this rank's own);
+        returning False stops the run after that step on every rank. An
+        exception it raises stops the run too and is raised again here.
+        Errors (bad config keys, a step whose loss is not finite, a failed
+        peer) raise MeshrunError; the process never exits."""
+        raised = []
+
+        def step(_context, metrics_json):
+            if raised:
+                return 1
+            try:
+                return 0 if on_step(json.loads(metrics_json.decode())) is not False else 1
+            except BaseException as error:  # re-raised once the run has ended
+                raised.append(error)
+                return 1
+
+        callback = _capi.STEP_CALLBACK(step) if on_step is not None else _capi.STEP_CALLBACK()
+        directory = None if output_dir is None else os.fsencode(output_dir)
+        check(library().meshrun_run_train(self.handle, directory, callback, None))
+        if raised:
+            raise raised[0]
 
     def comm(self, axis="world"):
         """The communicator of `axis` ("world" or a mesh axis name)."""

@@ -156,11 +156,20 @@ class HostApiTest(unittest.TestCase):
         params, grads = numpy.zeros(4, numpy.float32), numpy.zeros(4, numpy.float32)
         with meshrun.Runtime.from_text("") as rt:
             for call in (lambda: rt.rank, lambda: rt.comm("world"), lambda: rt.comm("dp"),
-                         lambda: meshrun.Strategy(rt, params, grads, ["w"], [(4,)])):
+                         lambda: meshrun.Strategy(rt, params, grads, ["w"], [(4,)]),
+                         lambda: rt.train(on_step=lambda metrics: None)):
                 with self.assertRaises(meshrun.MeshrunError) as caught:
                     call()
                 self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
                 self.assertIn("meshrun_runtime_join", caught.exception.message)
+
+    def test_run_train_names_a_null_runtime(self):
+        error = meshrun.library().meshrun_run_train(None, None, meshrun._capi.STEP_CALLBACK(),
+                                                    None)
+        self.assertTrue(error)
+        self.assertEqual(error.contents.code, meshrun.INVALID_ARGUMENT)
+        self.assertIn(b"'runtime' is NULL", error.contents.message)
+        error.contents.destroy(error)
 
     def test_join_after_build_mesh_is_failed_precondition(self):
         with meshrun.Runtime.from_text("") as rt:

@@ -108,6 +108,14 @@ class NonFiniteSteps {
   int64_t in_a_row_ = 0;
 };
 
+// Collective over `world`: whether any rank's observer asked to stop.
+bool stops(bool go_on, Communicator& world) {
+  int64_t stop = go_on ? 0 : 1;
+  FlatTensor tensor(&stop, dtype_int64(), 1);
+  world.all_reduce(tensor.get(), ReduceOp::max).wait();
+  return stop != 0;
+}
+
 // OUTPUT/trace.json from rank 0's gathered trace (null on other ranks).
 void write_trace(const nlohmann::json& gathered, const std::string& output_dir) {
   if (gathered.is_null()) return;
@@ -119,7 +127,8 @@ void write_trace(const nlohmann::json& gathered, const std::string& output_dir) 
 
 void run_training(const Config& config, const ModelDescription& description,
                   int64_t tokens_per_step, Communicator& world, const std::string& output_dir,
-                  const GemmPeakMeter& gemm_peak, int64_t first_step, TrainingRank& rank) {
+                  const GemmPeakMeter& gemm_peak, int64_t first_step, TrainingRank& rank,
+                  const StepObserver& observer) {
   const TrainConfig& train = config.train;
   const bool writer = world.rank() == 0;
   std::optional<MetricsLog> log;
@@ -163,14 +172,16 @@ void run_training(const Config& config, const ModelDescription& description,
       if (save_every > 0 && metrics.step % save_every == 0) rank.save_checkpoint(metrics.step);
     });
     train_seconds += metrics.step_time_s;
-    if (!writer) continue;
-    log->write(metrics);
-    if (due(train, train.log_every, metrics.step) || metrics.val_loss) {
-      const double eta =
-          train_seconds / double(metrics.step - first_step) * double(train.steps - metrics.step);
-      std::printf("%s\n", progress_line(metrics, train.steps, eta).c_str());
-      std::fflush(stdout);
+    if (writer) {
+      log->write(metrics);
+      if (due(train, train.log_every, metrics.step) || metrics.val_loss) {
+        const double eta =
+            train_seconds / double(metrics.step - first_step) * double(train.steps - metrics.step);
+        std::printf("%s\n", progress_line(metrics, train.steps, eta).c_str());
+        std::fflush(stdout);
+      }
     }
+    if (observer && stops(observer(metrics_line(metrics)), world)) break;
   }
   if (train.profile) write_trace(trace.gather(world), output_dir);
   rank.export_weights();

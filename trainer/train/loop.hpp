@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -48,13 +49,21 @@ class NonFiniteStep : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// What a host running the trainer in its own process hears after each step
+// (the host API's meshrun_run_train): the step's metrics line, on every
+// rank (its own mem). Returns false to stop the run after this step; the
+// ranks agree (one stopping stops all) before the next step starts.
+using StepObserver = std::function<bool(const std::string& metrics_line)>;
+
 // Trains steps [first_step, train.steps) of `rank` of a model described by
 // `description`; rank 0 of `world` writes OUTPUT/metrics.jsonl and the
 // progress lines; mfu divides by what `gemm_peak` measures. Every rank
 // decides alike whether a step is non-finite: the loss and the gradient
-// norm are reduced over the ranks.
+// norm are reduced over the ranks. A run stopped by `observer` ends as the
+// last step would: the trace, then the export.
 void run_training(const Config& config, const ModelDescription& description,
                   int64_t tokens_per_step, Communicator& world, const std::string& output_dir,
-                  const GemmPeakMeter& gemm_peak, int64_t first_step, TrainingRank& rank);
+                  const GemmPeakMeter& gemm_peak, int64_t first_step, TrainingRank& rank,
+                  const StepObserver& observer = {});
 
 }  // namespace meshrun::train

@@ -56,7 +56,9 @@ MetricsLog::MetricsLog(const std::string& path, const std::vector<std::string>& 
   for (const std::string& line : kept) out_.write(line + "\n");
 }
 
-void MetricsLog::write(const StepMetrics& m) {
+void MetricsLog::write(const StepMetrics& metrics) { out_.write(metrics_line(metrics) + "\n"); }
+
+std::string metrics_line(const StepMetrics& m) {
   nlohmann::ordered_json line = {{"step", m.step},
                                  {"loss", m.loss},
                                  {"tokens_per_s", m.tokens_per_s},
@@ -92,7 +94,7 @@ void MetricsLog::write(const StepMetrics& m) {
     line["mem"]["experts"] = {{"params", m.mem.experts->params},
                               {"buffers_peak", m.mem.experts->buffers_peak}};
   }
-  out_.write(line.dump() + "\n");
+  return line.dump();
 }
 
 std::string progress_line(const StepMetrics& m, int64_t steps, double eta_seconds) {

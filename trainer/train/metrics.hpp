@@ -114,6 +114,9 @@ class MetricsLog {
   OutputFile out_;
 };
 
+// The step's JSON object, one line of metrics.jsonl without its newline.
+std::string metrics_line(const StepMetrics& metrics);
+
 // "step 12/100 loss 3.2100 tok/s 5400 ETA 0:42" (+ " val_loss 3.1000").
 std::string progress_line(const StepMetrics& metrics, int64_t steps, double eta_seconds);
 

@@ -446,13 +446,13 @@ void PipelineTrainer::export_weights() {
   }
 }
 
-void PipelineTrainer::run() {
+void PipelineTrainer::run(const StepObserver& observer) {
   for (auto& held : held_) {
     for (auto& part : held->parts) part->strategy->broadcast_parameters();
   }
   run_training(ctx_.config, ctx_.plan.model->description(),
                ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
-               ctx_.output_dir, ctx_.gemm_peak, next_step_, *this);
+               ctx_.output_dir, ctx_.gemm_peak, next_step_, *this, observer);
 }
 
 }  // namespace meshrun::train

@@ -55,7 +55,7 @@ class PipelineTrainer : public TrainingRank {
   ~PipelineTrainer() override;
 
   void resume(const CheckpointIndex& index);
-  void run();
+  void run(const StepObserver& observer = {});
 
   void train_step(int64_t step, StepMetrics& metrics) override;
   double gradient_norm() override;

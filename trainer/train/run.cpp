@@ -172,10 +172,12 @@ StageCommunicators computing_axes(MeshCommunicators& axes, const MeshContext& me
           mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
 }
 
-// Where a rank's run writes and what its mfu divides by.
+// Where a rank's run writes, what its mfu divides by, and who hears of
+// each step.
 struct RunOutput {
   std::string dir;
   GemmPeakMeter gemm_peak;
+  StepObserver observer;
 };
 
 void run_trainer(const Config& config, const Plan& plan, const TokenData& data, Communicator& world,
@@ -190,7 +192,7 @@ void run_trainer(const Config& config, const Plan& plan, const TokenData& data, 
   }
   trainer.broadcast_parameters();
   announce(config, world, *plan.model, output.dir);
-  trainer.run();
+  trainer.run(output.observer);
 }
 
 // One strategy's parameters on this rank: their starting weights, units
@@ -272,11 +274,12 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
 }
 
 void train_in_world(const Config& config, const std::optional<std::string>& output_dir,
-                    const GemmPeakMeter& gemm_peak, Communicator& world) {
+                    const GemmPeakMeter& gemm_peak, Communicator& world,
+                    const StepObserver& observer) {
   const PluginLoader loader = PluginLoader::from_environment();
   const Plan plan = make_plan(config, world.size(), loader);
   MeshCommunicators axes(world, plan.mesh);
-  const RunOutput output{output_dir ? *output_dir : default_output_dir(world), gemm_peak};
+  const RunOutput output{output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
   if (world.rank() == 0) std::filesystem::create_directories(output.dir);
   const TokenData data(config);
   if (plan.mesh.axis_size(Axis::pp) == 1) {
@@ -293,7 +296,7 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
     trainer.resume(read_index(config, plan.model->description()));
   }
   announce(config, world, *plan.model, output.dir);
-  trainer.run();
+  trainer.run(observer);
 }
 
 }  // namespace
@@ -319,7 +322,7 @@ int train_rank(const Config& config, const std::optional<std::string>& output_di
   CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
   Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
   try {
-    train_in_world(config, output_dir, gemm_peak, world);
+    train_in_world(config, output_dir, gemm_peak, world, {});
   } catch (const NonFiniteStep& stop) {
     if (world.rank() == 0) std::fprintf(stderr, "meshrun: error: %s\n", stop.what());
     return 1;
@@ -327,6 +330,13 @@ int train_rank(const Config& config, const std::optional<std::string>& output_di
     launch::abort_rank(world.rank(), error.what());
   }
   return 0;
+}
+
+void train_in_process(const Config& config, const std::optional<std::string>& output_dir,
+                      const GemmPeakMeter& gemm_peak, Communicator& world,
+                      const StepObserver& observer) {
+  check_training_input(config, make_plan(config, world.size(), PluginLoader::from_environment()));
+  train_in_world(config, output_dir, gemm_peak, world, observer);
 }
 
 }  // namespace meshrun::train

@@ -8,6 +8,7 @@
 
 #include "config/config.hpp"
 #include "plan/plan.hpp"
+#include "train/loop.hpp"
 #include "train/throughput.hpp"
 
 namespace meshrun::train {
@@ -27,5 +28,15 @@ void check_training_input(const Config& config, const Plan& plan);
 // launch::abort_rank, so mpirun stops the others.
 int train_rank(const Config& config, const std::optional<std::string>& output_dir,
                const GemmPeakMeter& gemm_peak);
+
+// One rank of the same run inside a host's own process, in the world the
+// host joined (the host API's meshrun_run_train): checks the input as
+// `meshrun train` does before its ranks start, then trains as train_rank,
+// calling `observer` (may be empty) after each step. Errors are thrown,
+// never a process exit: input errors naming the key, NonFiniteStep when a
+// step stops the run, a peer's failure past the comm timeout.
+void train_in_process(const Config& config, const std::optional<std::string>& output_dir,
+                      const GemmPeakMeter& gemm_peak, Communicator& world,
+                      const StepObserver& observer);
 
 }  // namespace meshrun::train

@@ -301,10 +301,10 @@ void Trainer::broadcast_parameters() {
   for (auto& part : parts_) part->spec.strategy.broadcast_parameters();
 }
 
-void Trainer::run() {
+void Trainer::run(const StepObserver& observer) {
   run_training(ctx_.config, ctx_.model.description(),
                ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
-               ctx_.output_dir, ctx_.gemm_peak, next_step_, *this);
+               ctx_.output_dir, ctx_.gemm_peak, next_step_, *this, observer);
 }
 
 }  // namespace meshrun::train

@@ -70,7 +70,7 @@ class Trainer : public TrainingRank {
   void resume(const CheckpointIndex& index);
   // Trains up to train.steps; rank 0 writes metrics.jsonl and, at the end,
   // the consolidated checkpoint.
-  void run();
+  void run(const StepObserver& observer = {});
   void broadcast_parameters();
 
   // TrainingRank: sets metrics.loss, grad_sync_wait_s and comm_wait_s.

@@ -341,6 +341,38 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_shard_segments(const meshrun_st
                                                                 int64_t capacity,
                                                                 int64_t* out_count);
 
+/* ---- ABI 1.12: the whole of `meshrun train` in the host's process ---- */
+
+/* Hears one step of meshrun_run_train, on every rank: `metrics_json` is the
+ * step's JSON object as metrics.jsonl gets it (docs/design.md, "User-facing
+ * contract"; "mem" is this rank's own), borrowed for the call. Returns 0 to
+ * go on, nonzero to stop after this step: the ranks agree before the next
+ * step (one stopping stops all), and the run ends as after its last step.
+ * Called on the thread that called meshrun_run_train; it must not call
+ * into the runtime. */
+typedef int32_t (*meshrun_step_callback)(void* context, const char* metrics_json);
+
+/* Trains as `meshrun train` does, this process being one rank of the
+ * joined runtime's job, with the runtime's config (its overrides applied):
+ * checks the input as the CLI does before its ranks start, plans, sets up
+ * this rank's model, strategy and (pp > 1) pipeline schedule, resumes from
+ * checkpoint.resume_from, trains to train.steps with validation, sharded
+ * checkpoints (checkpoint.save_every) and, at the end, the consolidated
+ * export; rank 0 writes metrics.jsonl, run.json (and trace.json with
+ * train.profile) into `output_dir` (NULL: runs/<start time>, the same on
+ * every rank). mfu divides by the GEMM peak measured at the start, or the
+ * MESHRUN_GEMM_PEAK_FLOPS variable's. Calls `callback` (may be NULL) with
+ * `context` after each step. Collective over the job; returns when the run
+ * ends, and may be called again (a second run of the same runtime). Never
+ * exits the process. Errors: FAILED_PRECONDITION before join, or when a
+ * step's loss or gradient norm is not finite and train.skip_nonfinite_steps
+ * does not skip it (the message names the step and the first parameter
+ * whose gradient is not finite); INVALID_ARGUMENT for bad input, naming the
+ * config key; the comm backend's error naming the rank when a peer fails
+ * past comm.timeout_minutes; NOT_FOUND for a missing data file or plugin. */
+MESHRUN_HOST_API meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
+                                                  meshrun_step_callback callback, void* context);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "host_api/host_api.hpp"
+#include "host_api.hpp"
 #include "state/checkpoint.hpp"
 #include "state/local_parameters.hpp"
 #include "state/optimizer.hpp"

@@ -1,7 +1,7 @@
 // The host API's communicators and collectives (meshrun/host.h, ABI 1.5):
 // the comm backend's operations on the caller's tensors, blocking or as an
 // operation in flight.
-#include "host_api/host_api.hpp"
+#include "host_api.hpp"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "host_api/host_api.hpp"
+#include "host_api.hpp"
 
 namespace {
 

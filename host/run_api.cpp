@@ -1,0 +1,33 @@
+// meshrun_run_train (abi/include/meshrun/host.h): the whole of `meshrun
+// train` as one call a host makes in its own process, over the trainer.
+#include <optional>
+#include <string>
+
+#include "gemm_peak/gemm_peak.hpp"
+#include "host_api.hpp"
+#include "meshrun/host.h"
+#include "train/loop.hpp"
+#include "train/run.hpp"
+
+meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
+                                 meshrun_step_callback callback, void* context) {
+  using meshrun::host_api::require;
+  return meshrun::host_api::guarded([&] {
+    require(runtime, "runtime");
+    const auto& job = runtime->runtime.job();
+    meshrun::train::StepObserver observer;
+    if (callback != nullptr) {
+      observer = [callback, context](const std::string& metrics_line) {
+        return callback(context, metrics_line.c_str()) == 0;
+      };
+    }
+    try {
+      meshrun::train::train_in_process(
+          runtime->runtime.config(),
+          output_dir != nullptr ? std::optional<std::string>(output_dir) : std::nullopt,
+          meshrun::train::gemm_peak_meter(), job->world(), observer);
+    } catch (const meshrun::train::NonFiniteStep& stop) {
+      throw meshrun::Error(MESHRUN_FAILED_PRECONDITION, stop.what());
+    }
+  });
+}
