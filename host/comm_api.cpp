@@ -1,6 +1,8 @@
 // The host API's communicators and collectives (meshrun/host.h, ABI 1.5):
 // the comm backend's operations on the caller's tensors, blocking or as an
 // operation in flight.
+#include <vector>
+
 #include "host_api.hpp"
 
 namespace {
@@ -75,6 +77,20 @@ meshrun_error* meshrun_all_gather(meshrun_comm* comm, const DLTensor* send, DLTe
     require(send, "send");
     require(recv, "recv");
     return c.all_gather(*send, *recv);
+  });
+}
+
+meshrun_error* meshrun_all_to_all(meshrun_comm* comm, const DLTensor* send,
+                                  const int64_t* send_counts, DLTensor* recv,
+                                  const int64_t* recv_counts, meshrun_op** out_op) {
+  return operation(comm, out_op, [&](Communicator& c) {
+    require(send, "send");
+    require(send_counts, "send_counts");
+    require(recv, "recv");
+    require(recv_counts, "recv_counts");
+    const auto ranks = static_cast<size_t>(c.size());
+    return c.all_to_all(*send, std::vector<int64_t>(send_counts, send_counts + ranks), *recv,
+                        std::vector<int64_t>(recv_counts, recv_counts + ranks));
   });
 }
 

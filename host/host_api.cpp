@@ -169,10 +169,8 @@ meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime* runtime, char** 
   return guarded([&] {
     require(runtime, "runtime");
     require(out_json, "out_json");
-    const std::string json = meshrun::plan_to_json(runtime->runtime.plan(), false).dump();
-    *out_json = static_cast<char*>(std::malloc(json.size() + 1));
-    if (*out_json == nullptr) throw std::bad_alloc();
-    std::memcpy(*out_json, json.c_str(), json.size() + 1);
+    *out_json = meshrun::host_api::malloc_string(
+        meshrun::plan_to_json(runtime->runtime.plan(), false).dump());
   });
 }
 

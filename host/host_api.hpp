@@ -2,8 +2,11 @@
 // and the guard every entry point runs in. Internal to libmeshrun.so.
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 #include <string>
 
 #include "errors.hpp"
@@ -41,6 +44,14 @@ meshrun_error* guarded(Body&& body) noexcept {
       throw meshrun::plugin::Error(error.code(), error.what());
     }
   });
+}
+
+// A copy of `text` from malloc, as meshrun_string_destroy frees it.
+inline char* malloc_string(const std::string& text) {
+  auto* copy = static_cast<char*>(std::malloc(text.size() + 1));
+  if (copy == nullptr) throw std::bad_alloc();
+  std::memcpy(copy, text.c_str(), text.size() + 1);
+  return copy;
 }
 
 // Throws INVALID_ARGUMENT naming the argument when `pointer` is NULL.

@@ -9,6 +9,10 @@ packages=(
   libopenmpi-dev openmpi-bin libopenblas-dev libdnnl-dev libxxhash-dev abigail-tools clang-format
   clang libclang-rt-dev
   python3-numpy python3-torch
+  # pip install ./python into a venv, offline (tests/python/test_pip_install.py).
+  python3-venv python3-pip python3-setuptools python3-wheel
+  # The Rust bindings (bindings/rust): Debian's toolchain, used offline.
+  cargo bindgen
   # A one-node Slurm for the srun test (tests/slurm/start-slurm.sh); libpmix-dev
   # holds the libpmix.so Slurm's pmix plugin loads.
   munge slurmctld slurmd slurm-client libpmix-dev

@@ -30,14 +30,14 @@ from .comm import REDUCE_OPS, Comm, Op
 from .errors import (DEADLINE_EXCEEDED, FAILED_PRECONDITION, INTERNAL, INVALID_ARGUMENT,
                      NOT_FOUND, OUT_OF_RANGE, UNAVAILABLE, UNIMPLEMENTED, VERSION_MISMATCH,
                      MeshrunError)
-from .runtime import AXES, Runtime, init
+from .runtime import AXES, Runtime, init, plan
 from .strategy import Segment, Strategy
 
 __all__ = [
     "AXES", "Comm", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "INTERNAL", "INVALID_ARGUMENT",
     "MeshrunError", "NOT_FOUND", "OUT_OF_RANGE", "Op", "REDUCE_OPS", "Runtime", "Segment",
     "Strategy", "UNAVAILABLE", "UNIMPLEMENTED", "VERSION_MISMATCH", "abi_version", "init",
-    "library", "library_version",
+    "library", "library_version", "plan",
 ]
 
 

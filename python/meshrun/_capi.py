@@ -3,14 +3,17 @@ abi/include/meshrun/host.h, and turning its error objects into MeshrunError.
 
 Where the library is looked for, first match wins:
   1. $MESHRUN_LIBRARY, a path (nothing else is tried when it is set);
-  2. next to this package as it is installed (<libdir>/meshrun/python/meshrun
+  2. under $MESHRUN_PREFIX, an install prefix or a build folder: its lib/ or
+     lib/<multiarch>/ (a package pip installed elsewhere finds it so);
+  3. next to this package as it is installed (<libdir>/meshrun/python/meshrun
      -> <libdir>/libmeshrun.so.1) or as it sits in a source checkout built
      into build/ (python/meshrun -> build/lib/libmeshrun.so.1);
-  3. "libmeshrun.so.1" on the dynamic loader's path (LD_LIBRARY_PATH, ldconfig).
+  4. "libmeshrun.so.1" on the dynamic loader's path (LD_LIBRARY_PATH, ldconfig).
 """
 
 import ctypes
 import os
+import sys
 
 from . import dlpack
 from .errors import MeshrunError
@@ -120,8 +123,10 @@ def _signatures():
             e, [ptr, char_p, i64, i64, ctypes.POINTER(char_p), tensor]),
         "meshrun_strategy_load_checkpoint": (
             e, [ptr, char_p, i64, ctypes.POINTER(char_p), tensor, p_i64]),
-        # ABI 1.12: the whole of `meshrun train` in this process.
+        # ABI 1.12: all-to-all, and the whole of `meshrun train` in this process.
+        "meshrun_all_to_all": (e, [ptr, tensor, p_i64, tensor, p_i64, p_ptr]),
         "meshrun_run_train": (e, [ptr, char_p, STEP_CALLBACK, ptr]),
+        "meshrun_runtime_estimate_json": (e, [ptr, char_p, i64, p_ptr]),
     }
 
 
@@ -129,10 +134,15 @@ def library_candidates():
     """The paths tried in order when $MESHRUN_LIBRARY is not set (see the
     module docstring)."""
     package = os.path.dirname(os.path.abspath(__file__))
-    installed = os.path.join(package, "..", "..", "..", LIBRARY_NAME)
-    checkout = os.path.join(package, "..", "..", "build", "lib", LIBRARY_NAME)
-    return [os.path.normpath(p) for p in (installed, checkout) if os.path.exists(p)] + [
-        LIBRARY_NAME]
+    paths = []
+    prefix = os.environ.get("MESHRUN_PREFIX")
+    if prefix:
+        multiarch = getattr(sys.implementation, "_multiarch", "")
+        paths += [os.path.join(prefix, "lib", LIBRARY_NAME),
+                  os.path.join(prefix, "lib", multiarch, LIBRARY_NAME)]
+    paths += [os.path.join(package, "..", "..", "..", LIBRARY_NAME),
+              os.path.join(package, "..", "..", "build", "lib", LIBRARY_NAME)]
+    return [os.path.normpath(p) for p in paths if os.path.exists(p)] + [LIBRARY_NAME]
 
 
 def _load():

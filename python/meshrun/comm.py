@@ -140,6 +140,28 @@ class Comm:
         return self._run("reduce_scatter", async_op, (sent, received), lambda out: library(
         ).meshrun_reduce_scatter(self.handle, sent.pointer, received.pointer, code, out))
 
+    def all_to_all(self, send, send_counts, recv, recv_counts, async_op=False):
+        """Rank r gets send_counts[r] elements of `send` (the blocks packed in
+        rank order) and this rank receives recv_counts[r] elements from rank
+        r into `recv`, likewise; recv_counts[r] must be rank r's
+        send_counts[this rank] (exchange the counts first, e.g. with an
+        all_to_all of one count per rank). For expert and context
+        parallelism in Python."""
+        size = self.size
+        counts = []
+        for name, values in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+            values = [int(v) for v in values]
+            if len(values) != size:
+                raise MeshrunError(INVALID_ARGUMENT, f"all_to_all: {name} has {len(values)} "
+                                   f"entries, the communicator {size} ranks")
+            counts.append((ctypes.c_int64 * size)(*values))
+        sent, received = self._send_recv(send, recv, "all_to_all")
+        if received is sent:
+            raise MeshrunError(INVALID_ARGUMENT, "all_to_all: send and recv must differ")
+        return self._run("all_to_all", async_op, (sent, received, *counts), lambda out: library(
+        ).meshrun_all_to_all(self.handle, sent.pointer, counts[0], received.pointer, counts[1],
+                             out))
+
     def broadcast(self, tensor, root=0, async_op=False):
         """`tensor` on every rank = `tensor` on rank `root` of this communicator."""
         t = dlpack.borrow(tensor, "broadcast: tensor")

@@ -127,14 +127,26 @@ class Runtime:
         """Every group of `axis`, numbered by lowest rank."""
         return [self.group_ranks_by_index(axis, g) for g in range(self.group_count(axis))]
 
-    def plan(self):
-        """The plan as `meshrun plan --json` prints it."""
+    def _json(self, function, *args):
         out = ctypes.c_void_p()
-        check(library().meshrun_runtime_plan_json(self.handle, ctypes.byref(out)))
+        check(function(self.handle, *args, ctypes.byref(out)))
         try:
             return json.loads(ctypes.string_at(out.value).decode())
         finally:
             library().meshrun_string_destroy(out)
+
+    def plan(self):
+        """The plan as `meshrun plan --json` prints it."""
+        return self._json(library().meshrun_runtime_plan_json)
+
+    def estimate(self, hardware="cpu-this-machine", ranks_per_node=0):
+        """The estimate `meshrun plan --estimate --json` prints under
+        "estimate": per-rank memory and step time of the plan on `hardware`
+        ("h100-sxm", "h200", "cpu-this-machine" or a profile .toml path),
+        `ranks_per_node` ranks to a node (0: the profile's; every rank for
+        cpu-this-machine)."""
+        return self._json(library().meshrun_runtime_estimate_json, os.fsencode(hardware),
+                          ranks_per_node)
 
     # ---- a rank of a running job (ABI 1.5) ----
 
@@ -233,6 +245,24 @@ def _key_overrides(keys, prefix="distributed."):
         else:
             assignments.append(f"{prefix}{key}={value}")
     return assignments
+
+
+def plan(config=None, world_size=1, overrides=(), estimate=None, ranks_per_node=0, **keys):
+    """The plan `meshrun plan CONFIG --world-size N --json` prints, as a
+    dict, for a job of `world_size` ranks; with `estimate` a hardware
+    profile ("h100-sxm", "h200", "cpu-this-machine", a .toml path) it
+    carries "estimate" as `--estimate --hardware PROFILE` adds it.
+    config, overrides and keys as init()'s; nothing joins a job."""
+    text, path = _config_text_or_path(config)
+    runtime = Runtime.from_text(text, "<plan>") if path is None else Runtime.from_file(path)
+    with runtime:
+        for assignment in list(overrides) + _key_overrides(keys):
+            runtime.override(assignment)
+        runtime.build_mesh(world_size, 0)
+        result = runtime.plan()
+        if estimate is not None:
+            result["estimate"] = runtime.estimate(estimate, ranks_per_node)
+        return result
 
 
 def init(config=None, overrides=(), **keys):

@@ -132,6 +132,33 @@ class Collectives(unittest.TestCase):
                                                      recv, op=op, async_op=async_op), async_op)
                 numpy.testing.assert_array_equal(Arrays.values(recv), want, op)
 
+    def test_all_to_all_with_uneven_counts(self):
+        # Rank r sends s + r + 1 elements to rank s: every pair a different
+        # count; a block's values say who sent it and its position.
+        def count(sender, receiver):
+            return receiver + sender + 1
+
+        def block(sender, receiver):
+            start = 100 * sender + 10 * receiver
+            return numpy.arange(start, start + count(sender, receiver), dtype=numpy.float64)
+
+        send_counts = [count(self.rank, r) for r in range(self.size)]
+        recv_counts = [count(r, self.rank) for r in range(self.size)]
+        outgoing = numpy.concatenate([block(self.rank, r) for r in range(self.size)])
+        expected = numpy.concatenate([block(r, self.rank) for r in range(self.size)])
+        for arrays, async_op in self.each():
+            recv = arrays.empty(sum(recv_counts))
+            self.finish(self.comm.all_to_all(arrays.make(outgoing), send_counts, recv,
+                                             recv_counts, async_op=async_op), async_op)
+            numpy.testing.assert_array_equal(Arrays.values(recv), expected)
+
+    def test_all_to_all_refuses_counts_of_the_wrong_length(self):
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            self.comm.all_to_all(numpy.zeros(2, numpy.float32), [1], numpy.zeros(2, numpy.float32),
+                                 [1])
+        self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+        self.assertIn("send_counts", caught.exception.message)
+
     def test_broadcast_from_the_last_rank(self):
         root = self.size - 1
         for arrays, async_op in self.each():

@@ -3,12 +3,16 @@ that never joins a job: planning queries, and the lifecycle errors of the
 calls that need a joined runtime.
 
 Coordinates and groups are checked against an independent enumeration of the
-row-major (pp, dp_replicate, dp_shard, cp, tp) rank grid.
-Run by ctest with /usr/bin/python3; MESHRUN_LIBRARY names libmeshrun.so.
+row-major (pp, dp_replicate, dp_shard, cp, tp) rank grid; meshrun.plan() and
+its estimate against `meshrun plan --json`.
+Run by ctest with /usr/bin/python3: test_host_api.py MESHRUN_EXE;
+MESHRUN_LIBRARY names libmeshrun.so.
 """
 
 import itertools
+import json
 import os
+import subprocess
 import sys
 import unittest
 
@@ -202,5 +206,41 @@ class HostApiTest(unittest.TestCase):
         self.assertIn("/nonexistent/meshrun.toml", caught.exception.message)
 
 
+class PlanAndEstimate(unittest.TestCase):
+    """meshrun.plan() and Runtime.estimate() against `meshrun plan --json`
+    of the same config: equal dicts (h100-sxm, a stated profile, so the
+    estimate does not depend on this machine)."""
+
+    CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "llama-tiny.toml")
+    KEYS = ["data.seq_len=512", "distributed.activation_checkpointing=\"selective\""]
+
+    def cli(self, *args):
+        result = subprocess.run([MESHRUN, "plan", self.CONFIG, "--world-size", "8", "--json",
+                                 *args, *self.KEYS], capture_output=True, text=True, timeout=120)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return json.loads(result.stdout)
+
+    def test_plan_is_the_clis(self):
+        self.assertEqual(meshrun.plan(self.CONFIG, world_size=8, overrides=self.KEYS),
+                         self.cli())
+
+    def test_estimate_is_the_clis(self):
+        got = meshrun.plan(self.CONFIG, world_size=8, overrides=self.KEYS, estimate="h100-sxm")
+        self.assertEqual(got["estimate"], self.cli("--estimate", "--hardware", "h100-sxm")[
+            "estimate"])
+        self.assertGreater(got["estimate"]["memory"]["total"], 0)
+
+    def test_bad_profile_and_unbuilt_mesh(self):
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            meshrun.plan(self.CONFIG, estimate="h100-typo")
+        self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+        self.assertIn("h100-typo", caught.exception.message)
+        with meshrun.Runtime.from_file(self.CONFIG) as runtime:
+            with self.assertRaises(meshrun.MeshrunError) as caught:
+                runtime.estimate("h100-sxm")
+            self.assertEqual(caught.exception.code, meshrun.FAILED_PRECONDITION)
+
+
 if __name__ == "__main__":
+    MESHRUN = sys.argv.pop(1)
     unittest.main(verbosity=2)

@@ -185,6 +185,16 @@ MESHRUN_HOST_API meshrun_error* meshrun_send(meshrun_comm* comm, const DLTensor*
 MESHRUN_HOST_API meshrun_error* meshrun_recv(meshrun_comm* comm, DLTensor* tensor, int64_t peer,
                                              int64_t tag, meshrun_op** out_op);
 MESHRUN_HOST_API meshrun_error* meshrun_barrier(meshrun_comm* comm, meshrun_op** out_op);
+/* ABI 1.12: all-to-all with per-rank counts, as comm.h's all_to_all: this
+ * rank sends send_counts[r] elements of `send` to rank r (blocks packed in
+ * rank order) and receives recv_counts[r] from rank r into `recv`; both
+ * arrays have size() entries, read during the call, and recv_counts[r]
+ * must equal rank r's send_counts[me]. For expert and context parallelism
+ * built by a host. Errors as above, and UNIMPLEMENTED for a comm backend
+ * older than ABI 1.7. */
+MESHRUN_HOST_API meshrun_error* meshrun_all_to_all(meshrun_comm* comm, const DLTensor* send,
+                                                   const int64_t* send_counts, DLTensor* recv,
+                                                   const int64_t* recv_counts, meshrun_op** out_op);
 
 /* Blocks until the operation is done and returns its result; timeout < 0
  * uses the comm timeout of the config (comm.timeout_minutes). On expiry:
@@ -372,6 +382,23 @@ typedef int32_t (*meshrun_step_callback)(void* context, const char* metrics_json
  * past comm.timeout_minutes; NOT_FOUND for a missing data file or plugin. */
 MESHRUN_HOST_API meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
                                                   meshrun_step_callback callback, void* context);
+
+/* The estimate of the runtime's plan (after build_mesh or join), the object
+ * `meshrun plan --estimate --json` prints under "estimate": per-rank memory
+ * and step time on `hardware` — "h100-sxm", "h200", "cpu-this-machine"
+ * (this machine's GEMM rate and memory bandwidth, measured now, which
+ * takes a few tenths of a second) or a .toml profile's path (docs/plan.md)
+ * — with `ranks_per_node` ranks sharing a node (0: the profile's, and for
+ * cpu-this-machine every rank of the mesh). On success *out_json owns a
+ * NUL-terminated string; free it with meshrun_string_destroy. Errors:
+ * FAILED_PRECONDITION before the mesh is built; INVALID_ARGUMENT for a
+ * NULL argument, a negative ranks_per_node, an unknown profile or a bad key
+ * of a profile file (named with its position); NOT_FOUND for a missing
+ * profile file. */
+MESHRUN_HOST_API meshrun_error* meshrun_runtime_estimate_json(const meshrun_runtime* runtime,
+                                                              const char* hardware,
+                                                              int64_t ranks_per_node,
+                                                              char** out_json);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,4 @@
+/* What meshrun-sys declares: the host API and the plugin tables. */
+#include "meshrun/host.h"
+#include "meshrun/plugin.h"
+#include "meshrun/strategy.h"
