@@ -17,6 +17,13 @@
 namespace meshrun {
 namespace {
 
+// FNV-1a of `text`, as 16 hex digits.
+std::string fnv1a_hex(const std::string& text) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (const char c : text) hash = (hash ^ uint8_t(c)) * 0x100000001b3ull;
+  return fmt::format("{:016x}", hash);
+}
+
 namespace fs = std::filesystem;
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -241,7 +248,8 @@ nlohmann::ordered_json index_json(const CheckpointLayout& layout, int64_t seed, 
           {"files", file_list},
           {"slices", slices},
           {"data", {{"seed", seed}, {"next_step", step}}},
-          {"config_hash", layout.hash}};
+          {"config_hash", layout.hash},
+          {"layout_hash", layout.flat_hash}};
 }
 
 }  // namespace
@@ -258,10 +266,14 @@ CheckpointLayout checkpoint_layout(const std::string& kind, const std::vector<st
     layout.offsets.push_back(layout.numel);
     layout.numel += numel;
   }
-  // FNV-1a: a resumed run must have the same parameters in the same layout.
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : kind + parameters.dump()) hash = (hash ^ uint8_t(c)) * 0x100000001b3ull;
-  layout.hash = fmt::format("{:016x}", hash);
+  nlohmann::ordered_json flat = nlohmann::ordered_json::array();
+  for (size_t p = 0; p < names.size(); ++p) {
+    const int64_t end = p + 1 < names.size() ? layout.offsets[p + 1] : layout.numel;
+    flat.push_back({names[p], end - layout.offsets[p]});
+  }
+  // A resumed run must have the same parameters in the same layout.
+  layout.hash = fnv1a_hex(kind + parameters.dump());
+  layout.flat_hash = fnv1a_hex(flat.dump());
   return layout;
 }
 
@@ -342,6 +354,7 @@ CheckpointIndex parse_index(const std::string& dir, const nlohmann::json& json) 
   index.world_size = json.at("world_size").get<int64_t>();
   index.numel = json.at("numel").get<int64_t>();
   index.seed = json.at("data").at("seed").get<int64_t>();
+  index.config_hash = json.at("config_hash").get<std::string>();
   for (const auto& file : json.at("files")) {
     index.files[file.at("file").get<std::string>()] = {file.at("rank").get<int64_t>(),
                                                        file.at("bytes").get<int64_t>(),
@@ -412,12 +425,12 @@ void check_coverage(const std::string& path, const CheckpointIndex& index,
 // The shard's metadata says which rank of which save wrote it: a file
 // swapped for another rank's, or copied from another checkpoint, is named.
 void check_owner(const CheckpointIndex& index, const SafetensorsFile& shard,
-                 const CheckpointIndex::File& entry, const std::string& hash) {
+                 const CheckpointIndex::File& entry) {
   const std::map<std::string, std::string> expected = {
       {"meshrun.rank", std::to_string(entry.rank)},
       {"meshrun.world_size", std::to_string(index.world_size)},
       {"meshrun.step", std::to_string(index.step)},
-      {"meshrun.config_hash", hash}};
+      {"meshrun.config_hash", index.config_hash}};
   for (const auto& [key, value] : expected) {
     const auto found = shard.metadata().find(key);
     const std::string actual = found == shard.metadata().end() ? "(none)" : found->second;
@@ -455,12 +468,11 @@ void check_slice_tensors(const std::string& path, const CheckpointIndex& index,
   }
 }
 
-void check_shards(const std::string& path, const CheckpointIndex& index,
-                  const CheckpointLayout& layout) {
+void check_shards(const std::string& path, const CheckpointIndex& index) {
   std::map<std::string, SafetensorsFile> shards;
   for (const auto& [file, entry] : index.files) {
     const auto& shard = shards.emplace(file, (fs::path(index.dir) / file).string()).first->second;
-    check_owner(index, shard, entry, layout.hash);
+    check_owner(index, shard, entry);
   }
   check_slice_tensors(path, index, shards);
 }
@@ -504,7 +516,11 @@ CheckpointIndex read_index(const std::string& dir, const CheckpointLayout& layou
   CheckpointIndex index;
   try {
     index = parse_index(dir, json);
-    if (json.at("config_hash").get<std::string>() != layout.hash || index.numel != layout.numel) {
+    // The same writer's parameters, or the same flat layout written by
+    // another (meshrun train's checkpoint read by a host, and back).
+    const bool same_flat_layout = json.contains("layout_hash") &&
+                                  json.at("layout_hash").get<std::string>() == layout.flat_hash;
+    if ((index.config_hash != layout.hash && !same_flat_layout) || index.numel != layout.numel) {
       throw invalid_argument(fmt::format("'{}' was written for other parameters", dir));
     }
   } catch (const nlohmann::json::exception& error) {
@@ -512,7 +528,7 @@ CheckpointIndex read_index(const std::string& dir, const CheckpointLayout& layou
   }
   check_files(path, index);
   check_coverage(path, index, layout);
-  check_shards(path, index, layout);
+  check_shards(path, index);
   return index;
 }
 CheckpointIndex read_index(const Config& config, const ModelDescription& description) {

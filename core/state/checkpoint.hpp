@@ -79,7 +79,14 @@ struct HeldRange {
 // checkpoint is loaded only into the parameters it was saved from.
 struct CheckpointLayout {
   int64_t numel = 0;
+  // The writer's parameters: their kind ("llama", "host"), names and
+  // shapes; a reader with the same hash reads the checkpoint.
   std::string hash;
+  // Only the names and element counts in flat order, which any two writers
+  // of the same parameters agree on (the trainer knows shapes, a host such
+  // as meshrun.torch the element counts): a reader with another `hash` but
+  // the same flat layout reads the checkpoint too.
+  std::string flat_hash;
   // The parameters in flat order and where each begins, to name the
   // parameter an element belongs to in errors.
   std::vector<std::string> names;
@@ -96,6 +103,7 @@ struct CheckpointIndex {
   int64_t world_size = 0;
   int64_t numel = 0;
   int64_t seed = 0;                  // train.seed of the run that saved it
+  std::string config_hash;           // its writer's CheckpointLayout::hash
   std::vector<std::string> buffers;  // "params", "exp_avg", ...
   // A shard file as its rank wrote it.
   struct File {
