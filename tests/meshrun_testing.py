@@ -1,11 +1,29 @@
-"""What every Python test of the meshrun CLI asserts about bad input.
+"""What the Python tests of the meshrun CLI share.
 
-The project's contract (docs/design.md): bad input exits with status 2 and prints
-exactly one line, "meshrun: error: ...", that names the key or argument, and
-nothing on stdout.
+- InputErrorAssertions: the project's contract for bad input (docs/design.md):
+  exit status 2 and exactly one line, "meshrun: error: ...", that names the
+  key or argument, and nothing on stdout.
+- environment(): this process's environment without a launcher's variables,
+  so that a run a test starts is a job of its own.
+- metrics(output): the objects of OUTPUT/metrics.jsonl.
 """
 
+import json
+import os
 import unittest
+
+LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_")
+
+
+def environment(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
+    env.update(extra)
+    return env
+
+
+def metrics(output):
+    with open(os.path.join(output, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 class InputErrorAssertions(unittest.TestCase):

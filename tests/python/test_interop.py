@@ -23,15 +23,13 @@ import unittest
 
 import numpy
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import environment, metrics  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
 KEYS = ["data.seq_len=64", "train.val_every=0", "distributed.mp_policy.param_dtype=float32"]
-LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_")
-
-
-def environment():
-    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
 
 
 def safetensors(path):
@@ -50,11 +48,6 @@ def safetensors(path):
         assert entry["dtype"] == "F32", entry
         arrays[name] = numpy.frombuffer(data[begin:end], numpy.float32).reshape(entry["shape"])
     return arrays
-
-
-def metrics(output):
-    with open(os.path.join(output, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 class Interop(unittest.TestCase):

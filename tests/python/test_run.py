@@ -24,22 +24,13 @@ import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import environment, metrics  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
 CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
 OVERRIDES = ["train.steps=4", "data.seq_len=64", "train.val_every=2"]
-LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_")
-
-
-def environment():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-    env["PYTHONPATH"] = os.path.join(ROOT, "python")
-    return env
-
-
-def metrics(output):
-    with open(os.path.join(output, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def callbacks(output, rank):
@@ -59,7 +50,7 @@ class RunTrain(unittest.TestCase):
             [MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable,
              os.path.join(HERE, "run_rank.py"), CONFIG, output, str(stop_at), *OVERRIDES,
              *overrides],
-            capture_output=True, text=True, timeout=300, env=environment())
+            capture_output=True, text=True, timeout=300, env=environment(PYTHONPATH=os.path.join(ROOT, "python")))
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         return output, result.stdout
 
@@ -67,7 +58,7 @@ class RunTrain(unittest.TestCase):
         cli = os.path.join(self.root, "cli")
         result = subprocess.run([MESHRUN, "train", CONFIG, "--nproc-per-node", "2", "--output",
                                  cli, *OVERRIDES], capture_output=True, text=True, timeout=300,
-                                env=environment())
+                                env=environment(PYTHONPATH=os.path.join(ROOT, "python")))
         self.assertEqual(result.returncode, 0, result.stderr)
         output, _ = self.python_run("python", 0)
         expected, got = metrics(cli), metrics(output)

@@ -19,7 +19,6 @@ Run by ctest after `cargo test` built them:
     test_rust.py MESHRUN_EXE CONFORMANCE_EXE TRAIN_LLAMA_EXE LIBRUST_DDP_SO
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -27,19 +26,12 @@ import sys
 import tempfile
 import unittest
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import environment, metrics  # noqa: E402
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
 OVERRIDES = ["train.steps=4", "data.seq_len=64", "train.val_every=2"]
-LAUNCHER_VARIABLES = ("OMPI_", "PMI_", "PMIX_", "SLURM_")
-
-
-def environment():
-    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARIABLES)}
-
-
-def metrics(output):
-    with open(os.path.join(output, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 class RustHost(unittest.TestCase):
