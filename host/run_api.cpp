@@ -1,5 +1,6 @@
 // meshrun_run_train (abi/include/meshrun/host.h): the whole of `meshrun
-// train` as one call a host makes in its own process, over the trainer.
+// train` as one call a host makes in its own process, over the trainer;
+// and the GEMM peak its mfu divides by, for hosts that train themselves.
 #include <optional>
 #include <string>
 
@@ -29,5 +30,20 @@ meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_di
     } catch (const meshrun::train::NonFiniteStep& stop) {
       throw meshrun::Error(MESHRUN_FAILED_PRECONDITION, stop.what());
     }
+  });
+}
+
+meshrun_error* meshrun_gemm_peak_flops(const char* dtype, double seconds, double* out_flops_per_s) {
+  using meshrun::host_api::require;
+  return meshrun::host_api::guarded([&] {
+    require(dtype, "dtype");
+    require(out_flops_per_s, "out_flops_per_s");
+    const std::string name = dtype;
+    if (name != "float32" && name != "bfloat16") {
+      throw meshrun::Error(MESHRUN_INVALID_ARGUMENT,
+                           "dtype '" + name + "': expected float32 or bfloat16");
+    }
+    if (!(seconds > 0)) throw meshrun::Error(MESHRUN_INVALID_ARGUMENT, "seconds must be > 0");
+    *out_flops_per_s = meshrun::train::gemm_peak_meter()(name, seconds).flops_per_s;
   });
 }

@@ -212,6 +212,17 @@ meshrun_error* meshrun_strategy_finish_gradients(meshrun_strategy* strategy) {
   return guarded([&] { strategy_of(strategy).finish_gradients(); });
 }
 
+meshrun_error* meshrun_strategy_memory_use(meshrun_strategy* strategy, int64_t* out_buffers,
+                                           int64_t* out_buffers_peak,
+                                           int64_t* out_buffers_reserved) {
+  return guarded([&] {
+    const meshrun::StrategyMemory memory = strategy_of(strategy).memory();
+    if (out_buffers != nullptr) *out_buffers = memory.buffers;
+    if (out_buffers_peak != nullptr) *out_buffers_peak = memory.buffers_peak;
+    if (out_buffers_reserved != nullptr) *out_buffers_reserved = memory.buffers_reserved;
+  });
+}
+
 meshrun_error* meshrun_strategy_pre_forward(meshrun_strategy* strategy, int32_t unit) {
   return guarded([&] { strategy_of(strategy).pre_forward(unit); });
 }

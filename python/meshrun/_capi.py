@@ -123,8 +123,11 @@ def _signatures():
             e, [ptr, char_p, i64, i64, ctypes.POINTER(char_p), tensor]),
         "meshrun_strategy_load_checkpoint": (
             e, [ptr, char_p, i64, ctypes.POINTER(char_p), tensor, p_i64]),
-        # ABI 1.12: all-to-all, and the whole of `meshrun train` in this process.
+        # ABI 1.12: all-to-all, a strategy's memory, the GEMM peak, and the
+        # whole of `meshrun train` in this process.
         "meshrun_all_to_all": (e, [ptr, tensor, p_i64, tensor, p_i64, p_ptr]),
+        "meshrun_strategy_memory_use": (e, [ptr, p_i64, p_i64, p_i64]),
+        "meshrun_gemm_peak_flops": (e, [char_p, f64, ctypes.POINTER(f64)]),
         "meshrun_run_train": (e, [ptr, char_p, STEP_CALLBACK, ptr]),
         "meshrun_runtime_estimate_json": (e, [ptr, char_p, i64, p_ptr]),
     }

@@ -185,6 +185,13 @@ class Strategy:
         self._call("meshrun_strategy_gradient_norm_squared", ctypes.byref(out))
         return out.value
 
+    def memory_use(self):
+        """(buffers, buffers_peak, buffers_reserved): the bytes the strategy
+        holds now, the most since it was made, and those plus its cache."""
+        values = [ctypes.c_int64() for _ in range(3)]
+        self._call("meshrun_strategy_memory_use", *(ctypes.byref(v) for v in values))
+        return tuple(v.value for v in values)
+
     def gather_parameters(self, out=None):
         """Every parameter, in the flat layout, into `out` (a float32 array
         of numel elements, allocated when None); collective, outside a step."""

@@ -103,6 +103,7 @@ import time
 import torch
 from torch import nn
 
+from .metrics import peak_rss_bytes
 from .strategy import Strategy
 
 ROOT = 0  # the root's unit number; the named blocks are 1..n in forward order
@@ -132,6 +133,21 @@ def _units_of(module, blocks):
 
 def _free(storage_owner):
     storage_owner.storage().resize_(0)
+
+
+def matmul_flops_per_token(module, attention=None):
+    """What a trained token costs in `module`, as `meshrun train` counts it
+    (docs/design.md, "MFU"): 6 FLOPs per weight of every nn.Linear (forward,
+    and the two GEMMs of its backward; an embedding lookup is no matmul),
+    plus, with attention = (layers, width, seq_len), 12 x layers x width x
+    seq_len for attention's score and value matmuls (width: heads x
+    head_dim)."""
+    weights = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    flops = 6 * weights
+    if attention is not None:
+        layers, width, seq_len = attention
+        flops += 12 * layers * width * seq_len
+    return flops
 
 
 class DistributedModule(nn.Module):
@@ -177,7 +193,10 @@ class DistributedModule(nn.Module):
         self.strategy = Strategy(runtime, values, gradients, [n for n, _ in named], shapes,
                                  self._unit_of, root_unit=ROOT, num_units=self.num_units)
         self.sharded = self.strategy.sharded
-        self.strategy_seconds = 0.0  # time inside strategy calls, for benchmarks
+        self.strategy_seconds = 0.0  # time inside strategy calls: metrics' comm_wait_s
+        self.grad_sync_seconds = 0.0  # of which in finish_gradients: grad_sync_wait_s
+        self._start_rss = peak_rss_bytes()
+        self._activations = self._activations_peak = 0  # bytes kept for backward
         if self.sharded:
             self._make_unit_storage()
             del values, gradients  # the strategy holds its shard now
@@ -244,7 +263,11 @@ class DistributedModule(nn.Module):
             self._begin_micro_batch()
         if self.sharded:
             self._pre_forward(ROOT)
-        output = self.module(*args, **kwargs)
+        if training:
+            with self._metered_activations():
+                output = self.module(*args, **kwargs)
+        else:
+            output = self.module(*args, **kwargs)
         if self.sharded:
             self._timed(self.strategy.post_forward, ROOT)
             if not training:
@@ -252,6 +275,42 @@ class DistributedModule(nn.Module):
         if training:
             self._hook_outputs(output, ROOT)
         return output
+
+    @contextlib.contextmanager
+    def _metered_activations(self):
+        """What autograd keeps of this forward for the backward, in bytes:
+        metrics' mem.activations (the last forward's) and activations_peak.
+        Parameters it keeps are not activations; a tensor kept twice counts
+        once."""
+        parameters = {p.data_ptr() for p in self._params}
+        seen = set()
+
+        def pack(tensor):
+            key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+            if tensor.data_ptr() not in parameters and key not in seen:
+                seen.add(key)
+                self._activations += tensor.numel() * tensor.element_size()
+            return tensor
+
+        self._activations = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self._activations_peak = max(self._activations_peak, self._activations)
+
+    def memory_use(self, optimizer=None):
+        """This rank's bytes as metrics.jsonl's "mem" says them: the local
+        shard's float32 parameters and gradients, the AdamW moments of an
+        optimizer made by adamw(), the strategy's buffers, what the last
+        forward kept for backward, and the process's peak RSS (now, and when
+        the module was made)."""
+        local = self.local_parameters.numel() * 4
+        buffers, peak, reserved = self.strategy.memory_use()
+        moments = getattr(optimizer, "meshrun_moments", {}) if optimizer is not None else {}
+        return {"params": local, "grads": local,
+                "optimizer": sum(m.numel() * m.element_size() for m in moments.values()),
+                "buffers": buffers, "buffers_peak": peak, "buffers_reserved": reserved,
+                "activations": self._activations, "activations_peak": self._activations_peak,
+                "peak_rss": peak_rss_bytes(), "peak_rss_at_start": self._start_rss}
 
     def _begin_micro_batch(self):
         if self._micro_batch is not None:
@@ -382,7 +441,9 @@ class DistributedModule(nn.Module):
                 self._post_backward(ROOT)
         sync, self._micro_batch = self._micro_batch, None
         if sync:
+            before = self.strategy_seconds
             self._timed(self.strategy.finish_gradients)
+            self.grad_sync_seconds += self.strategy_seconds - before
 
     # ---- the step ----
 

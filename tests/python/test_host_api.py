@@ -175,6 +175,19 @@ class HostApiTest(unittest.TestCase):
         self.assertIn(b"'runtime' is NULL", error.contents.message)
         error.contents.destroy(error)
 
+    def test_gemm_peak_is_stated_or_measured_and_refuses_other_dtypes(self):
+        import meshrun.metrics
+        stated = os.environ.get("MESHRUN_GEMM_PEAK_FLOPS", "")
+        if "float32=" in stated:
+            expected = float(stated.split("float32=")[1].split(",")[0])
+            self.assertEqual(meshrun.metrics.gemm_peak_flops("float32"), expected)
+        else:
+            self.assertGreater(meshrun.metrics.gemm_peak_flops("float32", 0.02), 1e8)
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            meshrun.metrics.gemm_peak_flops("float64")
+        self.assertEqual(caught.exception.code, meshrun.INVALID_ARGUMENT)
+        self.assertIn("float64", caught.exception.message)
+
     def test_join_after_build_mesh_is_failed_precondition(self):
         with meshrun.Runtime.from_text("") as rt:
             rt.build_mesh(2, 0)

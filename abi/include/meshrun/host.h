@@ -351,6 +351,15 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_shard_segments(const meshrun_st
                                                                 int64_t capacity,
                                                                 int64_t* out_count);
 
+/* ABI 1.12: the bytes the strategy holds for communication and gathered
+ * parameters now, the most since it was created, and those plus what it
+ * keeps for reuse (metrics.jsonl's mem.buffers, buffers_peak,
+ * buffers_reserved). Any pointer may be NULL. */
+MESHRUN_HOST_API meshrun_error* meshrun_strategy_memory_use(meshrun_strategy* strategy,
+                                                            int64_t* out_buffers,
+                                                            int64_t* out_buffers_peak,
+                                                            int64_t* out_buffers_reserved);
+
 /* ---- ABI 1.12: the whole of `meshrun train` in the host's process ---- */
 
 /* Hears one step of meshrun_run_train, on every rank: `metrics_json` is the
@@ -382,6 +391,17 @@ typedef int32_t (*meshrun_step_callback)(void* context, const char* metrics_json
  * past comm.timeout_minutes; NOT_FOUND for a missing data file or plugin. */
 MESHRUN_HOST_API meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
                                                   meshrun_step_callback callback, void* context);
+
+/* One rank's GEMM peak in FLOP/s in `dtype` ("float32" or "bfloat16"), what
+ * `meshrun train`'s mfu divides by: the MESHRUN_GEMM_PEAK_FLOPS variable's
+ * entry for the dtype where it states one, else measured on the calling
+ * thread for about `seconds` through the shipped models' GEMMs (ranks
+ * measuring at once share their cores, as they will when training). For a
+ * host that trains itself and reports mfu. Errors: INVALID_ARGUMENT for
+ * another dtype, seconds <= 0, a NULL pointer or a malformed variable
+ * (named). */
+MESHRUN_HOST_API meshrun_error* meshrun_gemm_peak_flops(const char* dtype, double seconds,
+                                                        double* out_flops_per_s);
 
 /* The estimate of the runtime's plan (after build_mesh or join), the object
  * `meshrun plan --estimate --json` prints under "estimate": per-rank memory

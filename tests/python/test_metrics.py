@@ -1,0 +1,94 @@
+"""A Python run's metrics.jsonl and run.json against `meshrun train`'s.
+
+llama-tiny (seq 64, 3 steps) by `meshrun train` on 2 ranks, and the PyTorch
+Llama of the same [model] by 2 Python ranks under meshrun.torch writing
+through meshrun.metrics.RunMetrics (metrics_rank.py), fsdp2 in float32:
+- every line has the same keys, and "mem" the same keys, as `meshrun
+  train`'s;
+- run.json has the same keys, and the FLOPs meshrun.torch counts for the
+  torch module (its nn.Linear weights, and attention) equal those meshrun's
+  model describes for the same config, exactly;
+- each line is consistent: flops_per_s = flops_per_step / step_time_s, mfu
+  = flops_per_s / peak_flops_per_s, tokens_per_s = tokens / step_time_s,
+  grad_sync_wait_s <= comm_wait_s <= step_time_s, mem.params and grads the
+  local shard's float32 bytes (the model's bytes / 2 ranks, padding aside),
+  the optimizer's twice that, activations kept > 0 and the same every step.
+
+Run by ctest: test_metrics.py MESHRUN_EXE
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from meshrun_testing import environment, metrics  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
+KEYS = ["train.steps=3", "data.seq_len=64", "train.val_every=0", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "distributed.mp_policy.param_dtype=float32"]
+
+
+def run_json(output):
+    with open(os.path.join(output, "run.json")) as f:
+        return json.load(f)
+
+
+class PythonMetrics(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        root = tempfile.mkdtemp(prefix="meshrun-python-metrics-")
+        cls.cli, cls.python = os.path.join(root, "cli"), os.path.join(root, "python")
+        for command in ([MESHRUN, "train", CONFIG, "--nproc-per-node", "2", "--output", cls.cli,
+                         *KEYS],
+                        [MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable,
+                         os.path.join(HERE, "metrics_rank.py"), CONFIG, cls.python, *KEYS]):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                                    env=environment())
+            assert result.returncode == 0, result.stdout + result.stderr
+
+    def test_same_fields_as_meshrun_train(self):
+        cli, python = metrics(self.cli), metrics(self.python)
+        self.assertEqual(len(python), 3)
+        for line in python:
+            self.assertEqual(list(line), list(cli[0]))
+            self.assertEqual(list(line["mem"]), list(cli[0]["mem"]))
+        self.assertEqual(list(run_json(self.python)), list(run_json(self.cli)))
+
+    def test_flops_are_the_models(self):
+        self.assertEqual(run_json(self.python)["flops_per_token"],
+                         run_json(self.cli)["flops_per_token"])
+
+    def test_each_line_is_consistent(self):
+        run = run_json(self.python)
+        numel = 3279104  # llama-tiny's parameters
+        activations = set()
+        for line in metrics(self.python):
+            time = line["step_time_s"]
+            self.assertAlmostEqual(line["flops_per_s"], run["flops_per_step"] / time,
+                                   delta=1e-9 * line["flops_per_s"])
+            self.assertAlmostEqual(line["mfu"], line["flops_per_s"] / run["peak_flops_per_s"],
+                                   delta=1e-12)
+            self.assertAlmostEqual(line["tokens_per_s"], 4 * 64 / time,
+                                   delta=1e-9 * line["tokens_per_s"])
+            self.assertLessEqual(line["grad_sync_wait_s"], line["comm_wait_s"])
+            self.assertLessEqual(line["comm_wait_s"], time)
+            mem = line["mem"]
+            self.assertGreaterEqual(mem["params"], numel * 4 // 2)
+            self.assertLess(mem["params"], numel * 4 // 2 + 4 * 1024)
+            self.assertEqual(mem["grads"], mem["params"])
+            self.assertEqual(mem["optimizer"], 2 * mem["params"])
+            self.assertGreater(mem["activations"], 0)
+            self.assertEqual(mem["activations_peak"], mem["activations"])
+            activations.add(mem["activations"])
+        self.assertEqual(len(activations), 1)
+
+
+if __name__ == "__main__":
+    MESHRUN = sys.argv.pop(1)
+    unittest.main(verbosity=2)
