@@ -128,6 +128,10 @@ def _signatures():
         "meshrun_all_to_all": (e, [ptr, tensor, p_i64, tensor, p_i64, p_ptr]),
         "meshrun_strategy_memory_use": (e, [ptr, p_i64, p_i64, p_i64]),
         "meshrun_gemm_peak_flops": (e, [char_p, f64, ctypes.POINTER(f64)]),
+        "meshrun_trace_start": (e, [ptr]),
+        "meshrun_trace_now": (f64, []),
+        "meshrun_trace_span": (e, [char_p, char_p, f64, f64]),
+        "meshrun_trace_write": (e, [ptr, char_p]),
         "meshrun_run_train": (e, [ptr, char_p, STEP_CALLBACK, ptr]),
         "meshrun_runtime_estimate_json": (e, [ptr, char_p, i64, p_ptr]),
     }

@@ -11,7 +11,11 @@ that the same tools read both.
 Creating it is collective over the job: every rank measures its GEMM peak
 at once (meshrun_gemm_peak_flops: MESHRUN_GEMM_PEAK_FLOPS where it states
 one), as `meshrun train` does, and mfu divides by their sum. Rank 0 writes
-the files; every rank gets each record back.
+the files; every rank gets each record back. With profile=True the ranks
+record the trace `meshrun train` records with train.profile — each step,
+and the time meshrun.torch blocks in the strategy's calls as exposed
+communication — and close() (collective) writes OUTPUT/trace.json, which
+`meshrun trace summary` reads.
 """
 
 import ctypes
@@ -23,6 +27,19 @@ from ._capi import check, library
 
 # The GEMM peak is measured for this long on every rank, as `meshrun train`'s.
 PEAK_SECONDS = 0.1
+
+# Whether this process records a trace (RunMetrics(profile=True)).
+_tracing = False
+
+
+def trace_span(name, category, begin, end):
+    """Records [begin, end) (meshrun_trace_now seconds) while tracing."""
+    if _tracing:
+        check(library().meshrun_trace_span(name.encode(), category.encode(), begin, end))
+
+
+def trace_now():
+    return library().meshrun_trace_now()
 
 
 def peak_rss_bytes():
@@ -43,9 +60,14 @@ class RunMetrics:
     rank 0 of `runtime`'s job (a joined meshrun.Runtime)."""
 
     def __init__(self, runtime, output_dir, tokens_per_step, flops_per_token,
-                 matmul_dtype="float32"):
+                 matmul_dtype="float32", profile=False):
         import numpy
 
+        global _tracing
+        self._runtime, self._output_dir, self.profile = runtime, output_dir, profile
+        if profile:
+            check(library().meshrun_trace_start(runtime.handle))
+            _tracing = True
         world = runtime.comm("world")
         world.barrier()  # the ranks measure at once, sharing cores as they will train
         # Whole FLOP/s, summed exactly (the collectives take no float64).
@@ -76,6 +98,8 @@ class RunMetrics:
         Python run computes no tensor or context parallelism: tp_bytes,
         cp_bytes and cp_wait_s are 0, as `meshrun train` reports without
         them."""
+        end = trace_now()
+        trace_span(f"step {step}", "step", end - step_time_s, end)
         flops_per_s = self.flops_per_step / step_time_s
         record = {"step": step, "loss": loss, "tokens_per_s": self.tokens_per_step / step_time_s,
                   "step_time_s": step_time_s, "flops_per_s": flops_per_s,
@@ -90,3 +114,12 @@ class RunMetrics:
             with open(self._path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return record
+
+    def close(self):
+        """With profile: writes OUTPUT/trace.json on rank 0 (collective) and
+        stops recording."""
+        global _tracing
+        if self.profile and _tracing:
+            _tracing = False
+            check(library().meshrun_trace_write(self._runtime.handle,
+                                                os.fsencode(self._output_dir)))

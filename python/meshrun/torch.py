@@ -103,6 +103,7 @@ import time
 import torch
 from torch import nn
 
+from . import metrics
 from .metrics import peak_rss_bytes
 from .strategy import Strategy
 
@@ -249,11 +250,13 @@ class DistributedModule(nn.Module):
         self._materialized = [False] * self.num_units
 
     def _timed(self, call, *args):
-        start = time.perf_counter()
+        start, traced = time.perf_counter(), metrics.trace_now() if metrics._tracing else 0.0
         try:
             return call(*args)
         finally:
             self.strategy_seconds += time.perf_counter() - start
+            if traced:
+                metrics.trace_span(call.__name__, "comm", traced, metrics.trace_now())
 
     # ---- forward ----
 
@@ -282,12 +285,13 @@ class DistributedModule(nn.Module):
         metrics' mem.activations (the last forward's) and activations_peak.
         Parameters it keeps are not activations; a tensor kept twice counts
         once."""
-        parameters = {p.data_ptr() for p in self._params}
+        parameters = {id(p) for p in self._params}
         seen = set()
 
         def pack(tensor):
+            owner = tensor if tensor._base is None else tensor._base
             key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
-            if tensor.data_ptr() not in parameters and key not in seen:
+            if id(owner) not in parameters and key not in seen:
                 seen.add(key)
                 self._activations += tensor.numel() * tensor.element_size()
             return tensor

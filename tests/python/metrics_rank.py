@@ -1,5 +1,6 @@
 """One rank of tests/python/test_metrics.py: `meshrun launch --nproc-per-node
-2 -- python3 metrics_rank.py CONFIG OUTPUT [key=value ...]`.
+2 -- python3 metrics_rank.py CONFIG OUTPUT [key=value ...]`; with
+train.profile=true among the keys, it records the trace too.
 
 Trains the PyTorch Llama of CONFIG's [model] (examples/python/torch_llama.py)
 under meshrun.torch for train.steps steps of one micro-batch per rank,
@@ -35,7 +36,8 @@ def main():
     width = model_config["hidden_size"]
     flops = meshrun.torch.matmul_flops_per_token(
         model, attention=(model_config["num_hidden_layers"], width, seq))
-    log = meshrun.metrics.RunMetrics(job, output, batch * seq, flops)
+    log = meshrun.metrics.RunMetrics(job, output, batch * seq, flops,
+                                     profile="train.profile=true" in overrides)
     per_rank = batch // job.world_size
     generator = torch.Generator().manual_seed(1)
     for step in range(train["steps"]):
@@ -54,6 +56,7 @@ def main():
                   wrapped.memory_use(optimizer),
                   comm_wait_s=wrapped.strategy_seconds - comm_before,
                   grad_sync_wait_s=wrapped.grad_sync_seconds - sync_before)
+    log.close()
 
 
 if __name__ == "__main__":

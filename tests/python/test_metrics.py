@@ -12,7 +12,10 @@ through meshrun.metrics.RunMetrics (metrics_rank.py), fsdp2 in float32:
   = flops_per_s / peak_flops_per_s, tokens_per_s = tokens / step_time_s,
   grad_sync_wait_s <= comm_wait_s <= step_time_s, mem.params and grads the
   local shard's float32 bytes (the model's bytes / 2 ranks, padding aside),
-  the optimizer's twice that, activations kept > 0 and the same every step.
+  the optimizer's twice that, activations kept > 0 and the same every step;
+- with train.profile=true the ranks write trace.json, which `meshrun trace
+  summary` reads: 2 ranks of 3 steps, with compute and exposed
+  communication.
 
 Run by ctest: test_metrics.py MESHRUN_EXE
 """
@@ -87,6 +90,23 @@ class PythonMetrics(unittest.TestCase):
             self.assertEqual(mem["activations_peak"], mem["activations"])
             activations.add(mem["activations"])
         self.assertEqual(len(activations), 1)
+
+    def test_profile_writes_the_trace_meshrun_trace_summary_reads(self):
+        output = self.python + "-profiled"
+        result = subprocess.run(
+            [MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable,
+             os.path.join(HERE, "metrics_rank.py"), CONFIG, output, *KEYS, "train.profile=true"],
+            capture_output=True, text=True, timeout=300, env=environment())
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        result = subprocess.run([MESHRUN, "trace", "summary", output, "--json"],
+                                capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        ranks = [json.loads(line) for line in result.stdout.splitlines()]
+        self.assertEqual([rank["rank"] for rank in ranks], [0, 1], result.stdout)
+        for rank in ranks:
+            self.assertEqual(rank["steps"], 3, rank)
+            self.assertGreater(rank["comm"], 0, rank)
+            self.assertGreater(rank["compute"], 0, rank)
 
 
 if __name__ == "__main__":

@@ -392,6 +392,27 @@ typedef int32_t (*meshrun_step_callback)(void* context, const char* metrics_json
 MESHRUN_HOST_API meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
                                                   meshrun_step_callback callback, void* context);
 
+/* The trace a host that trains itself records, as `meshrun train` does with
+ * train.profile, into the same OUTPUT/trace.json (Chrome's trace event
+ * format; `meshrun trace summary` reads it). meshrun_trace_start: collective
+ * over the joined job; recording starts at a barrier so that the ranks'
+ * timelines line up (FAILED_PRECONDITION before join). meshrun_trace_now:
+ * seconds on the trace's clock (a monotonic one), for spans' ends.
+ * meshrun_trace_span: records [begin, end) named `name` (copied) of
+ * `category`: "step" (a training step), "comm" (blocked on communication
+ * compute could have hidden), "idle" (blocked with nothing to compute) or
+ * "compute"; nothing while not recording; INVALID_ARGUMENT for another
+ * category or an end before the begin. meshrun_trace_write: collective;
+ * rank 0 writes every rank's spans to OUTPUT/trace.json (making the
+ * folder), and recording stops (FAILED_PRECONDITION when it never
+ * started). */
+MESHRUN_HOST_API meshrun_error* meshrun_trace_start(meshrun_runtime* runtime);
+MESHRUN_HOST_API double meshrun_trace_now(void);
+MESHRUN_HOST_API meshrun_error* meshrun_trace_span(const char* name, const char* category,
+                                                   double begin_seconds, double end_seconds);
+MESHRUN_HOST_API meshrun_error* meshrun_trace_write(meshrun_runtime* runtime,
+                                                    const char* output_dir);
+
 /* One rank's GEMM peak in FLOP/s in `dtype` ("float32" or "bfloat16"), what
  * `meshrun train`'s mfu divides by: the MESHRUN_GEMM_PEAK_FLOPS variable's
  * entry for the dtype where it states one, else measured on the calling
