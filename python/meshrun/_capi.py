@@ -132,6 +132,8 @@ def _signatures():
         "meshrun_trace_now": (f64, []),
         "meshrun_trace_span": (e, [char_p, char_p, f64, f64]),
         "meshrun_trace_write": (e, [ptr, char_p]),
+        "meshrun_write_safetensors": (e, [char_p, i64, ctypes.POINTER(char_p), p_i32, p_i64,
+                                          tensor, i32]),
         "meshrun_run_train": (e, [ptr, char_p, STEP_CALLBACK, ptr]),
         "meshrun_runtime_estimate_json": (e, [ptr, char_p, i64, p_ptr]),
     }

@@ -97,13 +97,16 @@ parameters each forward materializes are the gathered full parameters.
 """
 
 import contextlib
+import ctypes
 import math
+import os
 import time
 
 import torch
 from torch import nn
 
-from . import metrics
+from . import dlpack, metrics
+from ._capi import check, library
 from .metrics import peak_rss_bytes
 from .strategy import Strategy
 
@@ -527,6 +530,25 @@ class DistributedModule(nn.Module):
         return optimizer
 
     # ---- full parameters and checkpoints ----
+
+    def export_safetensors(self, directory, bfloat16=False):
+        """The full parameters as DIRECTORY/model.safetensors, with the
+        module's names and shapes, written on rank 0 by the writer `meshrun
+        train` exports with (Hugging Face's format; F32, or BF16 when
+        bfloat16). Collective; outside a step."""
+        full = self.gather_parameters().numpy()
+        if self._rank != 0:
+            return
+        os.makedirs(directory, exist_ok=True)
+        shapes = [tuple(p.shape) for p in self._params]
+        names = (ctypes.c_char_p * len(self._names))(*(n.encode() for n in self._names))
+        ndims = (ctypes.c_int32 * len(shapes))(*(len(s) for s in shapes))
+        extents = [e for s in shapes for e in s]
+        flat = (ctypes.c_int64 * max(len(extents), 1))(*extents)
+        values = dlpack.borrow(full, "export_safetensors: values")
+        check(library().meshrun_write_safetensors(
+            os.fsencode(os.path.join(directory, "model.safetensors")), len(shapes), names, ndims,
+            flat, values.pointer, 1 if bfloat16 else 0))
 
     def gather_parameters(self):
         """Every parameter in the flat layout (named_parameters() order), as

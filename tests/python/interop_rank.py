@@ -6,8 +6,9 @@ Builds the PyTorch Llama of CONFIG's [model] (examples/python/torch_llama.py,
 Hugging Face names), wraps it with meshrun.torch under the configured
 strategy, loads the sharded checkpoint LOAD (written by `meshrun train`) into
 its parameters and AdamW moments, writes the full parameters rank 0 then
-holds to SAVE.npz (by name), and saves them back as the sharded checkpoint
-SAVE (meshrun train's format, the step LOAD had).
+holds to SAVE.npz (by name), exports them as SAVE.export/model.safetensors
+(DistributedModule.export_safetensors), and saves them back as the sharded
+checkpoint SAVE (meshrun train's format, the step LOAD had).
 """
 
 import os
@@ -41,6 +42,7 @@ def main():
             arrays[name] = full[offset:offset + parameter.numel()].view(parameter.shape).numpy()
             offset += parameter.numel()
         numpy.savez(save + ".npz", **arrays)
+    wrapped.export_safetensors(save + ".export")
     wrapped.save_checkpoint(save, step, optimizer)
 
 

@@ -75,6 +75,9 @@ class Interop(unittest.TestCase):
         self.assertEqual(sorted(loaded), sorted(exported))
         for name, values in exported.items():
             numpy.testing.assert_array_equal(loaded[name], values, name)
+        with open(os.path.join(first, "model.safetensors"), "rb") as a, \
+                open(os.path.join(python_checkpoint + ".export", "model.safetensors"), "rb") as b:
+            self.assertTrue(a.read() == b.read(), "Python's export differs from meshrun train's")
 
         resumed = {}
         for label, source in (("own", checkpoint), ("python", python_checkpoint)):

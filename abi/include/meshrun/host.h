@@ -413,6 +413,20 @@ MESHRUN_HOST_API meshrun_error* meshrun_trace_span(const char* name, const char*
 MESHRUN_HOST_API meshrun_error* meshrun_trace_write(meshrun_runtime* runtime,
                                                     const char* output_dir);
 
+/* Writes `path` as the safetensors file `meshrun train` exports (Hugging
+ * Face's model.safetensors, written atomically): tensor i is named
+ * names[i], has ndims[i] extents taken in turn from `shapes`, and its
+ * elements are the next ones of `values` (one flat float32 CPU tensor
+ * holding every tensor in order), stored as F32, or rounded to BF16 when
+ * `bfloat16` is nonzero. Errors: INVALID_ARGUMENT for a NULL, a negative
+ * count or extent, `values` not flat float32 on the CPU, or sizes that do
+ * not add up to its length; the write's error naming the file. */
+MESHRUN_HOST_API meshrun_error* meshrun_write_safetensors(const char* path, int64_t num_tensors,
+                                                          const char* const* names,
+                                                          const int32_t* ndims,
+                                                          const int64_t* shapes,
+                                                          const DLTensor* values, int32_t bfloat16);
+
 /* One rank's GEMM peak in FLOP/s in `dtype` ("float32" or "bfloat16"), what
  * `meshrun train`'s mfu divides by: the MESHRUN_GEMM_PEAK_FLOPS variable's
  * entry for the dtype where it states one, else measured on the calling
