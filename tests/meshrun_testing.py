@@ -6,6 +6,8 @@
 - environment(): this process's environment without a launcher's variables,
   so that a run a test starts is a job of its own.
 - metrics(output): the objects of OUTPUT/metrics.jsonl.
+- same_export(a, b): whether two runs' model.safetensors are equal byte for
+  byte.
 """
 
 import json
@@ -37,3 +39,9 @@ class InputErrorAssertions(unittest.TestCase):
         for needle in needles:
             self.assertIn(needle, lines[0])
         self.assertEqual(result.stdout, "")
+
+
+def same_export(a, b):
+    with open(os.path.join(a, "model.safetensors"), "rb") as first, \
+            open(os.path.join(b, "model.safetensors"), "rb") as second:
+        return first.read() == second.read()

@@ -23,6 +23,8 @@ import json
 import os
 import resource
 
+import numpy
+
 from ._capi import check, library
 
 # The GEMM peak is measured for this long on every rank, as `meshrun train`'s.
@@ -61,8 +63,6 @@ class RunMetrics:
 
     def __init__(self, runtime, output_dir, tokens_per_step, flops_per_token,
                  matmul_dtype="float32", profile=False):
-        import numpy
-
         global _tracing
         self._runtime, self._output_dir, self.profile = runtime, output_dir, profile
         if profile:

@@ -24,7 +24,7 @@ import unittest
 import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from meshrun_testing import environment, metrics  # noqa: E402
+from meshrun_testing import environment, metrics, same_export  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -75,9 +75,8 @@ class Interop(unittest.TestCase):
         self.assertEqual(sorted(loaded), sorted(exported))
         for name, values in exported.items():
             numpy.testing.assert_array_equal(loaded[name], values, name)
-        with open(os.path.join(first, "model.safetensors"), "rb") as a, \
-                open(os.path.join(python_checkpoint + ".export", "model.safetensors"), "rb") as b:
-            self.assertTrue(a.read() == b.read(), "Python's export differs from meshrun train's")
+        self.assertTrue(same_export(first, python_checkpoint + ".export"),
+                        "Python's export differs from meshrun train's")
 
         resumed = {}
         for label, source in (("own", checkpoint), ("python", python_checkpoint)):
@@ -87,9 +86,8 @@ class Interop(unittest.TestCase):
         self.assertEqual([m["step"] for m in python], [5, 6])
         for key in ("loss", "grad_norm", "lr"):
             self.assertEqual([m[key] for m in python], [m[key] for m in own], key)
-        with open(os.path.join(resumed["own"], "model.safetensors"), "rb") as a, \
-                open(os.path.join(resumed["python"], "model.safetensors"), "rb") as b:
-            self.assertTrue(a.read() == b.read(), "the resumed runs' exports differ")
+        self.assertTrue(same_export(resumed["own"], resumed["python"]),
+                        "the resumed runs' exports differ")
 
 
 if __name__ == "__main__":

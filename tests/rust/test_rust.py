@@ -27,7 +27,7 @@ import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from meshrun_testing import environment, metrics  # noqa: E402
+from meshrun_testing import environment, metrics, same_export  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
@@ -94,9 +94,7 @@ class RustDdp(unittest.TestCase):
         self.assertEqual(len(rust), 6)
         for key in ("loss", "grad_norm"):
             self.assertEqual([m[key] for m in rust], [m[key] for m in ddp], key)
-        with open(os.path.join(runs["ddp"], "model.safetensors"), "rb") as a, \
-                open(os.path.join(runs["rust_ddp"], "model.safetensors"), "rb") as b:
-            self.assertTrue(a.read() == b.read(), "the exported weights differ")
+        self.assertTrue(same_export(runs["ddp"], runs["rust_ddp"]), "the exported weights differ")
 
 
 if __name__ == "__main__":
