@@ -7,8 +7,8 @@
 meshrun_error* meshrun_runtime_estimate_json(const meshrun_runtime* runtime, const char* hardware,
                                              int64_t ranks_per_node, char** out_json) {
   using meshrun::host_api::require;
-  return meshrun::host_api::guarded([&] {
-    require(runtime, "runtime");
+  return meshrun::host_api::guarded(__func__, [&] {
+    meshrun::host_api::live(runtime, "runtime");
     require(hardware, "hardware");
     require(out_json, "out_json");
     if (ranks_per_node < 0) {

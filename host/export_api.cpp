@@ -13,7 +13,7 @@ meshrun_error* meshrun_write_safetensors(const char* path, int64_t num_tensors,
                                          const int64_t* shapes, const DLTensor* values,
                                          int32_t bfloat16) {
   using meshrun::host_api::require;
-  return meshrun::host_api::guarded([&] {
+  return meshrun::host_api::guarded(__func__, [&] {
     require(path, "path");
     require(values, "values");
     if (num_tensors < 0) throw meshrun::invalid_argument("num_tensors must be 0 or more");

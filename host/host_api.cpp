@@ -15,7 +15,9 @@ namespace {
 
 using meshrun::Axis;
 using meshrun::Error;
+using meshrun::host_api::adopt;
 using meshrun::host_api::guarded;
+using meshrun::host_api::live;
 using meshrun::host_api::require;
 
 Axis axis_named(const char* name) {
@@ -25,8 +27,7 @@ Axis axis_named(const char* name) {
 
 // The mesh of a built runtime, checking that MoE axes exist when asked for.
 const meshrun::MeshContext& mesh_for(const meshrun_runtime* runtime, Axis axis) {
-  require(runtime, "runtime");
-  const auto& mesh = runtime->runtime.mesh();
+  const auto& mesh = live(runtime, "runtime").runtime.mesh();
   if ((axis == Axis::ep || axis == Axis::ep_shard) && !mesh.has_moe()) {
     throw Error(MESHRUN_NOT_FOUND,
                 fmt::format("axis '{}' needs an MoE mesh, but distributed.ep_size is 1",
@@ -75,27 +76,32 @@ const char* meshrun_library_version(void) { return MESHRUN_LIBRARY_VERSION; }
 
 meshrun_error* meshrun_runtime_create_from_text(const char* toml_text, const char* source_name,
                                                 meshrun_runtime** out) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     require(toml_text, "toml_text");
     require(out, "out");
-    *out = new meshrun_runtime{meshrun::Runtime(toml_text, source_name ? source_name : "<string>"),
-                               {}};
+    *out = adopt(std::make_unique<meshrun_runtime>(
+        meshrun_runtime{meshrun::Runtime(toml_text, source_name ? source_name : "<string>"), {}}));
   });
 }
 
 meshrun_error* meshrun_runtime_create_from_file(const char* path, meshrun_runtime** out) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     require(path, "path");
     require(out, "out");
-    *out = new meshrun_runtime{meshrun::Runtime(read_file(path), path), {}};
+    *out = adopt(std::make_unique<meshrun_runtime>(
+        meshrun_runtime{meshrun::Runtime(read_file(path), path), {}}));
   });
 }
 
-void meshrun_runtime_destroy(meshrun_runtime* runtime) { delete runtime; }
+void meshrun_runtime_destroy(meshrun_runtime* runtime) {
+  if (!meshrun::host_api::forget_handle(runtime)) return;
+  for (const auto& [axis, comm] : runtime->comms) meshrun::host_api::forget_handle(comm.get());
+  delete runtime;
+}
 
 meshrun_error* meshrun_runtime_override(meshrun_runtime* runtime, const char* assignment) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     require(assignment, "assignment");
     runtime->runtime.apply_override(assignment);
   });
@@ -103,15 +109,15 @@ meshrun_error* meshrun_runtime_override(meshrun_runtime* runtime, const char* as
 
 meshrun_error* meshrun_runtime_build_mesh(meshrun_runtime* runtime, int64_t world_size,
                                           int64_t rank) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     runtime->runtime.build_mesh(world_size, rank);
   });
 }
 
 meshrun_error* meshrun_mesh_axis_size(const meshrun_runtime* runtime, const char* axis,
                                       int64_t* out_size) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const Axis which = axis_named(axis);
     const auto& mesh = mesh_for(runtime, which);
     require(out_size, "out_size");
@@ -121,7 +127,7 @@ meshrun_error* meshrun_mesh_axis_size(const meshrun_runtime* runtime, const char
 
 meshrun_error* meshrun_mesh_coordinate(const meshrun_runtime* runtime, int64_t rank,
                                        const char* axis, int64_t* out_index) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const Axis which = axis_named(axis);
     const auto& mesh = mesh_for(runtime, which);
     require_rank(mesh, rank);
@@ -132,7 +138,7 @@ meshrun_error* meshrun_mesh_coordinate(const meshrun_runtime* runtime, int64_t r
 
 meshrun_error* meshrun_mesh_group_count(const meshrun_runtime* runtime, const char* axis,
                                         int64_t* out_count) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const Axis which = axis_named(axis);
     const auto& mesh = mesh_for(runtime, which);
     require(out_count, "out_count");
@@ -143,7 +149,7 @@ meshrun_error* meshrun_mesh_group_count(const meshrun_runtime* runtime, const ch
 meshrun_error* meshrun_mesh_group_ranks(const meshrun_runtime* runtime, const char* axis,
                                         int64_t rank, int64_t* out_ranks, int64_t capacity,
                                         int64_t* out_count) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const Axis which = axis_named(axis);
     const auto& mesh = mesh_for(runtime, which);
     require_rank(mesh, rank);
@@ -154,7 +160,7 @@ meshrun_error* meshrun_mesh_group_ranks(const meshrun_runtime* runtime, const ch
 meshrun_error* meshrun_mesh_group_ranks_by_index(const meshrun_runtime* runtime, const char* axis,
                                                  int64_t group, int64_t* out_ranks,
                                                  int64_t capacity, int64_t* out_count) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const Axis which = axis_named(axis);
     const auto& mesh = mesh_for(runtime, which);
     if (group < 0 || group >= mesh.group_count(which)) {
@@ -166,8 +172,8 @@ meshrun_error* meshrun_mesh_group_ranks_by_index(const meshrun_runtime* runtime,
 }
 
 meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime* runtime, char** out_json) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     require(out_json, "out_json");
     *out_json = meshrun::host_api::malloc_string(
         meshrun::plan_to_json(runtime->runtime.plan(), false).dump());
@@ -177,16 +183,16 @@ meshrun_error* meshrun_runtime_plan_json(const meshrun_runtime* runtime, char** 
 void meshrun_string_destroy(char* string) { std::free(string); }
 
 meshrun_error* meshrun_runtime_join(meshrun_runtime* runtime) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     runtime->runtime.join();
   });
 }
 
 meshrun_error* meshrun_runtime_rank(const meshrun_runtime* runtime, int64_t* out_rank,
                                     int64_t* out_world_size, int64_t* out_local_rank) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     const auto& job = runtime->runtime.job();
     if (out_rank != nullptr) *out_rank = job->world().rank();
     if (out_world_size != nullptr) *out_world_size = job->world().size();
@@ -196,14 +202,15 @@ meshrun_error* meshrun_runtime_rank(const meshrun_runtime* runtime, int64_t* out
 
 meshrun_error* meshrun_runtime_comm(meshrun_runtime* runtime, const char* axis,
                                     meshrun_comm** out) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     require(axis, "axis");
     require(out, "out");
     auto& comm = runtime->comms[axis];
     if (!comm) {
       const auto& job = runtime->runtime.job();
       comm = std::make_unique<meshrun_comm>(meshrun_comm{job, &job->communicator(axis)});
+      meshrun::host_api::register_handle(comm.get(), "meshrun_comm");
     }
     *out = comm.get();
   });

@@ -8,6 +8,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 
 #include "errors.hpp"
 #include "meshrun/host.h"
@@ -33,17 +34,22 @@ struct meshrun_op {
 
 namespace meshrun::host_api {
 
-// Runs `body`, turning a meshrun::Error into an error object with its code;
-// anything else becomes INTERNAL (the plugin helper's guard does that).
+// `error` with its message prefixed by the host call that returned it
+// ("meshrun_strategy_create: ..."), so a host's log names the call.
+meshrun_error* named(const char* call, meshrun_error* error) noexcept;
+
+// Runs `body` as the body of host call `call` (pass __func__), turning a
+// meshrun::Error into an error object with its code; anything else becomes
+// INTERNAL (the plugin helper's guard does that). Every message names `call`.
 template <class Body>
-meshrun_error* guarded(Body&& body) noexcept {
-  return meshrun::plugin::guard([&] {
-    try {
-      body();
-    } catch (const Error& error) {
-      throw meshrun::plugin::Error(error.code(), error.what());
-    }
-  });
+meshrun_error* guarded(const char* call, Body&& body) noexcept {
+  return named(call, meshrun::plugin::guard([&] {
+                 try {
+                   body();
+                 } catch (const Error& error) {
+                   throw meshrun::plugin::Error(error.code(), error.what());
+                 }
+               }));
 }
 
 // A copy of `text` from malloc, as meshrun_string_destroy frees it.
@@ -59,6 +65,44 @@ inline void require(const void* pointer, const char* name) {
   if (pointer == nullptr) {
     throw Error(MESHRUN_INVALID_ARGUMENT, std::string("argument '") + name + "' is NULL");
   }
+}
+
+// The C type name of each handle the API returns, for messages.
+template <class Handle>
+constexpr const char* handle_type = nullptr;
+template <>
+inline constexpr const char* handle_type<meshrun_runtime> = "meshrun_runtime";
+template <>
+inline constexpr const char* handle_type<meshrun_comm> = "meshrun_comm";
+template <>
+inline constexpr const char* handle_type<meshrun_op> = "meshrun_op";
+template <>
+inline constexpr const char* handle_type<meshrun_strategy> = "meshrun_strategy";
+
+// The handles this library returned and has not destroyed, with their type:
+// a call given a destroyed, never-made or wrong-typed handle gets an error
+// instead of reading freed memory. Only addresses are compared, never
+// dereferenced. Thread-safe.
+void register_handle(const void* handle, const char* type);
+// Forgets `handle`; false when it was not live (destroyed twice, or never
+// made), and then the caller must not free it.
+bool forget_handle(const void* handle);
+// Throws INVALID_ARGUMENT naming `argument` unless `handle` is a live
+// handle of `type` (NULL included).
+void require_live(const void* handle, const char* type, const char* argument);
+
+// `handle`, checked live as `argument`.
+template <class Handle>
+Handle& live(Handle* handle, const char* argument) {
+  require_live(handle, handle_type<std::remove_const_t<Handle>>, argument);
+  return *handle;
+}
+
+// Takes ownership of a new handle from `made` and registers it.
+template <class Handle>
+Handle* adopt(std::unique_ptr<Handle> made) {
+  register_handle(made.get(), handle_type<Handle>);
+  return made.release();
 }
 
 }  // namespace meshrun::host_api

@@ -13,8 +13,8 @@
 meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_dir,
                                  meshrun_step_callback callback, void* context) {
   using meshrun::host_api::require;
-  return meshrun::host_api::guarded([&] {
-    require(runtime, "runtime");
+  return meshrun::host_api::guarded(__func__, [&] {
+    meshrun::host_api::live(runtime, "runtime");
     const auto& job = runtime->runtime.job();
     meshrun::train::StepObserver observer;
     if (callback != nullptr) {
@@ -35,7 +35,7 @@ meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_di
 
 meshrun_error* meshrun_gemm_peak_flops(const char* dtype, double seconds, double* out_flops_per_s) {
   using meshrun::host_api::require;
-  return meshrun::host_api::guarded([&] {
+  return meshrun::host_api::guarded(__func__, [&] {
     require(dtype, "dtype");
     require(out_flops_per_s, "out_flops_per_s");
     const std::string name = dtype;

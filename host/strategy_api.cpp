@@ -32,26 +32,33 @@ struct meshrun_strategy {
 namespace {
 
 using meshrun::Error;
+using meshrun::host_api::adopt;
 using meshrun::host_api::guarded;
+using meshrun::host_api::live;
 using meshrun::host_api::require;
 
 [[noreturn]] void bad_parameters(const std::string& what) {
   throw Error(MESHRUN_INVALID_ARGUMENT, "meshrun_strategy_parameters: " + what);
 }
 
-// A caller's flat float32 CPU buffer of `numel` elements, or a refusal
-// naming `name`.
+// A caller's flat float32 CPU buffer of `numel` elements, or INVALID_ARGUMENT
+// naming `name` ("params->parameters", "full").
 float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& name) {
+  const auto refuse = [&](const std::string& why) {
+    throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("{}: {}", name, why));
+  };
+  if (tensor.data == nullptr) refuse("data is NULL");
+  if (tensor.ndim < 0) refuse(fmt::format("ndim {} is negative", tensor.ndim));
+  if (tensor.ndim > 0 && tensor.shape == nullptr) refuse("shape is NULL");
   int64_t elements = 1;
   for (int32_t d = 0; d < tensor.ndim; ++d) elements *= tensor.shape[d];
   const bool compact = tensor.strides == nullptr || (tensor.ndim == 1 && tensor.strides[0] == 1);
-  if (tensor.data == nullptr || tensor.device.device_type != kDLCPU ||
-      tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 ||
-      !compact || elements != numel) {
-    bad_parameters(
-        fmt::format("{} must be a compact float32 CPU tensor of {} elements (every "
-                    "parameter), got {} elements",
-                    name, numel, elements));
+  if (tensor.device.device_type != kDLCPU || tensor.dtype.code != kDLFloat ||
+      tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 || !compact || elements != numel) {
+    refuse(
+        fmt::format("must be a compact float32 CPU tensor of {} elements (every parameter), "
+                    "got {} elements",
+                    numel, elements));
   }
   return reinterpret_cast<float*>(static_cast<std::byte*>(tensor.data) + tensor.byte_offset);
 }
@@ -59,7 +66,10 @@ float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& na
 // Checks the description and returns the parameter offsets.
 std::vector<int64_t> checked_offsets(const meshrun_strategy_parameters& p) {
   if (p.struct_size < MESHRUN_STRUCT_SIZE(meshrun_strategy_parameters, extensions)) {
-    bad_parameters("struct_size too small");
+    bad_parameters(
+        fmt::format("struct_size {} is smaller than its ABI 1.5 layout ({} bytes): set it to "
+                    "sizeof(meshrun_strategy_parameters)",
+                    p.struct_size, MESHRUN_STRUCT_SIZE(meshrun_strategy_parameters, extensions)));
   }
   if (p.num_parameters < 1) bad_parameters("num_parameters must be >= 1");
   require(p.names, "params->names");
@@ -99,14 +109,15 @@ meshrun::CheckpointLayout layout_of(const meshrun_strategy_parameters& p) {
 }
 
 void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, meshrun_strategy& s) {
-  // The job first: a runtime that has not joined is told to join (a built
-  // mesh alone, for planning, has a plan but no communicators).
-  s.job = runtime->runtime.job();
-  const meshrun::Plan& plan = runtime->runtime.plan();
+  // The caller's description first, then the runtime's state: a runtime
+  // that has not joined is told to join (a built mesh alone, for planning,
+  // has a plan but no communicators).
   s.offsets = checked_offsets(p);
   const int64_t numel = s.offsets.back();
-  float* values = flat_float32(p.parameters, numel, "parameters");
-  float* gradients = flat_float32(p.gradients, numel, "gradients");
+  float* values = flat_float32(p.parameters, numel, "params->parameters");
+  float* gradients = flat_float32(p.gradients, numel, "params->gradients");
+  s.job = runtime->runtime.job();
+  const meshrun::Plan& plan = runtime->runtime.plan();
   meshrun::StrategyBuffers buffers{values, gradients, numel, s.offsets, {}};
   for (int64_t i = 0; i < p.num_parameters; ++i) buffers.parameter_names.emplace_back(p.names[i]);
   s.units.shard_group = &s.job->communicator("dp_shard_cp");
@@ -129,7 +140,7 @@ void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, mesh
 }
 
 meshrun::Strategy& strategy_of(meshrun_strategy* strategy) {
-  require(strategy, "strategy");
+  live(strategy, "strategy");
   return *strategy->strategy;
 }
 
@@ -168,36 +179,38 @@ extern "C" {
 meshrun_error* meshrun_strategy_create(meshrun_runtime* runtime,
                                        const meshrun_strategy_parameters* params,
                                        meshrun_strategy** out) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    live(runtime, "runtime");
     require(params, "params");
     require(out, "out");
     auto strategy = std::make_unique<meshrun_strategy>();
     create(runtime, *params, *strategy);
-    *out = strategy.release();
+    *out = adopt(std::move(strategy));
   });
 }
 
-void meshrun_strategy_destroy(meshrun_strategy* strategy) { delete strategy; }
+void meshrun_strategy_destroy(meshrun_strategy* strategy) {
+  if (meshrun::host_api::forget_handle(strategy)) delete strategy;
+}
 
 meshrun_error* meshrun_strategy_sharded(const meshrun_strategy* strategy, int32_t* out) {
-  return guarded([&] {
-    require(strategy, "strategy");
+  return guarded(__func__, [&] {
+    live(strategy, "strategy");
     require(out, "out");
     *out = strategy->strategy->sharded() ? 1 : 0;
   });
 }
 
 meshrun_error* meshrun_strategy_broadcast_parameters(meshrun_strategy* strategy) {
-  return guarded([&] { strategy_of(strategy).broadcast_parameters(); });
+  return guarded(__func__, [&] { strategy_of(strategy).broadcast_parameters(); });
 }
 
 meshrun_error* meshrun_strategy_begin_micro_batch(meshrun_strategy* strategy, int32_t sync) {
-  return guarded([&] { strategy_of(strategy).begin_micro_batch(sync != 0); });
+  return guarded(__func__, [&] { strategy_of(strategy).begin_micro_batch(sync != 0); });
 }
 
 meshrun_error* meshrun_strategy_gradient_ready(meshrun_strategy* strategy, int64_t parameter) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     meshrun::Strategy& s = strategy_of(strategy);
     const auto& offsets = strategy->offsets;
     if (parameter < 0 || parameter + 1 >= int64_t(offsets.size())) {
@@ -209,13 +222,13 @@ meshrun_error* meshrun_strategy_gradient_ready(meshrun_strategy* strategy, int64
 }
 
 meshrun_error* meshrun_strategy_finish_gradients(meshrun_strategy* strategy) {
-  return guarded([&] { strategy_of(strategy).finish_gradients(); });
+  return guarded(__func__, [&] { strategy_of(strategy).finish_gradients(); });
 }
 
 meshrun_error* meshrun_strategy_memory_use(meshrun_strategy* strategy, int64_t* out_buffers,
                                            int64_t* out_buffers_peak,
                                            int64_t* out_buffers_reserved) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const meshrun::StrategyMemory memory = strategy_of(strategy).memory();
     if (out_buffers != nullptr) *out_buffers = memory.buffers;
     if (out_buffers_peak != nullptr) *out_buffers_peak = memory.buffers_peak;
@@ -224,24 +237,24 @@ meshrun_error* meshrun_strategy_memory_use(meshrun_strategy* strategy, int64_t* 
 }
 
 meshrun_error* meshrun_strategy_pre_forward(meshrun_strategy* strategy, int32_t unit) {
-  return guarded([&] { strategy_of(strategy).pre_forward(unit); });
+  return guarded(__func__, [&] { strategy_of(strategy).pre_forward(unit); });
 }
 
 meshrun_error* meshrun_strategy_post_forward(meshrun_strategy* strategy, int32_t unit) {
-  return guarded([&] { strategy_of(strategy).post_forward(unit); });
+  return guarded(__func__, [&] { strategy_of(strategy).post_forward(unit); });
 }
 
 meshrun_error* meshrun_strategy_pre_backward(meshrun_strategy* strategy, int32_t unit) {
-  return guarded([&] { strategy_of(strategy).pre_backward(unit); });
+  return guarded(__func__, [&] { strategy_of(strategy).pre_backward(unit); });
 }
 
 meshrun_error* meshrun_strategy_post_backward(meshrun_strategy* strategy, int32_t unit) {
-  return guarded([&] { strategy_of(strategy).post_backward(unit); });
+  return guarded(__func__, [&] { strategy_of(strategy).post_backward(unit); });
 }
 
 meshrun_error* meshrun_strategy_unit_views(meshrun_strategy* strategy, int32_t unit,
                                            DLTensor* parameters, DLTensor* gradients) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     const auto [values, grads] = strategy_of(strategy).unit_views(unit);
     auto& shapes = strategy->unit_shapes.at(size_t(unit));
     set_view(parameters, values, shapes[0]);
@@ -251,7 +264,7 @@ meshrun_error* meshrun_strategy_unit_views(meshrun_strategy* strategy, int32_t u
 
 meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy, DLTensor* parameters,
                                             DLTensor* gradients) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     strategy_of(strategy);
     const auto& local = strategy->local;
     set_view(parameters, {local.params, local.numel}, strategy->local_shape);
@@ -262,8 +275,8 @@ meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy, DLTensor
 meshrun_error* meshrun_strategy_shard_segments(const meshrun_strategy* strategy,
                                                meshrun_strategy_segment* segments, int64_t capacity,
                                                int64_t* out_count) {
-  return guarded([&] {
-    require(strategy, "strategy");
+  return guarded(__func__, [&] {
+    live(strategy, "strategy");
     require(out_count, "out_count");
     if (capacity < 0 || (segments == nullptr && capacity > 0)) {
       throw Error(MESHRUN_INVALID_ARGUMENT,
@@ -281,7 +294,7 @@ meshrun_error* meshrun_strategy_shard_segments(const meshrun_strategy* strategy,
 }
 
 meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy, double* out) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     strategy_of(strategy);
     require(out, "out");
     const auto& local = strategy->local;
@@ -295,7 +308,7 @@ meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy
 }
 
 meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy, DLTensor* full) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     meshrun::Strategy& s = strategy_of(strategy);
     require(full, "full");
     const int64_t numel = strategy->offsets.back();
@@ -311,7 +324,7 @@ meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy, DL
 meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, const char* dir,
                                                 int64_t step, int64_t num_buffers,
                                                 const char* const* names, const DLTensor* buffers) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     strategy_of(strategy);
     require(dir, "dir");
     meshrun::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
@@ -323,7 +336,7 @@ meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, cons
 meshrun_error* meshrun_strategy_load_checkpoint(meshrun_strategy* strategy, const char* dir,
                                                 int64_t num_buffers, const char* const* names,
                                                 DLTensor* buffers, int64_t* out_step) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     strategy_of(strategy);
     require(dir, "dir");
     const auto index = meshrun::read_index(dir, strategy->layout);

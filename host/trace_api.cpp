@@ -37,8 +37,8 @@ Trace::Clock::time_point at(double seconds) {
 }  // namespace
 
 meshrun_error* meshrun_trace_start(meshrun_runtime* runtime) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    meshrun::host_api::live(runtime, "runtime");
     Trace::process().start(runtime->runtime.job()->world());
   });
 }
@@ -49,7 +49,7 @@ double meshrun_trace_now(void) {
 
 meshrun_error* meshrun_trace_span(const char* name, const char* category, double begin_seconds,
                                   double end_seconds) {
-  return guarded([&] {
+  return guarded(__func__, [&] {
     require(name, "name");
     const char* kind = category_named(category);
     if (!(end_seconds >= begin_seconds)) {
@@ -60,8 +60,8 @@ meshrun_error* meshrun_trace_span(const char* name, const char* category, double
 }
 
 meshrun_error* meshrun_trace_write(meshrun_runtime* runtime, const char* output_dir) {
-  return guarded([&] {
-    require(runtime, "runtime");
+  return guarded(__func__, [&] {
+    meshrun::host_api::live(runtime, "runtime");
     require(output_dir, "output_dir");
     Trace& trace = Trace::process();
     if (!trace.on()) {

@@ -9,6 +9,7 @@ Run by ctest with /usr/bin/python3: test_host_api.py MESHRUN_EXE;
 MESHRUN_LIBRARY names libmeshrun.so.
 """
 
+import ctypes
 import itertools
 import json
 import os
@@ -172,8 +173,82 @@ class HostApiTest(unittest.TestCase):
                                                     None)
         self.assertTrue(error)
         self.assertEqual(error.contents.code, meshrun.INVALID_ARGUMENT)
-        self.assertIn(b"'runtime' is NULL", error.contents.message)
+        self.assertEqual(error.contents.message,
+                         b"meshrun_run_train: argument 'runtime' is NULL")
         error.contents.destroy(error)
+
+    def refusal(self, error):
+        """(code, message) of an error object the raw C call returned."""
+        with self.assertRaises(meshrun.MeshrunError) as caught:
+            meshrun._capi.check(error)
+        return caught.exception.code, caught.exception.message
+
+    def test_a_destroyed_foreign_or_wrong_typed_handle_is_refused_not_read(self):
+        lib = meshrun.library()
+        handle = ctypes.c_void_p()
+        meshrun._capi.check(lib.meshrun_runtime_create_from_text(b"", b"<test>",
+                                                                 ctypes.byref(handle)))
+        lib.meshrun_runtime_destroy(handle)
+        lib.meshrun_runtime_destroy(handle)  # twice: the second does nothing
+        size = ctypes.c_int64()
+        code, message = self.refusal(lib.meshrun_mesh_axis_size(handle, b"dp",
+                                                                ctypes.byref(size)))
+        self.assertEqual(code, meshrun.INVALID_ARGUMENT)
+        self.assertEqual(message, "meshrun_mesh_axis_size: argument 'runtime' is not a live "
+                         "meshrun_runtime: it was destroyed, or never returned by this library")
+        never_made = ctypes.create_string_buffer(64)  # memory the library never handed out
+        code, message = self.refusal(lib.meshrun_runtime_join(never_made))
+        self.assertEqual(code, meshrun.INVALID_ARGUMENT)
+        self.assertIn("meshrun_runtime_join: argument 'runtime' is not a live", message)
+        with meshrun.Runtime.from_text("") as rt:
+            sharded = ctypes.c_int32()
+            code, message = self.refusal(lib.meshrun_strategy_sharded(rt.handle,
+                                                                      ctypes.byref(sharded)))
+            self.assertEqual(message, "meshrun_strategy_sharded: argument 'strategy' is a "
+                             "meshrun_runtime, not a meshrun_strategy")
+            rt.build_mesh(2, 0)
+            self.assertEqual(rt.axis_size("dp"), 2)  # the live runtime is untouched
+
+    def test_a_wrong_struct_size_or_null_buffer_is_named_before_the_join(self):
+        lib = meshrun.library()
+        names = (ctypes.c_char_p * 1)(b"w")
+        numels, rows = (ctypes.c_int64 * 1)(4), (ctypes.c_int64 * 1)(1)
+        units = (ctypes.c_int32 * 1)(0)
+        values, grads = numpy.zeros(4, numpy.float32), numpy.zeros(4, numpy.float32)
+        borrowed = [meshrun.dlpack.borrow(a, n, ("float32",), (meshrun.dlpack.CPU,))
+                    for a, n in ((values, "parameters"), (grads, "gradients"))]
+
+        def params(**change):
+            fields = dict(struct_size=ctypes.sizeof(meshrun._capi.StrategyParameters),
+                          num_parameters=1, names=names, numels=numels, rows=rows, units=units,
+                          num_units=1, root_unit=0, parameters=borrowed[0].tensor,
+                          gradients=borrowed[1].tensor)
+            fields.update(change)
+            return meshrun._capi.StrategyParameters(**fields)
+
+        null_data = meshrun.dlpack.DLTensor.from_buffer_copy(borrowed[0].tensor)
+        null_data.data = None
+        with meshrun.Runtime.from_text("") as rt:
+            out = ctypes.c_void_p()
+            for change, expected in (
+                    ({"struct_size": 8}, "meshrun_strategy_create: meshrun_strategy_parameters: "
+                                         "struct_size 8 is smaller than its ABI 1.5 layout"),
+                    ({"parameters": null_data},
+                     "meshrun_strategy_create: params->parameters: data is NULL"),
+                    ({"numels": None},
+                     "meshrun_strategy_create: argument 'params->numels' is NULL")):
+                code, message = self.refusal(lib.meshrun_strategy_create(
+                    rt.handle, ctypes.byref(params(**change)), ctypes.byref(out)))
+                self.assertEqual(code, meshrun.INVALID_ARGUMENT)
+                self.assertTrue(message.startswith(expected), message)
+                self.assertFalse(out)  # out-parameters are written only on success
+            code, message = self.refusal(lib.meshrun_strategy_create(
+                rt.handle, None, ctypes.byref(out)))
+            self.assertEqual(message, "meshrun_strategy_create: argument 'params' is NULL")
+            code, message = self.refusal(lib.meshrun_strategy_create(
+                rt.handle, ctypes.byref(params()), ctypes.byref(out)))
+            self.assertEqual(code, meshrun.FAILED_PRECONDITION)  # well formed, not joined
+            self.assertIn("meshrun_runtime_join", message)
 
     def test_gemm_peak_is_stated_or_measured_and_refuses_other_dtypes(self):
         import meshrun.metrics

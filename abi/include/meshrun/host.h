@@ -19,6 +19,15 @@
  * with meshrun_error_release). Out-parameters are written only on success.
  * Strings the API returns are owned as each function states.
  *
+ * Errors name the call: every message begins with the function that
+ * returned it ("meshrun_strategy_create: ..."), then names the argument or
+ * key at fault. Handles (runtime, comm, op, strategy) are checked on every
+ * call: a NULL, destroyed, never-returned or wrong-typed handle gets
+ * INVALID_ARGUMENT and is never dereferenced; destroying a handle twice
+ * does nothing the second time. One case cannot be told apart: a destroyed
+ * handle whose address a later create of the same type has reused is that
+ * new object.
+ *
  * Axis names accepted by the mesh queries: "pp", "dp_replicate", "dp_shard",
  * "cp", "tp" (the mesh, outermost first, tp fastest-varying), the flattened
  * "dp", "dp_shard_cp", "dp_cp", and, when distributed.ep_size > 1, the MoE

@@ -36,8 +36,13 @@ pub struct Error {
 }
 
 impl Error {
-    /// The error object's code and message; releases the object.
-    unsafe fn take(error: *mut sys::meshrun_error) -> Error {
+    /// The code and message of an error object a raw `meshrun_sys` call
+    /// returned, releasing the object.
+    ///
+    /// # Safety
+    /// `error` must be a non-NULL error object the library returned, not yet
+    /// released.
+    pub unsafe fn from_raw(error: *mut sys::meshrun_error) -> Error {
         let taken = Error {
             code: (*error).code,
             message: CStr::from_ptr((*error).message).to_string_lossy().into_owned(),
@@ -84,7 +89,7 @@ fn check(error: *mut sys::meshrun_error) -> Result<()> {
     if error.is_null() {
         Ok(())
     } else {
-        Err(unsafe { Error::take(error) })
+        Err(unsafe { Error::from_raw(error) })
     }
 }
 
