@@ -7,7 +7,7 @@
   so that a run a test starts is a job of its own.
 - metrics(output): the objects of OUTPUT/metrics.jsonl.
 - same_export(a, b): whether two runs' model.safetensors are equal byte for
-  byte.
+  byte, and their config.json the same.
 """
 
 import json
@@ -42,6 +42,12 @@ class InputErrorAssertions(unittest.TestCase):
 
 
 def same_export(a, b):
+    """Whether two exports hold the same model.safetensors, byte for byte,
+    and the same config.json."""
     with open(os.path.join(a, "model.safetensors"), "rb") as first, \
             open(os.path.join(b, "model.safetensors"), "rb") as second:
-        return first.read() == second.read()
+        if first.read() != second.read():
+            return False
+    with open(os.path.join(a, "config.json")) as first, \
+            open(os.path.join(b, "config.json")) as second:
+        return json.load(first) == json.load(second)

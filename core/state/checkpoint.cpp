@@ -215,6 +215,17 @@ void replace_directory(const fs::path& temporary, const fs::path& target) {
   fs::remove_all(aside);
 }
 
+// The layout's parameters as index.json lists them: [name, numel] in flat
+// order, so that a reader ordering them otherwise finds each by name.
+nlohmann::ordered_json parameter_list(const CheckpointLayout& layout) {
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (size_t p = 0; p < layout.names.size(); ++p) {
+    const int64_t end = p + 1 < layout.names.size() ? layout.offsets[p + 1] : layout.numel;
+    list.push_back({layout.names[p], end - layout.offsets[p]});
+  }
+  return list;
+}
+
 nlohmann::ordered_json index_json(const CheckpointLayout& layout, int64_t seed, int64_t step,
                                   const std::vector<FlatBuffer>& buffers,
                                   const std::vector<std::vector<HeldRange>>& by_rank,
@@ -249,7 +260,8 @@ nlohmann::ordered_json index_json(const CheckpointLayout& layout, int64_t seed, 
           {"slices", slices},
           {"data", {{"seed", seed}, {"next_step", step}}},
           {"config_hash", layout.hash},
-          {"layout_hash", layout.flat_hash}};
+          {"layout_hash", layout.flat_hash},
+          {"parameters", parameter_list(layout)}};
 }
 
 }  // namespace
@@ -345,6 +357,49 @@ std::string parameter_at(const CheckpointLayout& layout, int64_t element) {
   if (after == layout.offsets.begin()) return fmt::format("element {}", element);
   const size_t p = size_t(after - layout.offsets.begin() - 1);
   return fmt::format("parameter '{}' element {}", layout.names[p], element - layout.offsets[p]);
+}
+
+// The writer's layout as index.json's "parameters" lists it.
+CheckpointLayout listed_layout(const nlohmann::json& parameters) {
+  CheckpointLayout layout;
+  for (const auto& parameter : parameters) {
+    layout.names.push_back(parameter.at(0).get<std::string>());
+    layout.offsets.push_back(layout.numel);
+    layout.numel += parameter.at(1).get<int64_t>();
+  }
+  return layout;
+}
+
+// Where each of the reader's parameters lies in the writer's layout, found
+// by name; INVALID_ARGUMENT naming the first parameter the two do not share
+// or whose size differs.
+std::vector<CheckpointIndex::Moved> moved_parameters(const std::string& dir,
+                                                     const CheckpointLayout& writer,
+                                                     const CheckpointLayout& reader) {
+  const auto numel = [](const CheckpointLayout& layout, size_t p) {
+    return (p + 1 < layout.offsets.size() ? layout.offsets[p + 1] : layout.numel) -
+           layout.offsets[p];
+  };
+  std::map<std::string, size_t> in_writer;
+  for (size_t p = 0; p < writer.names.size(); ++p) in_writer.emplace(writer.names[p], p);
+  if (in_writer.size() != writer.names.size() || writer.names.size() != reader.names.size()) {
+    throw invalid_argument(fmt::format("'{}' holds {} parameters, these are {}", dir,
+                                       writer.names.size(), reader.names.size()));
+  }
+  std::vector<CheckpointIndex::Moved> moved;
+  for (size_t p = 0; p < reader.names.size(); ++p) {
+    const auto found = in_writer.find(reader.names[p]);
+    if (found == in_writer.end()) {
+      throw invalid_argument(fmt::format("'{}' holds no parameter '{}'", dir, reader.names[p]));
+    }
+    if (numel(writer, found->second) != numel(reader, p)) {
+      throw invalid_argument(fmt::format("'{}' holds parameter '{}' with {} elements, not {}", dir,
+                                         reader.names[p], numel(writer, found->second),
+                                         numel(reader, p)));
+    }
+    moved.push_back({reader.offsets[p], writer.offsets[found->second], numel(reader, p)});
+  }
+  return moved;
 }
 
 CheckpointIndex parse_index(const std::string& dir, const nlohmann::json& json) {
@@ -514,20 +569,29 @@ CheckpointIndex read_index(const std::string& dir, const CheckpointLayout& layou
                     path, kIndexFormat));
   }
   CheckpointIndex index;
+  CheckpointLayout written = layout;
   try {
     index = parse_index(dir, json);
     // The same writer's parameters, or the same flat layout written by
-    // another (meshrun train's checkpoint read by a host, and back).
+    // another (meshrun train's checkpoint read by a host, and back), or the
+    // same named parameters in another order.
     const bool same_flat_layout = json.contains("layout_hash") &&
                                   json.at("layout_hash").get<std::string>() == layout.flat_hash;
-    if ((index.config_hash != layout.hash && !same_flat_layout) || index.numel != layout.numel) {
+    if (index.config_hash != layout.hash && !same_flat_layout) {
+      if (!json.contains("parameters")) {
+        throw invalid_argument(fmt::format("'{}' was written for other parameters", dir));
+      }
+      written = listed_layout(json.at("parameters"));
+      index.moved = moved_parameters(dir, written, layout);
+    }
+    if (index.numel != layout.numel) {
       throw invalid_argument(fmt::format("'{}' was written for other parameters", dir));
     }
   } catch (const nlohmann::json::exception& error) {
     throw invalid_argument(fmt::format("'{}': malformed index.json: {}", dir, error.what()));
   }
   check_files(path, index);
-  check_coverage(path, index, layout);
+  check_coverage(path, index, written);
   check_shards(path, index);
   return index;
 }
@@ -557,9 +621,34 @@ CheckpointIndex read_index(const Config& config, const ModelDescription& descrip
   return index;
 }
 
-void load_sharded(const CheckpointIndex& index, const std::vector<HeldRange>& ranges,
+namespace {
+
+// `ranges` of the reader's layout as ranges of the writer's: each split
+// where it crosses into another parameter, then moved to where the writer
+// put that parameter.
+std::vector<HeldRange> in_writer_layout(const CheckpointIndex& index,
+                                        const std::vector<HeldRange>& ranges) {
+  if (index.moved.empty()) return ranges;
+  std::vector<HeldRange> moved;
+  for (const HeldRange& range : ranges) {
+    for (const auto& parameter : index.moved) {
+      const int64_t first = std::max(range.global_begin, parameter.reader_begin);
+      const int64_t last =
+          std::min(range.global_begin + range.count, parameter.reader_begin + parameter.numel);
+      if (first >= last) continue;
+      moved.push_back({parameter.writer_begin + (first - parameter.reader_begin),
+                       range.local_begin + (first - range.global_begin), last - first});
+    }
+  }
+  return moved;
+}
+
+}  // namespace
+
+void load_sharded(const CheckpointIndex& index, const std::vector<HeldRange>& reader_ranges,
                   const std::vector<FlatBuffer>& buffers) {
   std::map<std::string, SafetensorsFile> files;
+  const std::vector<HeldRange> ranges = in_writer_layout(index, reader_ranges);
   for (const auto& slice : index.slices) {
     for (const HeldRange& range : ranges) {
       const int64_t first = std::max(range.global_begin, slice.begin);

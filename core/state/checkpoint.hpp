@@ -119,6 +119,15 @@ struct CheckpointIndex {
     int64_t begin = 0, end = 0;
   };
   std::vector<Slice> slices;
+  // Where the reader's parameters lie in the writer's flat layout, when the
+  // writer ordered the same named parameters otherwise (a Hugging Face
+  // module's registration order against meshrun's forward order): one entry
+  // per reader parameter, in the reader's order. Empty when the layouts
+  // agree element for element.
+  struct Moved {
+    int64_t reader_begin = 0, writer_begin = 0, numel = 0;
+  };
+  std::vector<Moved> moved;
 };
 
 // Collective over `world`: every rank writes the `ranges` it is asked to
@@ -131,7 +140,9 @@ void save_sharded(const std::string& dir, const CheckpointLayout& layout, int64_
                   int64_t step, const std::vector<HeldRange>& ranges,
                   const std::vector<FlatBuffer>& buffers, Communicator& world);
 
-// Reads DIR/index.json and checks it is of `layout`, that its slices cover
+// Reads DIR/index.json and checks it is of `layout` (the same parameters by
+// name and element count, in any order when index.json lists them), that its
+// slices cover
 // every element of the layout exactly once, and that the shard files'
 // headers hold each slice's tensors and were written by the rank, step and
 // parameters index.json names. Throws NOT_FOUND without index.json,

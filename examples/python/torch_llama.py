@@ -141,15 +141,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        # Registered in forward order, as meshrun's Llama lays its parameters
-        # out, so that a sharded checkpoint of `meshrun train` (whose flat
-        # layout follows that order) loads into this module and back.
-        # Hugging Face's class registers the norms last: same names, another
-        # order, which a checkpoint refuses.
-        self.input_layernorm = LlamaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        # Hugging Face's order: the norms last. meshrun's Llama lays its
+        # parameters out in forward order; a sharded checkpoint finds each
+        # parameter by name, so either order loads the other's.
         self.self_attn = LlamaAttention(cfg)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = LlamaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = LlamaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, x, cos, sin, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)

@@ -5,6 +5,8 @@ that the same tools read both.
     log = meshrun.metrics.RunMetrics(job, "runs/py", tokens_per_step=2048,
                                      flops_per_token=6 * matmul_weights, matmul_dtype="float32")
     ...
+    log.begin_step()  # optional: where the step's span begins in the trace
+    ...
     log.write(step=1, loss=..., lr=..., grad_norm=..., step_time_s=...,
               comm_wait_s=..., grad_sync_wait_s=..., mem=module.memory_use())
 
@@ -12,10 +14,13 @@ Creating it is collective over the job: every rank measures its GEMM peak
 at once (meshrun_gemm_peak_flops: MESHRUN_GEMM_PEAK_FLOPS where it states
 one), as `meshrun train` does, and mfu divides by their sum. Rank 0 writes
 the files; every rank gets each record back. With profile=True the ranks
-record the trace `meshrun train` records with train.profile — each step,
-and the time meshrun.torch blocks in the strategy's calls as exposed
-communication — and close() (collective) writes OUTPUT/trace.json, which
-`meshrun trace summary` reads.
+record the trace `meshrun train` records with train.profile — each step;
+each unit's forward and backward compute, named as `meshrun train` names
+them ("forward model.layers.0"; under ddp the backward is one span, the
+root's); and the time meshrun.torch blocks in the strategy's calls as
+exposed communication ("strategy pre_forward 1", "finish_gradients") — and
+close() (collective) writes OUTPUT/trace.json, which `meshrun trace summary`
+reads and Perfetto shows.
 """
 
 import ctypes
@@ -65,6 +70,7 @@ class RunMetrics:
                  matmul_dtype="float32", profile=False):
         global _tracing
         self._runtime, self._output_dir, self.profile = runtime, output_dir, profile
+        self._step_began = None  # trace time of begin_step(), until write()
         if profile:
             check(library().meshrun_trace_start(runtime.handle))
             _tracing = True
@@ -91,6 +97,12 @@ class RunMetrics:
                 f.write("\n")
             open(self._path, "w").close()
 
+    def begin_step(self):
+        """Marks where the step write() reports next began, for the trace
+        (optional: without it the step's span ends at write())."""
+        if _tracing:
+            self._step_began = trace_now()
+
     def write(self, step, loss, lr, grad_norm, step_time_s, mem, comm_wait_s=0.0,
               grad_sync_wait_s=0.0, val_loss=None):
         """The step's metrics object, in metrics.jsonl's order; rank 0
@@ -98,8 +110,10 @@ class RunMetrics:
         Python run computes no tensor or context parallelism: tp_bytes,
         cp_bytes and cp_wait_s are 0, as `meshrun train` reports without
         them."""
-        end = trace_now()
-        trace_span(f"step {step}", "step", end - step_time_s, end)
+        begun, self._step_began = self._step_began, None
+        if begun is None:
+            begun = trace_now() - step_time_s
+        trace_span(f"step {step}", "step", begun, begun + step_time_s)
         flops_per_s = self.flops_per_step / step_time_s
         record = {"step": step, "loss": loss, "tokens_per_s": self.tokens_per_step / step_time_s,
                   "step_time_s": step_time_s, "flops_per_s": flops_per_s,

@@ -98,6 +98,7 @@ parameters each forward materializes are the gathered full parameters.
 
 import contextlib
 import ctypes
+import json
 import math
 import os
 import time
@@ -111,6 +112,7 @@ from .metrics import peak_rss_bytes
 from .strategy import Strategy
 
 ROOT = 0  # the root's unit number; the named blocks are 1..n in forward order
+UNIT_HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 # Elements per tensor the optimizer steps: 1 MiB of float32, so that AdamW's
 # passes over a piece run in the core's L2 cache (twice as fast here as one
 # pass after another over the whole flat buffer).
@@ -175,6 +177,9 @@ class DistributedModule(nn.Module):
         self._rank = runtime.rank
         self._unit_of = _units_of(module, blocks)
         self.num_units = len(blocks) + 1
+        qualified = {id(m): name for name, m in module.named_modules()}
+        self._unit_names = ["root"] + [qualified[id(block)] for block in blocks]
+        self._computing = {}  # unit -> trace time its compute began (while tracing)
         shapes = [tuple(p.shape) for p in self._params]
         self._offsets = [0]
         for p in self._params:
@@ -217,10 +222,9 @@ class DistributedModule(nn.Module):
         self.local_parameters.grad = self._local_gradients
         self._timed(self.strategy.broadcast_parameters)
 
-        if self.sharded:
-            for unit, block in enumerate(blocks, 1):
-                block.register_forward_pre_hook(self._make_pre_forward_hook(unit))
-                block.register_forward_hook(self._make_post_forward_hook(unit))
+        for unit, block in enumerate(blocks, 1):
+            block.register_forward_pre_hook(self._make_pre_forward_hook(unit))
+            block.register_forward_hook(self._make_post_forward_hook(unit))
 
         self._sync_enabled = True
         self._micro_batch = None  # None, or whether the open micro-batch syncs
@@ -258,8 +262,24 @@ class DistributedModule(nn.Module):
             return call(*args)
         finally:
             self.strategy_seconds += time.perf_counter() - start
-            if traced:
-                metrics.trace_span(call.__name__, "comm", traced, metrics.trace_now())
+            if traced:  # named as meshrun train names them
+                name = call.__name__
+                if name in UNIT_HOOKS:
+                    name = f"strategy {name} {args[0]}"
+                metrics.trace_span(name, "comm", traced, metrics.trace_now())
+
+    # A unit's compute in the trace, as meshrun train records it: from the
+    # end of its pre_ hook to the start of its post_ hook, "forward NAME" or
+    # "backward NAME" (the strategy's work in the hooks is traced apart).
+    def _computing_begins(self, unit):
+        if metrics._tracing:
+            self._computing[unit] = metrics.trace_now()
+
+    def _computing_ends(self, unit, direction):
+        began = self._computing.pop(unit, None)
+        if began is not None and metrics._tracing:
+            metrics.trace_span(f"{direction} {self._unit_names[unit]}", "compute", began,
+                               metrics.trace_now())
 
     # ---- forward ----
 
@@ -269,11 +289,13 @@ class DistributedModule(nn.Module):
             self._begin_micro_batch()
         if self.sharded:
             self._pre_forward(ROOT)
+        self._computing_begins(ROOT)
         if training:
             with self._metered_activations():
                 output = self.module(*args, **kwargs)
         else:
             output = self.module(*args, **kwargs)
+        self._computing_ends(ROOT, "forward")
         if self.sharded:
             self._timed(self.strategy.post_forward, ROOT)
             if not training:
@@ -363,11 +385,16 @@ class DistributedModule(nn.Module):
 
     def _make_pre_forward_hook(self, unit):
         def hook(module, inputs):
-            self._pre_forward(unit)
+            if self.sharded:
+                self._pre_forward(unit)
+            self._computing_begins(unit)
         return hook
 
     def _make_post_forward_hook(self, unit):
         def hook(module, inputs, output):
+            self._computing_ends(unit, "forward")
+            if not self.sharded:
+                return
             self._timed(self.strategy.post_forward, unit)
             self._release(unit)
             if torch.is_grad_enabled():
@@ -398,6 +425,8 @@ class DistributedModule(nn.Module):
             if unit == ROOT and not self._in_backward:
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                if not self.sharded:  # ddp: the backward as one span, the root's
+                    self._computing_begins(ROOT)
             if self.sharded and unit not in self._backward_units:
                 self._pre_backward(unit)
         return hook
@@ -416,8 +445,10 @@ class DistributedModule(nn.Module):
             begin += p.numel()
             pending += p.requires_grad
         self._pending[unit] = pending
+        self._computing_begins(unit)
 
     def _post_backward(self, unit):
+        self._computing_ends(unit, "backward")
         for i in self._unit_members[unit]:
             self._params[i].grad = None  # the strategy's memory, gone after post_backward
         self._backward_units.discard(unit)
@@ -441,6 +472,8 @@ class DistributedModule(nn.Module):
     def _end_backward(self):
         """The autograd engine's callback after the whole backward."""
         self._in_backward = False
+        if not self.sharded:
+            self._computing_ends(ROOT, "backward")
         if self.sharded:
             for unit in sorted(self._backward_units - {ROOT}, reverse=True):
                 self._post_backward(unit)
@@ -531,15 +564,24 @@ class DistributedModule(nn.Module):
 
     # ---- full parameters and checkpoints ----
 
-    def export_safetensors(self, directory, bfloat16=False):
+    def export_safetensors(self, directory, bfloat16=False, config=None):
         """The full parameters as DIRECTORY/model.safetensors, with the
         module's names and shapes, written on rank 0 by the writer `meshrun
         train` exports with (Hugging Face's format; F32, or BF16 when
-        bfloat16). Collective; outside a step."""
+        bfloat16). `config`, the model's Hugging Face config as a dict (e.g.
+        transformers' model.config.to_dict(), or the config.json `meshrun
+        train` exported), is written beside it as config.json, its
+        torch_dtype saying the weights' dtype, as `meshrun train` writes it.
+        Collective; outside a step."""
         full = self.gather_parameters().numpy()
         if self._rank != 0:
             return
         os.makedirs(directory, exist_ok=True)
+        if config is not None:
+            config = dict(config, torch_dtype="bfloat16" if bfloat16 else "float32")
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+                f.write("\n")
         shapes = [tuple(p.shape) for p in self._params]
         names = (ctypes.c_char_p * len(self._names))(*(n.encode() for n in self._names))
         ndims = (ctypes.c_int32 * len(shapes))(*(len(s) for s in shapes))

@@ -44,6 +44,7 @@ def main():
         tokens = torch.randint(0, model_config["vocab_size"], (batch, seq + 1),
                                generator=generator)
         mine = tokens[job.rank * per_rank:(job.rank + 1) * per_rank]
+        log.begin_step()
         start = time.perf_counter()
         comm_before, sync_before = wrapped.strategy_seconds, wrapped.grad_sync_seconds
         wrapped.zero_grad()

@@ -4,8 +4,11 @@
 the sharded checkpoint of step 4 and exporting model.safetensors. Two
 Python ranks (interop_rank.py) load that checkpoint into the PyTorch Llama
 of examples/python/torch_llama.py (the same Hugging Face names) under
-meshrun.torch fsdp2: every parameter equals the export bit for bit. They
-save it back in meshrun train's format; `meshrun train` resumed from
+meshrun.torch fsdp2: every parameter equals the export bit for bit, whether
+the module registers its parameters in Hugging Face's order (each layer's
+norms last: the checkpoint finds each parameter by name) or in meshrun's
+(then its export is meshrun train's, byte for byte, config.json included).
+They save it back in meshrun train's format; `meshrun train` resumed from
 the Python checkpoint and from its own trains steps 5 and 6 alike: equal
 losses and gradient norms bit for bit (the AdamW moments crossed too), and
 equal exports byte for byte.
@@ -60,34 +63,50 @@ class Interop(unittest.TestCase):
         self.run_ok([MESHRUN, "train", CONFIG, "--nproc-per-node", "2", "--output", output,
                      *KEYS, *keys])
 
-    def test_train_checkpoint_into_torch_and_back(self):
-        root = tempfile.mkdtemp(prefix="meshrun-interop-")
-        first = os.path.join(root, "first")
-        self.train(first, "train.steps=4", "checkpoint.save_every=4")
-        checkpoint = os.path.join(first, "checkpoints", "step_4")
-        python_checkpoint = os.path.join(root, "from_python")
-        self.run_ok([MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable,
-                     os.path.join(HERE, "interop_rank.py"), CONFIG, checkpoint,
-                     python_checkpoint, *KEYS])
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="meshrun-interop-")
+        cls.first = os.path.join(cls.root, "first")
+        cls.checkpoint = os.path.join(cls.first, "checkpoints", "step_4")
+        cls.own = os.path.join(cls.root, "resumed_own")
+        for output, keys in ((cls.first, ("train.steps=4", "checkpoint.save_every=4")),
+                             (cls.own, ("train.steps=6", f"checkpoint.resume_from={cls.checkpoint}"))):
+            result = subprocess.run([MESHRUN, "train", CONFIG, "--nproc-per-node", "2",
+                                     "--output", output, *KEYS, *keys],
+                                    capture_output=True, text=True, timeout=300,
+                                    env=environment())
+            assert result.returncode == 0, result.stdout + result.stderr
 
-        exported = safetensors(os.path.join(first, "model.safetensors"))
+    def round_trip(self, order):
+        """Step 4 into the torch module with its parameters in `order`, back
+        out as a checkpoint, and meshrun train resumed from it."""
+        python_checkpoint = os.path.join(self.root, f"from_python_{order}")
+        self.run_ok([MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable,
+                     os.path.join(HERE, "interop_rank.py"), CONFIG, self.checkpoint,
+                     python_checkpoint, os.path.join(self.first, "config.json"), order, *KEYS])
+
+        exported = safetensors(os.path.join(self.first, "model.safetensors"))
         loaded = dict(numpy.load(python_checkpoint + ".npz"))
         self.assertEqual(sorted(loaded), sorted(exported))
         for name, values in exported.items():
             numpy.testing.assert_array_equal(loaded[name], values, name)
-        self.assertTrue(same_export(first, python_checkpoint + ".export"),
-                        "Python's export differs from meshrun train's")
+        if order == "forward":  # the same layout: the same file, byte for byte
+            self.assertTrue(same_export(self.first, python_checkpoint + ".export"),
+                            "Python's export differs from meshrun train's")
 
-        resumed = {}
-        for label, source in (("own", checkpoint), ("python", python_checkpoint)):
-            resumed[label] = os.path.join(root, f"resumed_{label}")
-            self.train(resumed[label], "train.steps=6", f"checkpoint.resume_from={source}")
-        own, python = metrics(resumed["own"]), metrics(resumed["python"])
+        resumed = os.path.join(self.root, f"resumed_python_{order}")
+        self.train(resumed, "train.steps=6", f"checkpoint.resume_from={python_checkpoint}")
+        own, python = metrics(self.own), metrics(resumed)
         self.assertEqual([m["step"] for m in python], [5, 6])
         for key in ("loss", "grad_norm", "lr"):
             self.assertEqual([m[key] for m in python], [m[key] for m in own], key)
-        self.assertTrue(same_export(resumed["own"], resumed["python"]),
-                        "the resumed runs' exports differ")
+        self.assertTrue(same_export(self.own, resumed), "the resumed runs' exports differ")
+
+    def test_into_meshrun_s_own_layout_and_back(self):
+        self.round_trip("forward")
+
+    def test_into_hugging_face_s_parameter_order_and_back(self):
+        self.round_trip("hf")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ through meshrun.metrics.RunMetrics (metrics_rank.py), fsdp2 in float32:
   the optimizer's twice that, activations kept > 0 and the same every step;
 - with train.profile=true the ranks write trace.json, which `meshrun trace
   summary` reads: 2 ranks of 3 steps, with compute and exposed
-  communication.
+  communication; each unit's forward and backward compute and each strategy
+  hook are spans named as meshrun train names them, inside the steps.
 
 Run by ctest: test_metrics.py MESHRUN_EXE
 """
@@ -35,6 +36,7 @@ ROOT = os.path.join(HERE, "..", "..")
 CONFIG = os.path.join(ROOT, "examples", "llama-tiny.toml")
 KEYS = ["train.steps=3", "data.seq_len=64", "train.val_every=0", "train.global_batch_size=4",
         "train.micro_batch_size=2", "distributed.mp_policy.param_dtype=float32"]
+LAYERS = 4  # llama-tiny's num_hidden_layers
 
 
 def run_json(output):
@@ -107,6 +109,24 @@ class PythonMetrics(unittest.TestCase):
             self.assertEqual(rank["steps"], 3, rank)
             self.assertGreater(rank["comm"], 0, rank)
             self.assertGreater(rank["compute"], 0, rank)
+        with open(os.path.join(output, "trace.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        units = ["root"] + [f"model.layers.{i}" for i in range(LAYERS)]
+        for rank in (0, 1):
+            spans = [(e["cat"], e["name"]) for e in events if e["pid"] == rank]
+            # Each unit's compute, once per direction and step, named as meshrun
+            # train names its units; each strategy hook as meshrun train names it.
+            for unit in units:
+                for direction in ("forward", "backward"):
+                    self.assertEqual(spans.count(("compute", f"{direction} {unit}")), 3, unit)
+            for unit in range(len(units)):
+                self.assertEqual(spans.count(("comm", f"strategy pre_forward {unit}")), 3)
+            self.assertEqual(spans.count(("comm", "finish_gradients")), 3)
+            steps = [e for e in events if e["pid"] == rank and e["cat"] == "step"]
+            for e in events:
+                if e["pid"] == rank and e["cat"] == "compute":
+                    self.assertTrue(any(s["ts"] <= e["ts"] and e["ts"] + e["dur"] <=
+                                        s["ts"] + s["dur"] for s in steps), e)
 
 
 if __name__ == "__main__":

@@ -387,6 +387,15 @@ class CorruptCheckpoints(TrainTest, InputErrorAssertions):
         return run(self.runs.config, "--output", output,
                    "train.steps=3", f"checkpoint.resume_from={folder}")
 
+    def test_another_model_is_refused_naming_the_parameter(self):
+        folder = os.path.join(self.saved, "checkpoints", "step_2")
+        output = os.path.join(self.runs.root, "out-wider-mlp")
+        result = run(self.runs.config, "--output", output, "train.steps=3",
+                     "model.intermediate_size=96", f"checkpoint.resume_from={folder}")
+        self.assert_input_error(result, "checkpoint.resume_from",
+                                f"'{folder}' holds parameter 'model.layers.0.mlp.gate_proj.weight' "
+                                "with ")
+
     def test_a_rank_left_out_of_the_index(self):
         def drop_rank_1(folder, index):
             index["slices"] = [s for s in index["slices"] if s["rank"] != 1]
