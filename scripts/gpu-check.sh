@@ -8,8 +8,10 @@
 #   scripts/gpu-check.sh            # report on stdout; exit 0 when nothing failed
 #
 # What is checked so far: the toolchain (saxpy), the CUDA twins of the
-# element-wise layers (models/common/cuda), and the NCCL comm backend (its
-# C boundary, and every operation on 2 ranks when the node has 2 GPUs).
+# embedding, the element-wise layers, rotary and flash-style causal GQA
+# attention, forward and backward (models/common/cuda), and the NCCL comm
+# backend (its C boundary, and every operation on 2 ranks when the node has
+# 2 GPUs).
 # No GPU benchmark exists yet: no model computes on a GPU (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,15 +1,20 @@
-// Each CUDA layer of common/cuda/layers.hpp against its CPU twin in
-// common/layers.hpp, on random float32 inputs of shapes that leave partial
-// blocks (37 rows of 300; a vocabulary of 1000): forward outputs, saved
-// statistics, input gradients (accumulated into a non-zero buffer) and
-// weight gradients. Without a usable GPU it exits 77 (ctest: skipped).
+// Each CUDA layer of common/cuda/ (layers.hpp, attention.hpp) against its
+// CPU twin in common/layers.hpp, on random float32 inputs of shapes that
+// leave partial blocks (37 rows of 300; a vocabulary of 1000; attention over
+// 70 and 33 positions, tiles of 32, GQA groups of 2, head_dim 40 and 128):
+// forward outputs, saved statistics, input gradients (accumulated into a
+// non-zero buffer, or overwriting one) and weight gradients. Without a
+// usable GPU it exits 77 (ctest: skipped).
 //
 // Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu|. Both compute in float32;
 // the GPU sums a row in a tree of 256 partial sums where the CPU sums it in
 // order, which moves a sum of ~300 terms by a few ulp (~1e-6 relative), and
 // CUDA's expf, tanhf and rsqrtf are within 2 ulp of the CPU's (libmvec
 // under -ffast-math). 1e-4 relative leaves a margin of ~100 over that and
-// still catches a wrong term, which is O(1) relative.
+// still catches a wrong term, which is O(1) relative. Attention sums at most
+// 70 x 2 terms per element with an online softmax where the CPU normalizes
+// once; the same bound holds (differences ~1e-6 relative), and the absolute
+// 1e-5 covers gradient elements that cancel to near zero.
 //
 // This test has compiled but never run on a GPU (docs/testing.md).
 #include <cuda_runtime.h>
@@ -21,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda/attention.hpp"
 #include "common/cuda/layers.hpp"
 #include "common/layers.hpp"
 #include "usable_devices.hpp"
@@ -181,6 +187,70 @@ void check_cross_entropy() {
   compare("cross-entropy backward", glogits.host(), logits);
 }
 
+void check_embedding() {
+  constexpr int64_t kTable = 50;
+  const auto table = random_values(kTable * kDim, 0.0f, 1.0f, 14);
+  const auto d_out = random_values(kRows * kDim, 0.0f, 1.0f, 15);
+  std::vector<int32_t> tokens(kRows);
+  for (int64_t r = 0; r < kRows; ++r) tokens[size_t(r)] = int32_t((r * 7) % 11);  // repeats
+  std::vector<float> out(kRows * kDim), d_table = random_values(kTable * kDim, 0.0f, 1.0f, 16);
+  DeviceBuffer<float> gtable(table), gdo(d_out), gout(out), gdt(d_table);
+  DeviceBuffer<int32_t> gtokens(tokens);
+  cpu::embedding_forward(out.data(), tokens.data(), table.data(), kRows, kDim);
+  cpu::embedding_backward(d_table.data(), tokens.data(), d_out.data(), kRows, kDim);
+  require(gpu::embedding_forward(gout.get(), gtokens.get(), gtable.get(), kRows, kDim, 0),
+          "embedding_forward");
+  require(gpu::embedding_backward(gdt.get(), gtokens.get(), gdo.get(), kRows, kDim, 0),
+          "embedding_backward");
+  compare("embedding forward", gout.host(), out);
+  compare("embedding d_table (accumulated, repeated tokens)", gdt.host(), d_table);
+}
+
+void check_rotary() {
+  constexpr int64_t kBatch = 2, kSeq = 45, kHeads = 3, kHeadDim = 40, kStride = 200;
+  const cpu::RotaryTable<float> table(kHeadDim, kSeq, 10000.0);
+  std::vector<float> x = random_values(kBatch * kSeq * kStride, 0.0f, 1.0f, 17);
+  DeviceBuffer<float> gx(x), gcos(table.cos), gsin(table.sin);
+  cpu::rotary_forward(x.data(), table, kBatch, kSeq, kHeads, kStride);
+  require(gpu::rotary_forward(gx.get(), gcos.get(), gsin.get(), kBatch, kSeq, kHeads, kHeadDim,
+                              table.half_dim, kStride, 0),
+          "rotary_forward");
+  compare("rotary forward (the first heads of each row; the rest untouched)", gx.host(), x);
+  cpu::rotary_backward(x.data(), table, kBatch, kSeq, kHeads, kStride);
+  require(gpu::rotary_backward(gx.get(), gcos.get(), gsin.get(), kBatch, kSeq, kHeads, kHeadDim,
+                               table.half_dim, kStride, 0),
+          "rotary_backward");
+  compare("rotary backward", gx.host(), x);
+}
+
+// Causal grouped-query attention forward and backward, against the CPU's
+// blocked GEMM version, on a shape that leaves partial tiles and warps.
+void check_attention(const cpu::AttentionShape& shape, unsigned seed) {
+  const std::string name = "attention b" + std::to_string(shape.batch) + " t" +
+                           std::to_string(shape.seq_len) + " h" + std::to_string(shape.heads) +
+                           "/" + std::to_string(shape.kv_heads) + " d" +
+                           std::to_string(shape.head_dim);
+  const int64_t rows = shape.batch * shape.seq_len;
+  const auto qkv = random_values(rows * shape.qkv_dim(), 0.0f, 1.0f, seed);
+  const auto d_out = random_values(rows * shape.q_dim(), 0.0f, 1.0f, seed + 1);
+  std::vector<float> out(rows * shape.q_dim()), lse(shape.lse_size());
+  std::vector<float> d_qkv(qkv.size()), scores(shape.scores_size()), d_scores(shape.scores_size());
+  cpu::attention_forward(out.data(), lse.data(), scores.data(), qkv.data(), shape);
+  cpu::attention_backward(d_qkv.data(), scores.data(), d_scores.data(), d_out.data(), qkv.data(),
+                          lse.data(), shape);
+  DeviceBuffer<float> gqkv(qkv), gdo(d_out), gout(out), glse(lse), gdots(lse),
+      gdqkv(random_values(qkv.size(), 0.0f, 1.0f, seed + 2));  // overwritten
+  const gpu::AttentionDims dims{shape.batch, shape.seq_len, shape.heads, shape.kv_heads,
+                                shape.head_dim};
+  require(gpu::attention_forward(gout.get(), glse.get(), gqkv.get(), dims, 0), "attention_forward");
+  require(gpu::attention_backward(gdqkv.get(), gdots.get(), gdo.get(), gout.get(), gqkv.get(),
+                                  glse.get(), dims, 0),
+          "attention_backward");
+  compare(name + " forward", gout.host(), out);
+  compare(name + " log-sum-exps", glse.host(), lse);
+  compare(name + " d_qkv (q, k and v)", gdqkv.host(), d_qkv);
+}
+
 }  // namespace
 
 int main() {
@@ -189,6 +259,10 @@ int main() {
   check_layernorm();
   check_activations();
   check_cross_entropy();
+  check_embedding();
+  check_rotary();
+  check_attention({2, 70, 4, 2, 40}, 20);
+  check_attention({1, 33, 2, 1, 128}, 30);
   std::printf("%d of the CUDA layers' checks failed\n", failures);
   return failures == 0 ? 0 : 1;
 }

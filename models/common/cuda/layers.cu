@@ -154,6 +154,27 @@ __global__ void layernorm_input_gradient(float* dx, const float* dy, const float
   }
 }
 
+// out[r, :] = table[tokens[r], :]
+__global__ void embedding_forward_kernel(float* out, const int32_t* tokens, const float* table,
+                                         int64_t rows, int64_t dim) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * dim;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    out[k] = table[int64_t(tokens[k / dim]) * dim + k % dim];
+  }
+}
+
+// d_table[tokens[r], i] += d_out[r, i]: one thread per column i, over the
+// rows in order, so rows sharing a token add in the CPU twin's order.
+__global__ void embedding_backward_kernel(float* d_table, const int32_t* tokens, const float* d_out,
+                                          int64_t rows, int64_t dim) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dim;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    for (int64_t row = 0; row < rows; ++row) {
+      d_table[int64_t(tokens[row]) * dim + i] += d_out[row * dim + i];
+    }
+  }
+}
+
 __device__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
 // out = silu(gate) up; d_gate = d_out up silu'(gate), d_up = d_out silu(gate)
@@ -269,6 +290,22 @@ cudaError_t layernorm_backward(float* dx, float* d_weight, float* d_bias, const 
                                                                     rows, dim);
   norm_weight_gradient<<<element_blocks(dim), kBlock, 0, stream>>>(d_weight, d_bias, dy, x, mean,
                                                                    rstd, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t rows,
+                              int64_t dim, cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  embedding_forward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(out, tokens, table,
+                                                                              rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
+                               int64_t rows, int64_t dim, cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  embedding_backward_kernel<<<element_blocks(dim), kBlock, 0, stream>>>(d_table, tokens, d_out,
+                                                                        rows, dim);
   return cudaGetLastError();
 }
 

@@ -1,4 +1,4 @@
-// The CUDA twins of common/layers.hpp's element-wise layers, float32, on
+// The CUDA twins of common/layers.hpp's embedding and element-wise layers, float32, on
 // device memory: the first pieces of the model kit's device variant. Each
 // computes what its CPU twin computes (the same math, the same
 // accumulate-into conventions), which is its oracle in
@@ -17,6 +17,13 @@
 #include <cstdint>
 
 namespace meshrun::kernels::cuda {
+
+// out[r, :] = table[tokens[r], :]; and d_table[tokens[r], :] += d_out[r, :],
+// rows sharing a token added in row order (as the CPU twin adds them).
+cudaError_t embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t rows,
+                              int64_t dim, cudaStream_t stream);
+cudaError_t embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
+                               int64_t rows, int64_t dim, cudaStream_t stream);
 
 // RMSNorm per row: y = x r w, r = (mean x^2 + eps)^(-1/2), rstd[row] = r.
 cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight,
