@@ -9,15 +9,19 @@
 #
 # What is checked so far: the toolchain (saxpy), the CUDA twins of the
 # embedding, the element-wise layers, rotary and flash-style causal GQA
-# attention, forward and backward (models/common/cuda), and the NCCL comm
+# attention, forward and backward (models/common/cuda), the cuBLASLt
+# bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), and the NCCL comm
 # backend (its C boundary, and every operation on 2 ranks when the node has
 # 2 GPUs).
-# No GPU benchmark exists yet: no model computes on a GPU (docs/testing.md).
+# Then one benchmark: the GPU's bfloat16 GEMM FLOP/s (an 8192^3 GEMM through
+# cuBLASLt) and its device-to-device copy bandwidth. No model computes on a
+# GPU yet (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
-gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_nccl_boundary_test
-  meshrun_nccl_comm_test meshrun_comm_nccl meshrun_comm_mpi)
+gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test
+  meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test meshrun_comm_nccl
+  meshrun_comm_mpi)
 
 echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== GPUs"
@@ -43,4 +47,6 @@ ctest --test-dir "$build_dir" -R '^gpu:' -V --timeout 600 >"$build_dir/gpu-tests
 grep -E '^[0-9]+: (PASS|FAIL|SKIP)|Test +#[0-9]+: |tests passed|not run' "$build_dir/gpu-tests.log" |
   sed -E 's/^[0-9]+: /    /'
 echo "== full log: $build_dir/gpu-tests.log"
+echo "== benchmark: bfloat16 GEMM peak and copy bandwidth"
+timeout 120 "$build_dir/bin/meshrun_gpu_gemm_peak" 8192 2 || echo "benchmark failed or skipped ($?)"
 exit $status
