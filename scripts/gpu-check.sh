@@ -10,7 +10,8 @@
 # What is checked so far: the toolchain (saxpy), the CUDA twins of the
 # embedding, the element-wise layers, rotary and flash-style causal GQA
 # attention, forward and backward (models/common/cuda), the cuBLASLt
-# bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), and the NCCL comm
+# bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), the AdamW
+# update (trainer/cuda), and the NCCL comm
 # backend (its C boundary, and every operation on 2 ranks when the node has
 # 2 GPUs).
 # Then one benchmark: the GPU's bfloat16 GEMM FLOP/s (an 8192^3 GEMM through
@@ -19,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
-gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test
+gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test meshrun_cuda_adamw_test
   meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test meshrun_comm_nccl
   meshrun_comm_mpi)
 

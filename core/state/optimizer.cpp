@@ -4,6 +4,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "state/adamw_update.hpp"
+
 namespace meshrun {
 
 double learning_rate(const TrainConfig& train, int64_t step) {
@@ -46,20 +48,12 @@ AdamW::AdamW(const TrainConfig& train, std::vector<uint8_t> decay)
 
 void AdamW::step(float* parameters, const float* gradients, double lr) {
   ++steps_taken_;
-  const double correction1 = 1.0 - std::pow(beta1_, double(steps_taken_));
-  const double correction2 = 1.0 - std::pow(beta2_, double(steps_taken_));
-  const auto step_size = float(lr / correction1);
-  const auto inv_sqrt_correction2 = float(1.0 / std::sqrt(correction2));
-  const auto decay_factor = float(1.0 - lr * weight_decay_);
-  const auto b1 = float(beta1_), b2 = float(beta2_), eps = float(eps_);
+  const AdamWConstants constants =
+      adamw_constants(lr, beta1_, beta2_, eps_, weight_decay_, steps_taken_);
   const auto n = int64_t(decay_.size());
   for (int64_t i = 0; i < n; ++i) {
-    const float g = gradients[i];
-    parameters[i] *= decay_[i] ? decay_factor : 1.0f;
-    exp_avg_[i] = b1 * exp_avg_[i] + (1.0f - b1) * g;
-    exp_avg_sq_[i] = b2 * exp_avg_sq_[i] + (1.0f - b2) * g * g;
-    const float denom = std::sqrt(exp_avg_sq_[i]) * inv_sqrt_correction2 + eps;
-    parameters[i] -= step_size * exp_avg_[i] / denom;
+    adamw_update(parameters[i], exp_avg_[i], exp_avg_sq_[i], gradients[i], decay_[i] != 0,
+                 constants);
   }
 }
 

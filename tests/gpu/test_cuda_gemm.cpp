@@ -18,11 +18,10 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <limits>
-#include <random>
 #include <vector>
 
+#include "device_buffer.hpp"
 #include "numeric/bfloat16.hpp"
 #include "numeric/cuda/gemm.hpp"
 #include "numeric/gemm.hpp"
@@ -35,45 +34,14 @@ namespace gpu = meshrun::kernels::cuda;
 
 int failures = 0;
 
-void require(bool ok, const char* what, const char* why) {
-  if (ok) return;
-  std::fprintf(stderr, "FAIL %s: %s\n", what, why);
-  std::exit(1);
-}
-void require(cudaError_t status, const char* what) {
-  require(status == cudaSuccess, what, cudaGetErrorString(status));
-}
 void require(cublasStatus_t status, const char* what) {
-  require(status == CUBLAS_STATUS_SUCCESS, what, cublasLtGetStatusString(status));
-}
-
-template <typename T>
-T* device_copy(const std::vector<T>& host) {
-  T* data = nullptr;
-  require(cudaMalloc(&data, host.size() * sizeof(T)), "cudaMalloc");
-  require(cudaMemcpy(data, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-          "to device");
-  return data;
-}
-
-template <typename T>
-std::vector<T> host_copy(const T* data, size_t count) {
-  std::vector<T> host(count);
-  require(cudaDeviceSynchronize(), "kernel");
-  require(cudaMemcpy(host.data(), data, count * sizeof(T), cudaMemcpyDeviceToHost), "to host");
-  return host;
-}
-
-std::vector<float> random_values(size_t count, unsigned seed) {
-  std::mt19937 engine(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(count);
-  for (float& value : values) value = normal(engine);
-  return values;
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  std::fprintf(stderr, "FAIL %s: %s\n", what, cublasLtGetStatusString(status));
+  std::exit(1);
 }
 
 void check_rounding() {
-  std::vector<float> values = random_values(1000, 1);
+  std::vector<float> values = random_values(1000, 0.0f, 1.0f, 1);
   const float tie_down = 1.0f + std::ldexp(1.0f, -8);       // halfway, even below
   const float tie_up = 1.0f + 3.0f * std::ldexp(1.0f, -8);  // halfway, even above
   for (const float special :
@@ -84,10 +52,10 @@ void check_rounding() {
   values.push_back(std::numeric_limits<float>::quiet_NaN());
   std::vector<uint16_t> expected(values.size());
   cpu::to_bfloat16(values.data(), expected.data(), int64_t(values.size()));
-  float* in = device_copy(values);
-  uint16_t* out = device_copy(std::vector<uint16_t>(values.size()));
-  require(gpu::to_bfloat16(in, out, int64_t(values.size()), 0), "to_bfloat16");
-  const std::vector<uint16_t> got = host_copy(out, values.size());
+  DeviceBuffer<float> in(values);
+  DeviceBuffer<uint16_t> out(std::vector<uint16_t>(values.size()));
+  require(gpu::to_bfloat16(in.get(), out.get(), int64_t(values.size()), 0), "to_bfloat16");
+  const std::vector<uint16_t> got = out.host();
   int wrong = 0;
   for (size_t i = 0; i + 1 < values.size(); ++i) wrong += got[i] != expected[i];
   const bool nan_stays = (got.back() & 0x7f80) == 0x7f80 && (got.back() & 0x7f) != 0;
@@ -95,16 +63,15 @@ void check_rounding() {
               wrong == 0 && nan_stays ? "PASS" : "FAIL", wrong, values.size() - 1,
               nan_stays ? "stays NaN" : "lost");
   if (wrong != 0 || !nan_stays) ++failures;
-  cudaFree(in);
-  cudaFree(out);
 }
 
 void check_gemm(const gpu::GemmContext& context, bool transpose_a, bool transpose_b) {
   constexpr int64_t m = 72, n = 136, k = 296;
   constexpr float alpha = 1.5f, beta = 0.5f;
   const int64_t lda = transpose_a ? m : k, ldb = transpose_b ? k : n;
-  std::vector<float> a = random_values(size_t(m * k), 2), b = random_values(size_t(k * n), 3);
-  const std::vector<float> c_start = random_values(size_t(m * n), 4);
+  std::vector<float> a = random_values(size_t(m * k), 0.0f, 1.0f, 2);
+  std::vector<float> b = random_values(size_t(k * n), 0.0f, 1.0f, 3);
+  const std::vector<float> c_start = random_values(size_t(m * n), 0.0f, 1.0f, 4);
   cpu::round_to_bfloat16(a.data(), a.data(), int64_t(a.size()));
   cpu::round_to_bfloat16(b.data(), b.data(), int64_t(b.size()));
   std::vector<uint16_t> a_bits(a.size()), b_bits(b.size());
@@ -122,13 +89,12 @@ void check_gemm(const gpu::GemmContext& context, bool transpose_a, bool transpos
   cpu::gemm(transpose_a, transpose_b, m, n, k, double(alpha), abs_a.data(), lda, abs_b.data(), ldb,
             double(beta), magnitude.data(), n);
 
-  uint16_t* ga = device_copy(a_bits);
-  uint16_t* gb = device_copy(b_bits);
-  float* gc = device_copy(c_start);
-  require(context.gemm_bfloat16(transpose_a, transpose_b, m, n, k, alpha, ga, lda, gb, ldb, beta,
-                                gc, n, 0),
+  DeviceBuffer<uint16_t> ga(a_bits), gb(b_bits);
+  DeviceBuffer<float> gc(c_start);
+  require(context.gemm_bfloat16(transpose_a, transpose_b, m, n, k, alpha, ga.get(), lda, gb.get(),
+                                ldb, beta, gc.get(), n, 0),
           "gemm_bfloat16");
-  const std::vector<float> got = host_copy(gc, size_t(m * n));
+  const std::vector<float> got = gc.host();
   double worst = 0;
   bool within = true;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -140,9 +106,6 @@ void check_gemm(const gpu::GemmContext& context, bool transpose_a, bool transpos
               within ? "PASS" : "FAIL", transpose_a ? "A^T" : "A", transpose_b ? "B^T" : "B",
               worst);
   if (!within) ++failures;
-  cudaFree(ga);
-  cudaFree(gb);
-  cudaFree(gc);
 }
 
 }  // namespace

@@ -22,13 +22,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "common/cuda/attention.hpp"
 #include "common/cuda/layers.hpp"
 #include "common/layers.hpp"
+#include "device_buffer.hpp"
 #include "usable_devices.hpp"
 
 namespace {
@@ -40,44 +40,6 @@ constexpr int64_t kRows = 37, kDim = 300, kVocab = 1000;
 constexpr double kEps = 1e-5;
 
 int failures = 0;
-
-void require(cudaError_t status, const char* what) {
-  if (status == cudaSuccess) return;
-  std::fprintf(stderr, "FAIL %s: %s\n", what, cudaGetErrorString(status));
-  std::exit(1);
-}
-
-// A device copy of a host vector, copied back on request.
-template <typename T>
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(const std::vector<T>& host) : size_(host.size()) {
-    require(cudaMalloc(&data_, size_ * sizeof(T)), "cudaMalloc");
-    require(cudaMemcpy(data_, host.data(), size_ * sizeof(T), cudaMemcpyHostToDevice), "to device");
-  }
-  ~DeviceBuffer() { cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  T* get() { return data_; }
-  std::vector<T> host() const {
-    std::vector<T> values(size_);
-    require(cudaDeviceSynchronize(), "kernel");
-    require(cudaMemcpy(values.data(), data_, size_ * sizeof(T), cudaMemcpyDeviceToHost), "to host");
-    return values;
-  }
-
- private:
-  T* data_ = nullptr;
-  size_t size_;
-};
-
-std::vector<float> random_values(size_t count, float mean, float spread, unsigned seed) {
-  std::mt19937 engine(seed);
-  std::normal_distribution<float> normal(mean, spread);
-  std::vector<float> values(count);
-  for (float& value : values) value = normal(engine);
-  return values;
-}
 
 void compare(const std::string& what, const std::vector<float>& gpu_values,
              const std::vector<float>& cpu_values) {
