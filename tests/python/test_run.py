@@ -10,6 +10,9 @@
   model.safetensors.
 - Stopping: on_step returning False after step 2 ends the run after step 2
   on both ranks, with the export written.
+- Again: a second Runtime.train on the same joined runtime trains from the
+  start again and computes the same numbers bit for bit (the model, the
+  strategy and the data are made anew by each call).
 - Bad input: a batch size the ranks cannot split raises MeshrunError
   INVALID_ARGUMENT naming train.global_batch_size before anything is
   written, and the process goes on.
@@ -76,6 +79,14 @@ class RunTrain(unittest.TestCase):
         for rank in (0, 1):
             self.assertEqual([m["step"] for m in callbacks(output, rank)], [1, 2])
         self.assertTrue(os.path.exists(os.path.join(output, "model.safetensors")))
+
+    def test_a_second_run_on_one_runtime_repeats_the_first(self):
+        output, _ = self.python_run("twice", 0, "--twice")
+        first, second = metrics(output), metrics(output + ".again")
+        self.assertEqual(len(first), 4)
+        for key in ("loss", "grad_norm", "lr"):
+            self.assertEqual([m[key] for m in second], [m[key] for m in first], key)
+        self.assertEqual(len(callbacks(output, 0)), 8)
 
     def test_bad_input_is_an_error_not_an_exit(self):
         output, stdout = self.python_run("refused", 0, "train.global_batch_size=6")
