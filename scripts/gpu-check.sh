@@ -8,8 +8,9 @@
 #   scripts/gpu-check.sh            # report on stdout; exit 0 when nothing failed
 #
 # What is checked so far: the toolchain (saxpy), the CUDA twins of the
-# embedding, the element-wise layers, rotary and flash-style causal GQA
-# attention, forward and backward (models/common/cuda), the cuBLASLt
+# embedding, the element-wise layers, (vocabulary-parallel) cross-entropy,
+# a mixture's routing, dispatch and combine, rotary and flash-style causal
+# GQA attention, forward and backward (models/common/cuda), the cuBLASLt
 # bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), the AdamW
 # update (trainer/cuda), and the NCCL comm
 # backend (its C boundary, and every operation on 2 ranks when the node has

@@ -1,7 +1,10 @@
-// Each CUDA layer of common/cuda/ (layers.hpp, attention.hpp) against its
-// CPU twin in common/layers.hpp, on random float32 inputs of shapes that
-// leave partial blocks (37 rows of 300; a vocabulary of 1000; attention over
-// 70 and 33 positions, tiles of 32, GQA groups of 2, head_dim 40 and 128):
+// Each CUDA layer of common/cuda/ (layers.hpp, attention.hpp, experts.hpp)
+// against its CPU twin in common/layers.hpp (vocabulary-parallel
+// cross-entropy against the whole-vocabulary one; a mixture's token
+// movement against its spec computed plainly), on random float32 inputs of
+// shapes that leave partial blocks (37 rows of 300; a vocabulary of 1000 in
+// shards of 400 and 600; 8 experts, top 2; attention over 70 and 33
+// positions, tiles of 32, GQA groups of 2, head_dim 40 and 128):
 // forward outputs, saved statistics, input gradients (accumulated into a
 // non-zero buffer, or overwriting one) and weight gradients. Without a
 // usable GPU it exits 77 (ctest: skipped).
@@ -22,10 +25,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
 #include "common/cuda/attention.hpp"
+#include "common/cuda/experts.hpp"
 #include "common/cuda/layers.hpp"
 #include "common/layers.hpp"
 #include "device_buffer.hpp"
@@ -149,6 +155,170 @@ void check_cross_entropy() {
   compare("cross-entropy backward", glogits.host(), logits);
 }
 
+// Two tp ranks' shards of the vocabulary, [0, 400) and [400, 1000), each
+// through the vocabulary-parallel steps on the device, the all-reduces
+// between them made on the host; against the CPU's whole-vocabulary
+// cross-entropy: the shards' probabilities and gradients are its columns,
+// the rows' losses its mean.
+void check_vocab_parallel_cross_entropy() {
+  const std::vector<float> logits = random_values(kRows * kVocab, 0.0f, 3.0f, 18);
+  std::vector<int32_t> targets(kRows);
+  for (int64_t r = 0; r < kRows; ++r) targets[size_t(r)] = int32_t((r * 271) % kVocab);
+  std::vector<float> probs = logits;
+  const double loss = cpu::cross_entropy_forward(probs.data(), targets.data(), kRows, kVocab);
+  std::vector<float> grads = probs;
+  cpu::cross_entropy_backward(grads.data(), targets.data(), kRows, kVocab, 0.5f);
+
+  const int64_t begins[2] = {0, 400}, sizes[2] = {400, kVocab - 400};
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> shards, maxima, sums, losses;
+  std::vector<float> row_max(kRows, -INFINITY), total(2 * kRows, 0.0f);
+  DeviceBuffer<int32_t> gtargets(targets);
+  for (int s = 0; s < 2; ++s) {
+    std::vector<float> shard(size_t(kRows * sizes[s]));
+    for (int64_t r = 0; r < kRows; ++r) {
+      std::copy_n(logits.begin() + r * kVocab + begins[s], sizes[s], shard.begin() + r * sizes[s]);
+    }
+    shards.push_back(std::make_unique<DeviceBuffer<float>>(shard));
+    maxima.push_back(std::make_unique<DeviceBuffer<float>>(std::vector<float>(kRows)));
+    sums.push_back(std::make_unique<DeviceBuffer<float>>(std::vector<float>(2 * kRows)));
+    losses.push_back(std::make_unique<DeviceBuffer<float>>(std::vector<float>(kRows)));
+    require(gpu::vocab_parallel_row_max(maxima[s]->get(), shards[s]->get(), kRows, sizes[s], 0),
+            "vocab_parallel_row_max");
+    const std::vector<float> local = maxima[s]->host();
+    for (int64_t r = 0; r < kRows; ++r)
+      row_max[size_t(r)] = std::max(row_max[size_t(r)], local[size_t(r)]);
+  }
+  for (int s = 0; s < 2; ++s) {
+    maxima[s] = std::make_unique<DeviceBuffer<float>>(row_max);  // the all-reduced maxima
+    require(gpu::vocab_parallel_exponentials(shards[s]->get(), sums[s]->get(), maxima[s]->get(),
+                                             gtargets.get(), kRows, begins[s], sizes[s], 0),
+            "vocab_parallel_exponentials");
+    const std::vector<float> local = sums[s]->host();
+    for (size_t i = 0; i < total.size(); ++i) total[i] += local[i];
+  }
+  std::vector<float> gpu_probs(probs.size()), gpu_grads(grads.size());
+  for (int s = 0; s < 2; ++s) {
+    sums[s] = std::make_unique<DeviceBuffer<float>>(total);  // the all-reduced sums
+    require(gpu::vocab_parallel_probabilities(shards[s]->get(), losses[s]->get(), sums[s]->get(),
+                                              maxima[s]->get(), kRows, sizes[s], 0),
+            "vocab_parallel_probabilities");
+    const std::vector<float> shard_probs = shards[s]->host();
+    require(gpu::vocab_parallel_cross_entropy_backward(shards[s]->get(), gtargets.get(), kRows,
+                                                       begins[s], sizes[s], 0.5f, 0),
+            "vocab_parallel_cross_entropy_backward");
+    const std::vector<float> shard_grads = shards[s]->host();
+    for (int64_t r = 0; r < kRows; ++r) {
+      std::copy_n(shard_probs.begin() + r * sizes[s], sizes[s],
+                  gpu_probs.begin() + r * kVocab + begins[s]);
+      std::copy_n(shard_grads.begin() + r * sizes[s], sizes[s],
+                  gpu_grads.begin() + r * kVocab + begins[s]);
+    }
+  }
+  double gpu_loss = 0;
+  for (const float value : losses[0]->host()) gpu_loss += value;
+  compare("vocab-parallel cross-entropy probabilities (2 shards)", gpu_probs, probs);
+  compare("vocab-parallel cross-entropy mean loss (both shards' rows agree)",
+          {float(gpu_loss / kRows)}, {float(loss)});
+  compare("vocab-parallel cross-entropy rows' losses, shard 1 = shard 0", losses[1]->host(),
+          losses[0]->host());
+  compare("vocab-parallel cross-entropy backward", gpu_grads, grads);
+}
+
+void compare_exactly(const std::string& what, bool equal) {
+  std::printf("%s %s\n", equal ? "PASS" : "FAIL", what.c_str());
+  if (!equal) ++failures;
+}
+
+// A mixture's token movement (common/cuda/experts.hpp) against the spec,
+// computed here the plain way: the top K experts of a row are the first K
+// of its experts sorted by descending probability, a stable sort (so ties
+// go to the lower expert); dispatch order is the slots stably sorted by
+// expert. 37 rows, 8 experts, top 2, rows of 300; row 5 has a tie.
+void check_experts() {
+  constexpr int64_t kExperts = 8, kTopK = 2, kSlots = kRows * kTopK;
+  std::vector<float> probs = random_values(kRows * kExperts, 0.0f, 1.0f, 19);
+  for (int64_t n = 0; n < kRows; ++n) {  // softmax rows, as the router makes them
+    float* row = probs.data() + n * kExperts;
+    float sum = 0;
+    for (int64_t e = 0; e < kExperts; ++e) sum += row[e] = std::exp(row[e]);
+    for (int64_t e = 0; e < kExperts; ++e) row[e] /= sum;
+  }
+  probs[5 * kExperts + 6] = probs[5 * kExperts + 2] = 0.4f;  // a tie at the top
+  std::vector<int32_t> selected(kSlots);
+  std::vector<float> weights(kSlots);
+  for (int64_t n = 0; n < kRows; ++n) {
+    std::vector<int32_t> order(kExperts);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return probs[size_t(n * kExperts + a)] > probs[size_t(n * kExperts + b)];
+    });
+    float sum = 0;
+    for (int64_t k = 0; k < kTopK; ++k) sum += probs[size_t(n * kExperts + order[size_t(k)])];
+    for (int64_t k = 0; k < kTopK; ++k) {
+      selected[size_t(n * kTopK + k)] = order[size_t(k)];
+      weights[size_t(n * kTopK + k)] = probs[size_t(n * kExperts + order[size_t(k)])] / sum;
+    }
+  }
+  std::vector<int64_t> by_expert(kSlots), position(kSlots), tokens(kExperts, 0);
+  std::iota(by_expert.begin(), by_expert.end(), 0);
+  std::stable_sort(by_expert.begin(), by_expert.end(),
+                   [&](int64_t a, int64_t b) { return selected[size_t(a)] < selected[size_t(b)]; });
+  for (int64_t p = 0; p < kSlots; ++p) position[size_t(by_expert[size_t(p)])] = p;
+  for (const int32_t e : selected) ++tokens[size_t(e)];
+
+  const auto x = random_values(kRows * kDim, 0.0f, 1.0f, 20);
+  const auto expert_out = random_values(kSlots * kDim, 0.0f, 1.0f, 21);
+  const auto dy = random_values(kRows * kDim, 0.0f, 1.0f, 22);
+  std::vector<float> slots(kSlots * kDim), y(kRows * kDim, 0.0f), d_slots(kSlots * kDim),
+      d_weights(kSlots), dx(kRows * kDim, 0.0f);
+  for (int64_t s = 0; s < kSlots; ++s) {
+    const int64_t n = s / kTopK, at = position[size_t(s)] * kDim;
+    float dot = 0;
+    for (int64_t i = 0; i < kDim; ++i) {
+      slots[size_t(at + i)] = x[size_t(n * kDim + i)];
+      y[size_t(n * kDim + i)] += weights[size_t(s)] * expert_out[size_t(at + i)];
+      d_slots[size_t(at + i)] = weights[size_t(s)] * dy[size_t(n * kDim + i)];
+      dot += dy[size_t(n * kDim + i)] * expert_out[size_t(at + i)];
+      dx[size_t(n * kDim + i)] += d_slots[size_t(at + i)];
+    }
+    d_weights[size_t(s)] = dot;
+  }
+
+  DeviceBuffer<float> gprobs(probs), gweights{std::vector<float>(kSlots)}, gx(x),
+      gexpert_out(expert_out), gdy(dy), gslots(slots), gy(y), gd_slots(d_slots),
+      gd_weights(d_weights), gdx(dx);
+  DeviceBuffer<int32_t> gselected{std::vector<int32_t>(kSlots)};
+  DeviceBuffer<int64_t> gtokens{std::vector<int64_t>(kExperts)},
+      gposition{std::vector<int64_t>(kSlots)};
+  require(gpu::moe_route(gselected.get(), gweights.get(), gprobs.get(), kRows, kExperts, kTopK, 0),
+          "moe_route");
+  require(gpu::moe_order_slots(gtokens.get(), gposition.get(), gselected.get(), kRows, kExperts,
+                               kTopK, 0),
+          "moe_order_slots");
+  compare_exactly("moe route: the experts chosen, ties to the lower", gselected.host() == selected);
+  compare("moe route: the renormalized weights", gweights.host(), weights);
+  compare_exactly("moe order: tokens per expert", gtokens.host() == tokens);
+  compare_exactly("moe order: slot positions, stable within an expert",
+                  gposition.host() == position);
+  DeviceBuffer<int64_t> exact_position(position);  // the rest on the oracle's order
+  require(gpu::moe_dispatch(gslots.get(), gx.get(), exact_position.get(), kRows, kTopK, kDim, 0),
+          "moe_dispatch");
+  require(gpu::moe_combine(gy.get(), gexpert_out.get(), gweights.get(), exact_position.get(), kRows,
+                           kTopK, kDim, 0),
+          "moe_combine");
+  require(gpu::moe_combine_backward(gd_slots.get(), gd_weights.get(), gdy.get(), gexpert_out.get(),
+                                    gweights.get(), exact_position.get(), kRows, kTopK, kDim, 0),
+          "moe_combine_backward");
+  require(gpu::moe_dispatch_backward(gdx.get(), gd_slots.get(), exact_position.get(), kRows, kTopK,
+                                     kDim, 0),
+          "moe_dispatch_backward");
+  compare("moe dispatch", gslots.host(), slots);
+  compare("moe combine", gy.host(), y);
+  compare("moe combine backward: the slots' gradients", gd_slots.host(), d_slots);
+  compare("moe combine backward: the weights' gradients", gd_weights.host(), d_weights);
+  compare("moe dispatch backward", gdx.host(), dx);
+}
+
 void check_embedding() {
   constexpr int64_t kTable = 50;
   const auto table = random_values(kTable * kDim, 0.0f, 1.0f, 14);
@@ -221,6 +391,8 @@ int main() {
   check_layernorm();
   check_activations();
   check_cross_entropy();
+  check_vocab_parallel_cross_entropy();
+  check_experts();
   check_embedding();
   check_rotary();
   check_attention({2, 70, 4, 2, 40}, 20);

@@ -221,34 +221,85 @@ __global__ void gelu_backward_kernel(float* dx, const float* dy, const float* x,
 }
 
 // z becomes softmax(z); row_loss = log sum exp z - z_target
+// A row's maximum, by the whole block.
+__device__ float row_maximum(const float* z, int64_t size, float* shared) {
+  float top = -INFINITY;
+  for (int64_t v = threadIdx.x; v < size; v += kBlock) top = fmaxf(top, z[v]);
+  return block_reduce<Max>(top, shared);
+}
+
+// z becomes e^(z - top); returns the row's sum of them, by the whole block.
+__device__ float exponentiate_row(float* z, int64_t size, float top, float* shared) {
+  float sum = 0;
+  for (int64_t v = threadIdx.x; v < size; v += kBlock) {
+    z[v] = expf(z[v] - top);
+    sum += z[v];
+  }
+  return block_reduce<Sum>(sum, shared);
+}
+
+__device__ void scale_row(float* z, int64_t size, float factor) {
+  for (int64_t v = threadIdx.x; v < size; v += kBlock) z[v] *= factor;
+}
+
+// z = softmax(z); row_loss = log sum e^(z - max) + max - z_target
 __global__ void cross_entropy_forward_kernel(float* logits, float* row_loss, const int32_t* targets,
                                              int64_t rows, int64_t vocab) {
   __shared__ float shared[kBlock / kWarp];
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float* z = logits + row * vocab;
     const float target_logit = z[targets[row]];
-    float top = -INFINITY;
-    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) top = fmaxf(top, z[v]);
-    top = block_reduce<Max>(top, shared);
-    float sum = 0;
-    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) {
-      z[v] = expf(z[v] - top);
-      sum += z[v];
-    }
-    sum = block_reduce<Sum>(sum, shared);
-    const float inverse = 1.0f / sum;
-    for (int64_t v = threadIdx.x; v < vocab; v += kBlock) z[v] *= inverse;
+    const float top = row_maximum(z, vocab, shared);
+    const float sum = exponentiate_row(z, vocab, top, shared);
+    scale_row(z, vocab, 1.0f / sum);
     if (threadIdx.x == 0) row_loss[row] = logf(sum) + top - target_logit;
   }
 }
 
-// p = scale (p - [v == target]) / rows
+// The vocabulary-parallel forward's three local steps (between them the
+// caller all-reduces the maxima, then the sums, over tp).
+__global__ void vocab_parallel_max_kernel(float* row_max, const float* logits, int64_t rows,
+                                          int64_t size) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float top = row_maximum(logits + row * size, size, shared);
+    if (threadIdx.x == 0) row_max[row] = top;
+  }
+}
+
+__global__ void vocab_parallel_exponentials_kernel(float* logits, float* sums, const float* row_max,
+                                                   const int32_t* targets, int64_t rows,
+                                                   int64_t begin, int64_t size) {
+  __shared__ float shared[kBlock / kWarp];
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float* z = logits + row * size;
+    const int64_t target = int64_t(targets[row]) - begin;
+    const float target_logit = target >= 0 && target < size ? z[target] : 0.0f;
+    const float sum = exponentiate_row(z, size, row_max[row], shared);
+    if (threadIdx.x == 0) {
+      sums[row] = sum;
+      sums[rows + row] = target_logit;
+    }
+  }
+}
+
+__global__ void vocab_parallel_probabilities_kernel(float* logits, float* row_loss,
+                                                    const float* sums, const float* row_max,
+                                                    int64_t rows, int64_t size) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    scale_row(logits + row * size, size, 1.0f / sums[row]);
+    if (threadIdx.x == 0) row_loss[row] = logf(sums[row]) + row_max[row] - sums[rows + row];
+  }
+}
+
+// p = scale (p - [begin + v == target]) / rows over a rank's columns
+// [begin, begin + size) (begin 0, size vocab: the whole vocabulary).
 __global__ void cross_entropy_backward_kernel(float* probs, const int32_t* targets, int64_t rows,
-                                              int64_t vocab, float factor) {
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * vocab;
+                                              int64_t begin, int64_t size, float factor) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * size;
        k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = k / vocab, v = k % vocab;
-    probs[k] = (probs[k] - (v == targets[row] ? 1.0f : 0.0f)) * factor;
+    const int64_t row = k / size, v = k % size;
+    probs[k] = (probs[k] - (begin + v == targets[row] ? 1.0f : 0.0f)) * factor;
   }
 }
 
@@ -347,9 +398,40 @@ cudaError_t cross_entropy_forward(float* logits, float* row_loss, const int32_t*
 
 cudaError_t cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
                                    int64_t vocab, float scale, cudaStream_t stream) {
+  return vocab_parallel_cross_entropy_backward(probs, targets, rows, 0, vocab, scale, stream);
+}
+
+cudaError_t vocab_parallel_row_max(float* row_max, const float* logits, int64_t rows, int64_t size,
+                                   cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  cross_entropy_backward_kernel<<<element_blocks(rows * vocab), kBlock, 0, stream>>>(
-      probs, targets, rows, vocab, scale / float(rows));
+  vocab_parallel_max_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(row_max, logits, rows, size);
+  return cudaGetLastError();
+}
+
+cudaError_t vocab_parallel_exponentials(float* logits, float* sums, const float* row_max,
+                                        const int32_t* targets, int64_t rows, int64_t begin,
+                                        int64_t size, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  vocab_parallel_exponentials_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(
+      logits, sums, row_max, targets, rows, begin, size);
+  return cudaGetLastError();
+}
+
+cudaError_t vocab_parallel_probabilities(float* logits, float* row_loss, const float* sums,
+                                         const float* row_max, int64_t rows, int64_t size,
+                                         cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  vocab_parallel_probabilities_kernel<<<row_blocks(rows), kBlock, 0, stream>>>(
+      logits, row_loss, sums, row_max, rows, size);
+  return cudaGetLastError();
+}
+
+cudaError_t vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
+                                                  int64_t rows, int64_t begin, int64_t size,
+                                                  float scale, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  cross_entropy_backward_kernel<<<element_blocks(rows * size), kBlock, 0, stream>>>(
+      probs, targets, rows, begin, size, scale / float(rows));
   return cudaGetLastError();
 }
 

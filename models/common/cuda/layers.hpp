@@ -61,4 +61,26 @@ cudaError_t cross_entropy_forward(float* logits, float* row_loss, const int32_t*
 cudaError_t cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
                                    int64_t vocab, float scale, cudaStream_t stream);
 
+// Vocabulary-parallel cross-entropy (common/tensor_parallel.hpp): the local
+// steps of a tp rank holding vocabulary columns [begin, begin + size) of
+// `rows` rows of logits. Between them the caller all-reduces over tp: the
+// maxima (max), then the sums (sum, 2 rows floats). Forward:
+//   1. row_max[r] = the maximum of the rank's logits of row r;
+//   2. the logits become e^(z - row_max); sums[r] = their sum,
+//      sums[rows + r] = the target's logit where the rank holds it, else 0;
+//   3. the logits become probabilities (divided by the summed sums[r]);
+//      row_loss[r] = log sum + max - target logit (the caller averages).
+cudaError_t vocab_parallel_row_max(float* row_max, const float* logits, int64_t rows, int64_t size,
+                                   cudaStream_t stream);
+cudaError_t vocab_parallel_exponentials(float* logits, float* sums, const float* row_max,
+                                        const int32_t* targets, int64_t rows, int64_t begin,
+                                        int64_t size, cudaStream_t stream);
+cudaError_t vocab_parallel_probabilities(float* logits, float* row_loss, const float* sums,
+                                         const float* row_max, int64_t rows, int64_t size,
+                                         cudaStream_t stream);
+// Backward on the rank's columns: probs become scale (p - onehot) / rows.
+cudaError_t vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
+                                                  int64_t rows, int64_t begin, int64_t size,
+                                                  float scale, cudaStream_t stream);
+
 }  // namespace meshrun::kernels::cuda
