@@ -7,6 +7,12 @@
   equal bit for bit, and the host prints each step's loss as metrics.jsonl
   has it. Bad input ends it with the library's INVALID_ARGUMENT naming the
   key.
+- The safe wrapper's collectives (examples/collectives.rs) on 2 and 3
+  ranks: all_reduce (sum, max, a started average), all_gather,
+  reduce_scatter, broadcast, all_to_all with uneven counts (and a wrong
+  number of counts refused), a ring of started sends and receives, and a
+  barrier, for f32, i32 and i64, each rank checking the values it can
+  compute alone.
 - The Rust strategy plugin rust_ddp (bindings/rust/rust_ddp), installed as
   meshrun_strategy_rust_ddp.so in a folder of MESHRUN_PLUGIN_PATH: it
   passes the conformance suite, and `meshrun train ...
@@ -62,6 +68,18 @@ class RustHost(unittest.TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("train_llama: INVALID_ARGUMENT", result.stderr)
         self.assertIn("train.global_batch_size", result.stderr)
+
+
+class RustComm(unittest.TestCase):
+    def test_every_collective_on_2_and_3_ranks(self):
+        collectives = os.path.join(os.path.dirname(TRAIN_LLAMA), "collectives")
+        for ranks in (2, 3):
+            result = subprocess.run([MESHRUN, "launch", "--nproc-per-node", str(ranks), "--",
+                                     collectives, CONFIG], capture_output=True, text=True,
+                                    timeout=120, env=environment())
+            self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+            for rank in range(ranks):
+                self.assertIn(f"collectives: rank {rank} of {ranks} ok", result.stdout)
 
 
 class RustDdp(unittest.TestCase):

@@ -45,7 +45,9 @@ impl Error {
     pub unsafe fn from_raw(error: *mut sys::meshrun_error) -> Error {
         let taken = Error {
             code: (*error).code,
-            message: CStr::from_ptr((*error).message).to_string_lossy().into_owned(),
+            message: CStr::from_ptr((*error).message)
+                .to_string_lossy()
+                .into_owned(),
         };
         if let Some(destroy) = (*error).destroy {
             destroy(error);
@@ -55,7 +57,10 @@ impl Error {
 
     /// An error made on this side of the boundary (a string with a NUL).
     fn invalid_argument(message: String) -> Error {
-        Error { code: sys::MESHRUN_INVALID_ARGUMENT as i32, message }
+        Error {
+            code: sys::MESHRUN_INVALID_ARGUMENT as i32,
+            message,
+        }
     }
 
     /// The code's name, "INVALID_ARGUMENT" for 1.
@@ -99,7 +104,12 @@ fn c_string(text: &str, what: &str) -> Result<CString> {
 
 /// The ABI version of the loaded library, (major, minor).
 pub fn abi_version() -> (i32, i32) {
-    unsafe { (sys::meshrun_abi_version_major(), sys::meshrun_abi_version_minor()) }
+    unsafe {
+        (
+            sys::meshrun_abi_version_major(),
+            sys::meshrun_abi_version_minor(),
+        )
+    }
 }
 
 /// A config, its device mesh and, once joined, this process's rank of a
@@ -145,9 +155,7 @@ impl Runtime {
     /// This process's rank, the job's size, and the rank on its node.
     pub fn rank(&self) -> Result<(i64, i64, i64)> {
         let (mut rank, mut size, mut local) = (0i64, 0i64, 0i64);
-        check(unsafe {
-            sys::meshrun_runtime_rank(self.handle, &mut rank, &mut size, &mut local)
-        })?;
+        check(unsafe { sys::meshrun_runtime_rank(self.handle, &mut rank, &mut size, &mut local) })?;
         Ok((rank, size, local))
     }
 
@@ -162,7 +170,10 @@ impl Runtime {
         let name = c_string(axis, "the axis")?;
         let mut handle = ptr::null_mut();
         check(unsafe { sys::meshrun_runtime_comm(self.handle, name.as_ptr(), &mut handle) })?;
-        Ok(Comm { handle, _runtime: std::marker::PhantomData })
+        Ok(Comm {
+            handle,
+            _runtime: std::marker::PhantomData,
+        })
     }
 }
 
@@ -182,12 +193,15 @@ impl Mesh<'_> {
     pub fn axis_size(&self, axis: &str) -> Result<i64> {
         let name = c_string(axis, "the axis")?;
         let mut size = 0i64;
-        check(unsafe { sys::meshrun_mesh_axis_size(self.runtime.handle, name.as_ptr(), &mut size) })?;
+        check(unsafe {
+            sys::meshrun_mesh_axis_size(self.runtime.handle, name.as_ptr(), &mut size)
+        })?;
         Ok(size)
     }
 }
 
-/// A communicator of a joined runtime, borrowed from it.
+/// A communicator of a joined runtime, borrowed from it. Every rank of the
+/// communicator issues its collectives in the same order (comm.h).
 pub struct Comm<'a> {
     handle: *mut sys::meshrun_comm,
     _runtime: std::marker::PhantomData<&'a mut Runtime>,
@@ -201,7 +215,110 @@ pub enum Reduce {
     Max,
 }
 
-impl Comm<'_> {
+impl Reduce {
+    fn code(self) -> i32 {
+        (match self {
+            Reduce::Sum => sys::MESHRUN_REDUCE_SUM,
+            Reduce::Avg => sys::MESHRUN_REDUCE_AVG,
+            Reduce::Max => sys::MESHRUN_REDUCE_MAX,
+        }) as i32
+    }
+}
+
+/// An element type the collectives move: the DLPack dtype the comm
+/// backends take for it.
+pub trait Element: Copy {
+    const DTYPE: sys::DLDataType;
+}
+
+impl Element for f32 {
+    const DTYPE: sys::DLDataType = sys::DLDataType {
+        code: sys::kDLFloat as u8,
+        bits: 32,
+        lanes: 1,
+    };
+}
+impl Element for i32 {
+    const DTYPE: sys::DLDataType = sys::DLDataType {
+        code: sys::kDLInt as u8,
+        bits: 32,
+        lanes: 1,
+    };
+}
+impl Element for i64 {
+    const DTYPE: sys::DLDataType = sys::DLDataType {
+        code: sys::kDLInt as u8,
+        bits: 64,
+        lanes: 1,
+    };
+}
+
+/// A one-dimensional CPU DLTensor over a slice, with the shape it points at
+/// (boxed, so that it stays where the tensor points while the value moves).
+struct Tensor {
+    tensor: sys::DLTensor,
+    _shape: Box<[i64; 1]>,
+}
+
+impl Tensor {
+    fn over<T: Element>(data: *const T, len: usize) -> Tensor {
+        let mut shape = Box::new([len as i64]);
+        let tensor = sys::DLTensor {
+            data: data as *mut c_void,
+            device: sys::DLDevice {
+                device_type: sys::kDLCPU,
+                device_id: 0,
+            },
+            ndim: 1,
+            dtype: T::DTYPE,
+            shape: shape.as_mut_ptr(),
+            strides: ptr::null_mut(),
+            byte_offset: 0,
+        };
+        Tensor {
+            tensor,
+            _shape: shape,
+        }
+    }
+    fn of<T: Element>(values: &[T]) -> Tensor {
+        Tensor::over(values.as_ptr(), values.len())
+    }
+    fn of_mut<T: Element>(values: &mut [T]) -> Tensor {
+        Tensor::over(values.as_mut_ptr() as *const T, values.len())
+    }
+}
+
+/// An operation in flight (the `_start` calls): it borrows its buffers
+/// until it is done, so they cannot be read or written meanwhile. `wait`
+/// completes it; dropping it waits too (up to the comm timeout).
+pub struct Op<'b> {
+    handle: *mut sys::meshrun_op,
+    _tensors: Vec<Tensor>,
+    _buffers: std::marker::PhantomData<&'b mut ()>,
+}
+
+impl Op<'_> {
+    /// Waits until the operation completes, or `timeout_seconds` pass
+    /// (negative: the comm timeout); DEADLINE_EXCEEDED then.
+    pub fn wait(self, timeout_seconds: f64) -> Result<()> {
+        check(unsafe { sys::meshrun_op_wait(self.handle, timeout_seconds) })
+    }
+
+    /// Whether the operation has completed, without waiting.
+    pub fn test(&mut self) -> Result<bool> {
+        let mut done = 0i32;
+        check(unsafe { sys::meshrun_op_test(self.handle, &mut done) })?;
+        Ok(done != 0)
+    }
+}
+
+impl Drop for Op<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::meshrun_op_destroy(self.handle) }
+    }
+}
+
+impl<'a> Comm<'a> {
     pub fn rank(&self) -> Result<i64> {
         let mut rank = 0i64;
         check(unsafe { sys::meshrun_comm_rank(self.handle, &mut rank) })?;
@@ -214,28 +331,178 @@ impl Comm<'_> {
         Ok(size)
     }
 
+    /// Runs `call` (a host API collective given its out_op) to completion,
+    /// or as an Op holding `tensors` when `start`.
+    fn issue<'b>(
+        &mut self,
+        tensors: Vec<Tensor>,
+        start: bool,
+        call: impl FnOnce(
+            *mut sys::meshrun_comm,
+            &mut Vec<Tensor>,
+            *mut *mut sys::meshrun_op,
+        ) -> *mut sys::meshrun_error,
+    ) -> Result<Option<Op<'b>>> {
+        let mut tensors = tensors;
+        if !start {
+            check(call(self.handle, &mut tensors, ptr::null_mut()))?;
+            return Ok(None);
+        }
+        let mut handle = ptr::null_mut();
+        check(call(self.handle, &mut tensors, &mut handle))?;
+        Ok(Some(Op {
+            handle,
+            _tensors: tensors,
+            _buffers: std::marker::PhantomData,
+        }))
+    }
+
     /// Reduces `values` in place over the communicator's ranks; returns
     /// when done. Collective.
-    pub fn all_reduce(&mut self, values: &mut [f32], op: Reduce) -> Result<()> {
-        let mut shape = [values.len() as i64];
-        let mut tensor = sys::DLTensor {
-            data: values.as_mut_ptr() as *mut c_void,
-            device: sys::DLDevice { device_type: sys::kDLCPU, device_id: 0 },
-            ndim: 1,
-            dtype: sys::DLDataType { code: sys::kDLFloat as u8, bits: 32, lanes: 1 },
-            shape: shape.as_mut_ptr(),
-            strides: ptr::null_mut(),
-            byte_offset: 0,
-        };
-        let op = match op {
-            Reduce::Sum => sys::MESHRUN_REDUCE_SUM,
-            Reduce::Avg => sys::MESHRUN_REDUCE_AVG,
-            Reduce::Max => sys::MESHRUN_REDUCE_MAX,
-        } as i32;
-        let send: *const sys::DLTensor = &tensor;
-        check(unsafe {
-            sys::meshrun_all_reduce(self.handle, send, &mut tensor, op, ptr::null_mut())
+    pub fn all_reduce<T: Element>(&mut self, values: &mut [T], op: Reduce) -> Result<()> {
+        self.all_reduce_op(values, op, false).map(|_| ())
+    }
+
+    /// all_reduce, started: the values are the result once the Op is done.
+    pub fn all_reduce_start<'b, T: Element>(
+        &mut self,
+        values: &'b mut [T],
+        op: Reduce,
+    ) -> Result<Op<'b>> {
+        Ok(self
+            .all_reduce_op(values, op, true)?
+            .expect("a started operation"))
+    }
+
+    fn all_reduce_op<'b, T: Element>(
+        &mut self,
+        values: &'b mut [T],
+        op: Reduce,
+        start: bool,
+    ) -> Result<Option<Op<'b>>> {
+        self.issue(vec![Tensor::of_mut(values)], start, |comm, t, out| unsafe {
+            let tensor: *mut sys::DLTensor = &mut t[0].tensor;
+            sys::meshrun_all_reduce(comm, tensor, tensor, op.code(), out)
         })
+    }
+
+    /// `recv` = every rank's `send` in rank order (recv.len() = size x
+    /// send.len()). Collective.
+    pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        self.issue(
+            vec![Tensor::of(send), Tensor::of_mut(recv)],
+            false,
+            |comm, t, out| unsafe {
+                let (send, recv) = t.split_at_mut(1);
+                sys::meshrun_all_gather(comm, &send[0].tensor, &mut recv[0].tensor, out)
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// `recv` = this rank's part (rank r: the r-th send.len() / size
+    /// elements) of the reduction of every rank's `send`. Collective.
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: Reduce,
+    ) -> Result<()> {
+        self.issue(
+            vec![Tensor::of(send), Tensor::of_mut(recv)],
+            false,
+            |comm, t, out| unsafe {
+                let (send, recv) = t.split_at_mut(1);
+                sys::meshrun_reduce_scatter(
+                    comm,
+                    &send[0].tensor,
+                    &mut recv[0].tensor,
+                    op.code(),
+                    out,
+                )
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// Every rank's `values` become rank `root`'s. Collective.
+    pub fn broadcast<T: Element>(&mut self, values: &mut [T], root: i64) -> Result<()> {
+        self.issue(vec![Tensor::of_mut(values)], false, |comm, t, out| unsafe {
+            sys::meshrun_broadcast(comm, &mut t[0].tensor, root, out)
+        })
+        .map(|_| ())
+    }
+
+    /// Each rank sends send_counts[r] elements (in rank order) to rank r
+    /// and receives recv_counts[r] from it, one count per rank. Collective.
+    pub fn all_to_all<T: Element>(
+        &mut self,
+        send: &[T],
+        send_counts: &[i64],
+        recv: &mut [T],
+        recv_counts: &[i64],
+    ) -> Result<()> {
+        let ranks = self.size()? as usize;
+        if send_counts.len() != ranks || recv_counts.len() != ranks {
+            return Err(Error::invalid_argument(format!(
+                "all_to_all: {} send counts and {} receive counts for {} ranks",
+                send_counts.len(),
+                recv_counts.len(),
+                ranks
+            )));
+        }
+        self.issue(
+            vec![Tensor::of(send), Tensor::of_mut(recv)],
+            false,
+            |comm, t, out| unsafe {
+                let (send, recv) = t.split_at_mut(1);
+                sys::meshrun_all_to_all(
+                    comm,
+                    &send[0].tensor,
+                    send_counts.as_ptr(),
+                    &mut recv[0].tensor,
+                    recv_counts.as_ptr(),
+                    out,
+                )
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// Sends `values` to rank `peer` of this communicator; `tag` tells
+    /// transfers between the same two ranks apart.
+    pub fn send<T: Element>(&mut self, values: &[T], peer: i64, tag: i64) -> Result<()> {
+        self.issue(vec![Tensor::of(values)], false, |comm, t, out| unsafe {
+            sys::meshrun_send(comm, &t[0].tensor, peer, tag, out)
+        })
+        .map(|_| ())
+    }
+
+    /// send, started: a rank may start a send and a receive, then wait for
+    /// both (a ring's exchange with its neighbours).
+    pub fn send_start<'b, T: Element>(
+        &mut self,
+        values: &'b [T],
+        peer: i64,
+        tag: i64,
+    ) -> Result<Op<'b>> {
+        let op = self.issue(vec![Tensor::of(values)], true, |comm, t, out| unsafe {
+            sys::meshrun_send(comm, &t[0].tensor, peer, tag, out)
+        })?;
+        Ok(op.expect("a started operation"))
+    }
+
+    /// Receives `values` from rank `peer`.
+    pub fn recv<T: Element>(&mut self, values: &mut [T], peer: i64, tag: i64) -> Result<()> {
+        self.issue(vec![Tensor::of_mut(values)], false, |comm, t, out| unsafe {
+            sys::meshrun_recv(comm, &mut t[0].tensor, peer, tag, out)
+        })
+        .map(|_| ())
+    }
+
+    /// Returns when every rank has called it. Collective.
+    pub fn barrier(&mut self) -> Result<()> {
+        check(unsafe { sys::meshrun_barrier(self.handle, ptr::null_mut()) })
     }
 }
 
@@ -251,7 +518,11 @@ pub struct Run<'a> {
 
 impl<'a> Run<'a> {
     pub fn new(runtime: &'a mut Runtime) -> Run<'a> {
-        Run { runtime, output_dir: None, on_step: None }
+        Run {
+            runtime,
+            output_dir: None,
+            on_step: None,
+        }
     }
 
     /// Where rank 0 writes; unset: runs/<start time>.
@@ -277,10 +548,16 @@ impl<'a> Run<'a> {
             None => None,
         };
         let dir_ptr = dir.as_ref().map_or(ptr::null(), |d| d.as_ptr());
-        let mut state = StepState { on_step: self.on_step.take(), panicked: false };
+        let mut state = StepState {
+            on_step: self.on_step.take(),
+            panicked: false,
+        };
         let (callback, context): (sys::meshrun_step_callback, *mut c_void) =
             if state.on_step.is_some() {
-                (Some(step_trampoline), &mut state as *mut StepState as *mut c_void)
+                (
+                    Some(step_trampoline),
+                    &mut state as *mut StepState as *mut c_void,
+                )
             } else {
                 (None, ptr::null_mut())
             };
@@ -309,7 +586,10 @@ unsafe extern "C" fn step_trampoline(context: *mut c_void, metrics_json: *const 
         return 1;
     }
     let metrics = CStr::from_ptr(metrics_json).to_string_lossy();
-    let on_step = state.on_step.as_mut().expect("a trampoline is set with a callback only");
+    let on_step = state
+        .on_step
+        .as_mut()
+        .expect("a trampoline is set with a callback only");
     match catch_unwind(AssertUnwindSafe(|| on_step(&metrics))) {
         Ok(true) => 0,
         Ok(false) => 1,
