@@ -21,10 +21,12 @@ import unittest
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 CHECK = """
-import json, os, sys
+import importlib.metadata, json, os, sys
 import meshrun
 print(json.dumps({"file": meshrun.__file__, "abi": meshrun.abi_version(),
-                  "axes": meshrun.plan(sys.argv[1], world_size=4)["axes"]}))
+                  "axes": meshrun.plan(sys.argv[1], world_size=4)["axes"],
+                  "version": importlib.metadata.version("meshrun"),
+                  "library_version": meshrun.library_version()}))
 """
 
 
@@ -52,6 +54,8 @@ class PipInstall(unittest.TestCase):
         self.assertTrue(report["file"].startswith(venv), report["file"])
         self.assertEqual(report["abi"][0], 1)
         self.assertTrue(report["axes"], report)
+        # pyproject.toml repeats CMake's project version: they must agree.
+        self.assertEqual(report["version"], report["library_version"], report)
 
 
 if __name__ == "__main__":
