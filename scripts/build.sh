@@ -11,9 +11,11 @@
 #       libFuzzer makes the fuzz targets), else the default compiler
 #
 # --target=T builds T only (repeatable; default: everything).
+# MESHRUN_SKIP_INSTALL_DEPS=1 skips the Debian packages' install (a machine
+# that has them from elsewhere: scripts/gpu-deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+[ "${MESHRUN_SKIP_INSTALL_DEPS:-0}" = 1 ] || scripts/install-deps.sh
 
 build_dir="${MESHRUN_BUILD_DIR:-build}"
 configure=(-DCMAKE_BUILD_TYPE=Release)

@@ -7,6 +7,12 @@
 #
 #   scripts/gpu-check.sh            # report on stdout; exit 0 when nothing failed
 #
+# On a GPU machine without meshrun's Debian build dependencies (the device
+# tool's image: CUDA, CMake, ninja, g++, Python, no package registry), run
+# `scripts/gpu-deps.sh fetch` here first and carry .gpu-deps/: this script
+# unpacks and uses them (never into /). NCCL is taken from the toolkit, or
+# else from Python's nvidia-nccl package where the image has one.
+#
 # What is checked so far: the toolchain (saxpy), the CUDA twins of the
 # embedding, the element-wise layers, (vocabulary-parallel) cross-entropy,
 # a mixture's routing, dispatch and combine, rotary and flash-style causal
@@ -21,23 +27,48 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
-gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test meshrun_cuda_adamw_test
-  meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test meshrun_comm_nccl
-  meshrun_comm_mpi)
+gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test
+  meshrun_cuda_adamw_test meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
+  meshrun_comm_nccl meshrun_comm_mpi)
 
 echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== GPUs"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: no NVIDIA driver or GPU here"
-if [ ! -x /usr/local/cuda/bin/nvcc ]; then
-  echo "== no CUDA toolkit at /usr/local/cuda: nothing to build"
+nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+if [ ! -x "$nvcc" ]; then
+  echo "== no CUDA compiler (nvcc on PATH or in /usr/local/cuda): nothing to build"
   exit 1
+fi
+configure=(-DMESHRUN_PLAIN_TIER=ON -DMESHRUN_FULL_SWEEP=OFF "-DCMAKE_CUDA_COMPILER=$nvcc")
+if compgen -G ".gpu-deps/*.deb" >/dev/null; then
+  echo "== Debian build dependencies from .gpu-deps/"
+  # shellcheck source=gpu-deps.sh
+  source scripts/gpu-deps.sh use
+fi
+nccl_python="$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' \
+  2>/dev/null || true)"
+if ! ls "$(dirname "$nvcc")"/../lib*/libnccl.so* >/dev/null 2>&1 && [ -n "$nccl_python" ]; then
+  nccl_library="$(ls "$nccl_python"/lib/libnccl.so* | head -1)"
+  configure+=("-DMESHRUN_NCCL_LIBRARY=$nccl_library" "-DMESHRUN_NCCL_INCLUDE_DIR=$nccl_python/include")
+  export LD_LIBRARY_PATH="$nccl_python/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "NCCL from Python's nvidia-nccl: $nccl_library"
 fi
 echo "== build ($build_dir)"
 started=$SECONDS
+# Configure with the first target, then build those of the others this
+# machine's toolkit makes (no NCCL: no NCCL targets; no MPI: no mpi plugin).
+MESHRUN_BUILD_DIR="$build_dir" scripts/build.sh "${configure[@]}" --target=meshrun_cuda_smoke \
+  >"$build_dir.log" 2>&1 || {
+  echo "configure or build failed (last lines of $build_dir.log):"
+  tail -30 "$build_dir.log"
+  exit 1
+}
+known="$(ninja -C "$build_dir" -t targets all 2>/dev/null | cut -d: -f1)"
 targets=()
-for target in "${gpu_targets[@]}"; do targets+=("--target=$target"); done
-MESHRUN_BUILD_DIR="$build_dir" scripts/build.sh -DMESHRUN_PLAIN_TIER=ON -DMESHRUN_FULL_SWEEP=OFF \
-  "${targets[@]}" >"$build_dir.log" 2>&1 || {
+for target in "${gpu_targets[@]}"; do
+  if grep -qx "$target" <<<"$known"; then targets+=("$target"); else echo "not built here: $target"; fi
+done
+ninja -C "$build_dir" "${targets[@]}" >>"$build_dir.log" 2>&1 || {
   echo "build failed (last lines of $build_dir.log):"
   tail -30 "$build_dir.log"
   exit 1
@@ -50,5 +81,9 @@ grep -E '^[0-9]+: (PASS|FAIL|SKIP)|Test +#[0-9]+: |tests passed|not run' "$build
   sed -E 's/^[0-9]+: /    /'
 echo "== full log: $build_dir/gpu-tests.log"
 echo "== benchmark: bfloat16 GEMM peak and copy bandwidth"
-timeout 120 "$build_dir/bin/meshrun_gpu_gemm_peak" 8192 2 || echo "benchmark failed or skipped ($?)"
+if [ -x "$build_dir/bin/meshrun_gpu_gemm_peak" ]; then
+  timeout 120 "$build_dir/bin/meshrun_gpu_gemm_peak" 8192 2 || echo "benchmark failed or skipped ($?)"
+else
+  echo "not built here (no cuBLASLt)"
+fi
 exit $status
