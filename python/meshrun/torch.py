@@ -474,7 +474,7 @@ class DistributedModule(nn.Module):
         self._in_backward = False
         if not self.sharded:
             self._computing_ends(ROOT, "backward")
-        if self.sharded:
+        else:
             for unit in sorted(self._backward_units - {ROOT}, reverse=True):
                 self._post_backward(unit)
             if ROOT in self._backward_units:
