@@ -39,7 +39,11 @@ if [ ! -x "$nvcc" ]; then
   echo "== no CUDA compiler (nvcc on PATH or in /usr/local/cuda): nothing to build"
   exit 1
 fi
-configure=(-DMESHRUN_PLAIN_TIER=ON -DMESHRUN_FULL_SWEEP=OFF "-DCMAKE_CUDA_COMPILER=$nvcc")
+# Warnings stay warnings here: the GPU machine's g++ and nvcc may be newer
+# than CI's and warn where CI's do not, and a GPU session is too short to
+# lose to that. CI builds the same code with -Werror.
+configure=(-DMESHRUN_PLAIN_TIER=ON -DMESHRUN_FULL_SWEEP=OFF -DMESHRUN_WERROR=OFF
+  "-DCMAKE_CUDA_COMPILER=$nvcc")
 if compgen -G ".gpu-deps/*.deb" >/dev/null; then
   echo "== Debian build dependencies from .gpu-deps/"
   # shellcheck source=gpu-deps.sh
