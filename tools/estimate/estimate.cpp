@@ -143,11 +143,15 @@ struct RankShare {
 
 // The units gathered at once by a sharded strategy: the one computing and
 // those prefetched (fsdp2's deeper backward prefetch, Megatron-FSDP's one
-// ahead with overlap_param_gather); under a pipeline every unit of the
-// rank's stages, gathered for the whole step.
+// ahead with overlap_param_gather); under a pipeline, or Megatron-FSDP
+// below ZeRO-3 (which keeps parameters gathered), every unit of the rank's
+// stages, gathered for the whole step.
 int64_t gathered_window(const Plan& plan) {
   const DistributedConfig& d = plan.config->distributed;
   if (plan.mesh.axis_size(Axis::pp) > 1) return std::numeric_limits<int32_t>::max();
+  if (d.strategy == "megatron_fsdp" && d.zero_dp_strategy < 3) {
+    return std::numeric_limits<int32_t>::max();
+  }
   if (d.strategy == "fsdp2" && d.enable_fsdp2_prefetch) {
     return 1 + std::max(d.fsdp2_forward_prefetch_depth, d.fsdp2_backward_prefetch_depth);
   }
@@ -317,6 +321,20 @@ std::string checkpointing_mode(const Config& config) {
 
 // Bytes of one gathered parameter element: the dtype a sharded strategy
 // gathers in.
+// Whether the sharded strategy keeps the micro-batches' gradients whole
+// until the step's last one, as fsdp2 does with defer_fsdp_grad_sync (its
+// default) and megatron_fsdp at ZeRO-0 and -1, in a step of several
+// micro-batches.
+bool defers_gradient_sync(const Plan& plan) {
+  const Config& config = *plan.config;
+  const DistributedConfig& d = config.distributed;
+  const bool defers = (d.strategy == "fsdp2" && d.defer_fsdp_grad_sync) ||
+                      (d.strategy == "megatron_fsdp" && d.zero_dp_strategy <= 1);
+  const int64_t per_step = config.train.global_batch_size /
+                           (plan.mesh.axis_size(Axis::dp) * config.train.micro_batch_size);
+  return defers && per_step > 1;
+}
+
 int64_t gathered_bytes(const Config& config) {
   return config.distributed.strategy == "fsdp2" &&
                  config.distributed.mp_policy.param_dtype == "bfloat16"
@@ -332,13 +350,20 @@ int64_t gathered_bytes(const Config& config) {
 // two consecutive units (RankShare::reducing_peak): one computing its
 // backward while the one after it is reduce-scattered. Under a pipeline
 // every unit of the stages stays gathered with its float32 gradients for
-// the step's backwards, and one unit at a time is in flight. Checked
+// the step's backwards, and one unit at a time is in flight. A strategy
+// that defers the reduction to the step's last micro-batch
+// (defers_gradient_sync) holds every unit's float32 gradients from the
+// first micro-batch on, and then a unit's reduced shard as well. Checked
 // against mem.buffers_peak of runs (docs/plan.md, "Estimates").
 int64_t gathered_buffer_bytes(const Plan& plan, const RankShare& share) {
   const int64_t gathered = gathered_bytes(*plan.config);
   const int64_t received = gathered == 4 ? 0 : gathered;
   if (plan.mesh.axis_size(Axis::pp) > 1) {
     return share.gathered_peak * (4 + 4 + received) + share.largest_unit * 4;
+  }
+  if (defers_gradient_sync(plan)) {
+    const int64_t shards = std::max<int64_t>(1, plan.mesh.axis_size(Axis::dp_shard_cp));
+    return share.gathered_peak * (4 + received) + share.numel * 4 + share.largest_unit * 4 / shards;
   }
   return share.gathered_peak * (4 + received) + share.reducing_peak * 4;
 }
