@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 
 #include "host_api.hpp"

@@ -318,6 +318,29 @@ impl Drop for Op<'_> {
     }
 }
 
+/// A host API collective over a communicator and the tensors it reads and
+/// writes, given its out_op (NULL: complete it before returning).
+trait Issue:
+    FnOnce(*mut sys::meshrun_comm, &mut [Tensor], *mut *mut sys::meshrun_op) -> *mut sys::meshrun_error
+{
+}
+impl<F> Issue for F where
+    F: FnOnce(
+        *mut sys::meshrun_comm,
+        &mut [Tensor],
+        *mut *mut sys::meshrun_op,
+    ) -> *mut sys::meshrun_error
+{
+}
+
+/// meshrun_all_reduce of the one tensor in place.
+fn reduce_in_place(op: Reduce) -> impl Issue {
+    move |comm, t: &mut [Tensor], out| unsafe {
+        let tensor: *mut sys::DLTensor = &mut t[0].tensor;
+        sys::meshrun_all_reduce(comm, tensor, tensor, op.code(), out)
+    }
+}
+
 impl<'a> Comm<'a> {
     pub fn rank(&self) -> Result<i64> {
         let mut rank = 0i64;
@@ -331,36 +354,28 @@ impl<'a> Comm<'a> {
         Ok(size)
     }
 
-    /// Runs `call` (a host API collective given its out_op) to completion,
-    /// or as an Op holding `tensors` when `start`.
-    fn issue<'b>(
-        &mut self,
-        tensors: Vec<Tensor>,
-        start: bool,
-        call: impl FnOnce(
-            *mut sys::meshrun_comm,
-            &mut Vec<Tensor>,
-            *mut *mut sys::meshrun_op,
-        ) -> *mut sys::meshrun_error,
-    ) -> Result<Option<Op<'b>>> {
-        let mut tensors = tensors;
-        if !start {
-            check(call(self.handle, &mut tensors, ptr::null_mut()))?;
-            return Ok(None);
-        }
+    /// Runs `call` (a host API collective over `tensors`, given a NULL
+    /// out_op) to completion.
+    fn complete(&mut self, mut tensors: Vec<Tensor>, call: impl Issue) -> Result<()> {
+        check(call(self.handle, &mut tensors, ptr::null_mut()))
+    }
+
+    /// Starts `call` and hands back its Op, which holds `tensors` (the
+    /// shapes the library points at) until it is done.
+    fn start<'b>(&mut self, mut tensors: Vec<Tensor>, call: impl Issue) -> Result<Op<'b>> {
         let mut handle = ptr::null_mut();
         check(call(self.handle, &mut tensors, &mut handle))?;
-        Ok(Some(Op {
+        Ok(Op {
             handle,
             _tensors: tensors,
             _buffers: std::marker::PhantomData,
-        }))
+        })
     }
 
     /// Reduces `values` in place over the communicator's ranks; returns
     /// when done. Collective.
     pub fn all_reduce<T: Element>(&mut self, values: &mut [T], op: Reduce) -> Result<()> {
-        self.all_reduce_op(values, op, false).map(|_| ())
+        self.complete(vec![Tensor::of_mut(values)], reduce_in_place(op))
     }
 
     /// all_reduce, started: the values are the result once the Op is done.
@@ -369,35 +384,19 @@ impl<'a> Comm<'a> {
         values: &'b mut [T],
         op: Reduce,
     ) -> Result<Op<'b>> {
-        Ok(self
-            .all_reduce_op(values, op, true)?
-            .expect("a started operation"))
-    }
-
-    fn all_reduce_op<'b, T: Element>(
-        &mut self,
-        values: &'b mut [T],
-        op: Reduce,
-        start: bool,
-    ) -> Result<Option<Op<'b>>> {
-        self.issue(vec![Tensor::of_mut(values)], start, |comm, t, out| unsafe {
-            let tensor: *mut sys::DLTensor = &mut t[0].tensor;
-            sys::meshrun_all_reduce(comm, tensor, tensor, op.code(), out)
-        })
+        self.start(vec![Tensor::of_mut(values)], reduce_in_place(op))
     }
 
     /// `recv` = every rank's `send` in rank order (recv.len() = size x
     /// send.len()). Collective.
     pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        self.issue(
+        self.complete(
             vec![Tensor::of(send), Tensor::of_mut(recv)],
-            false,
             |comm, t, out| unsafe {
                 let (send, recv) = t.split_at_mut(1);
                 sys::meshrun_all_gather(comm, &send[0].tensor, &mut recv[0].tensor, out)
             },
         )
-        .map(|_| ())
     }
 
     /// `recv` = this rank's part (rank r: the r-th send.len() / size
@@ -408,9 +407,8 @@ impl<'a> Comm<'a> {
         recv: &mut [T],
         op: Reduce,
     ) -> Result<()> {
-        self.issue(
+        self.complete(
             vec![Tensor::of(send), Tensor::of_mut(recv)],
-            false,
             |comm, t, out| unsafe {
                 let (send, recv) = t.split_at_mut(1);
                 sys::meshrun_reduce_scatter(
@@ -422,15 +420,13 @@ impl<'a> Comm<'a> {
                 )
             },
         )
-        .map(|_| ())
     }
 
     /// Every rank's `values` become rank `root`'s. Collective.
     pub fn broadcast<T: Element>(&mut self, values: &mut [T], root: i64) -> Result<()> {
-        self.issue(vec![Tensor::of_mut(values)], false, |comm, t, out| unsafe {
+        self.complete(vec![Tensor::of_mut(values)], |comm, t, out| unsafe {
             sys::meshrun_broadcast(comm, &mut t[0].tensor, root, out)
         })
-        .map(|_| ())
     }
 
     /// Each rank sends send_counts[r] elements (in rank order) to rank r
@@ -451,9 +447,8 @@ impl<'a> Comm<'a> {
                 ranks
             )));
         }
-        self.issue(
+        self.complete(
             vec![Tensor::of(send), Tensor::of_mut(recv)],
-            false,
             |comm, t, out| unsafe {
                 let (send, recv) = t.split_at_mut(1);
                 sys::meshrun_all_to_all(
@@ -466,16 +461,14 @@ impl<'a> Comm<'a> {
                 )
             },
         )
-        .map(|_| ())
     }
 
     /// Sends `values` to rank `peer` of this communicator; `tag` tells
     /// transfers between the same two ranks apart.
     pub fn send<T: Element>(&mut self, values: &[T], peer: i64, tag: i64) -> Result<()> {
-        self.issue(vec![Tensor::of(values)], false, |comm, t, out| unsafe {
+        self.complete(vec![Tensor::of(values)], |comm, t, out| unsafe {
             sys::meshrun_send(comm, &t[0].tensor, peer, tag, out)
         })
-        .map(|_| ())
     }
 
     /// send, started: a rank may start a send and a receive, then wait for
@@ -486,18 +479,19 @@ impl<'a> Comm<'a> {
         peer: i64,
         tag: i64,
     ) -> Result<Op<'b>> {
-        let op = self.issue(vec![Tensor::of(values)], true, |comm, t, out| unsafe {
-            sys::meshrun_send(comm, &t[0].tensor, peer, tag, out)
-        })?;
-        Ok(op.expect("a started operation"))
+        self.start(
+            vec![Tensor::of(values)],
+            move |comm, t: &mut [Tensor], out| unsafe {
+                sys::meshrun_send(comm, &t[0].tensor, peer, tag, out)
+            },
+        )
     }
 
     /// Receives `values` from rank `peer`.
     pub fn recv<T: Element>(&mut self, values: &mut [T], peer: i64, tag: i64) -> Result<()> {
-        self.issue(vec![Tensor::of_mut(values)], false, |comm, t, out| unsafe {
+        self.complete(vec![Tensor::of_mut(values)], |comm, t, out| unsafe {
             sys::meshrun_recv(comm, &mut t[0].tensor, peer, tag, out)
         })
-        .map(|_| ())
     }
 
     /// Returns when every rank has called it. Collective.
