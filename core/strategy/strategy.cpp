@@ -34,8 +34,8 @@ std::shared_ptr<PluginLibrary> require_training_entry_points(
   return library;
 }
 
-DLTensor flat_float32(float* data, int64_t& numel) {
-  return DLTensor{data, {kDLCPU, 0}, 1, dtype_float32(), &numel, nullptr, 0};
+DLTensor flat_float32(float* data, DLDevice device, int64_t& numel) {
+  return DLTensor{data, device, 1, dtype_float32(), &numel, nullptr, 0};
 }
 
 // A table is sharded when it reaches gather_parameters and sets local_shard
@@ -132,8 +132,10 @@ Strategy::Strategy(std::shared_ptr<PluginLibrary> library, Communicator& data_pa
   setup.struct_size = sizeof(meshrun_strategy_setup);
   setup.comm = &data_parallel.comm_api();
   setup.data_parallel = data_parallel.handle();
-  setup.parameters = flat_float32(buffers_.parameters, buffers_.numel);
-  setup.gradients = flat_float32(buffers_.gradients, buffers_.numel);
+  setup.parameters = flat_float32(buffers_.parameters, buffers_.device, buffers_.numel);
+  setup.gradients = flat_float32(buffers_.gradients, buffers_.device, buffers_.numel);
+  setup.compute_stream = buffers_.compute_stream;
+  setup.comm_stream = buffers_.comm_stream;
   setup.num_parameters = num_parameters;
   setup.parameter_offsets = buffers_.parameter_offsets.data();
   setup.parameter_names = name_pointers_.data();
@@ -318,7 +320,7 @@ std::vector<meshrun_shard_segment> Strategy::shard_segments() {
 
 void Strategy::gather_parameters(float* full, int64_t numel) {
   require_sharded("gather_parameters");
-  DLTensor tensor = flat_float32(full, numel);
+  DLTensor tensor = flat_float32(full, buffers_.device, numel);
   call("gather_parameters", [&] { return api().gather_parameters(instance_.handle(), &tensor); });
 }
 
@@ -337,9 +339,12 @@ std::pair<void*, int64_t> Strategy::flat_view(const DLTensor& tensor, const std:
     throw Error(MESHRUN_INTERNAL,
                 fmt::format("strategy {} {}: {} view {}", library().name(), where, what, problem));
   };
-  if (tensor.device.device_type != kDLCPU) {
-    fail(fmt::format("is on device type {}, expected kDLCPU ({})",
-                     static_cast<int>(tensor.device.device_type), static_cast<int>(kDLCPU)));
+  const DLDevice device = buffers_.device;
+  if (tensor.device.device_type != device.device_type ||
+      tensor.device.device_id != device.device_id) {
+    fail(fmt::format("is on device type {} id {}, expected the buffers' device type {} id {}",
+                     static_cast<int>(tensor.device.device_type), tensor.device.device_id,
+                     static_cast<int>(device.device_type), device.device_id));
   }
   const DLDataType dtype = tensor.dtype;
   if (dtype.code != expected.code || dtype.bits != expected.bits || dtype.lanes != 1) {

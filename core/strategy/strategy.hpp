@@ -22,12 +22,20 @@ namespace meshrun {
 // buffers with numel > 0 ask a strategy that takes weights by shard to
 // start from zero: the host then writes the initial values into
 // local_shard() itself.
+//
+// On a GPU (`device` kDLCUDA, the comm backend's device type) the buffers
+// and every view the strategy lends are device memory, and the strategy
+// orders its work against the host's `compute_stream` and the
+// communicators' `comm_stream` (meshrun/strategy.h, ABI 1.13).
 struct StrategyBuffers {
   float* parameters = nullptr;
   float* gradients = nullptr;
   int64_t numel = 0;
   std::vector<int64_t> parameter_offsets;  // num_parameters + 1 entries
   std::vector<std::string> parameter_names;
+  DLDevice device = {kDLCPU, 0};
+  void* compute_stream = nullptr;  // cudaStream_t; NULL: the default stream
+  void* comm_stream = nullptr;
 };
 
 // What a sharded strategy (ABI 1.3) also needs: the shard and replicate

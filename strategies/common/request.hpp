@@ -24,6 +24,8 @@ class Request {
   bool test(const std::string& context);
   // Returns once the operation has completed; throws its error with `context`.
   void wait(const std::string& context);
+  // True while it holds an operation not yet found complete.
+  bool pending() const { return handle_ != nullptr; }
 
  private:
   void reset();

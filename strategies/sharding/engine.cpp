@@ -92,10 +92,6 @@ LayoutInput layout_input(const meshrun_strategy_setup& setup, bool one_block) {
   return input;
 }
 
-DLTensor float32_tensor(void* data, int64_t& numel) {
-  return host_tensor(data, Dtype::float32, numel);
-}
-
 }  // namespace
 
 // ---- setup and the step ----
@@ -103,18 +99,13 @@ DLTensor float32_tensor(void* data, int64_t& numel) {
 void Engine::setup(const meshrun_strategy_setup* setup) {
   if (layout_ != nullptr) out_of_order("setup was already called on this instance");
   strategies::check_setup(setup, MESHRUN_STRATEGY_SETUP_SIZE_1_3, "1.3");
-  if (setup->comm->device_type != kDLCPU) {
-    throw Error(MESHRUN_UNIMPLEMENTED,
-                "setup: shards and unit buffers live in host memory, but the comm backend moves "
-                "device type " +
-                    std::to_string(setup->comm->device_type) + " tensors");
-  }
   options_ = parse_(setup->options_json);
   groups_ = make_groups(*setup);
   const LayoutInput input = layout_input(*setup, options_.single_bucket);
   const bool by_shard = weights_by_shard(*setup);
   strategies::check_flat_float32(setup->parameters, "setup: parameters", input.offsets.back(),
-                                 kDLCPU, by_shard);
+                                 setup->comm->device_type, by_shard);
+  use_device(*setup);
   int64_t ranks = 0;
   int64_t rank = 0;
   throw_if_error(setup->comm->size(setup->shard_group, &ranks), "size of the shard group");
@@ -126,9 +117,12 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
   throw_if_error(setup->comm->rank(setup->data_parallel, &data_parallel_rank_),
                  "rank in the data-parallel group");
   local_numel_ = layout->local_numel();
-  shard_parameters_.assign(static_cast<size_t>(local_numel_), 0.0f);
+  const size_t shard_bytes = static_cast<size_t>(local_numel_) * sizeof(float);
+  shard_parameters_.allocate(shard_bytes, true);
+  shard_gradients_.allocate(shard_bytes, true);
+  device_->comm_follows_compute();
   if (!by_shard) shard_rank_zero_weights(*setup, *layout);
-  shard_gradients_.assign(static_cast<size_t>(local_numel_), 0.0f);
+  device_->compute_follows_comm();
   segments_ = layout->segments();
   layout_ = std::move(layout);
   make_units(*setup);
@@ -136,6 +130,30 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
       std::to_string(setup->num_units) + " units, " + std::to_string(local_numel_) +
           " local shard elements of " + std::to_string(offsets_.back()) + ", param_dtype " +
           dtype_name(options_.param_dtype) + ", reduce_dtype " + dtype_name(options_.reduce_dtype));
+}
+
+// Host memory for a CPU comm backend; for a CUDA one, the GPU of the
+// setup's tensors and the streams of ABI 1.13 (a smaller setup: the default
+// stream for both).
+void Engine::use_device(const meshrun_strategy_setup& setup) {
+  if (setup.comm->device_type == kDLCPU) {
+    device_ = make_host_device();
+  } else if (setup.comm->device_type == kDLCUDA) {
+    if (options_.double_buffer) {
+      throw Error(MESHRUN_UNIMPLEMENTED,
+                  "setup: double buffering (fsdp_double_buffer) is implemented for host memory "
+                  "only; set it to false for a CUDA run");
+    }
+    const bool streams = MESHRUN_HAS_FIELD(meshrun_strategy_setup, &setup, comm_stream);
+    device_ = make_cuda_device(setup.parameters.device.device_id,
+                               streams ? setup.compute_stream : nullptr,
+                               streams ? setup.comm_stream : nullptr);
+  } else {
+    invalid("setup: the comm backend moves device type " + std::to_string(setup.comm->device_type) +
+            " tensors; the sharded strategies keep their buffers on the CPU (1) or a CUDA GPU (2)");
+  }
+  meter_.use(*device_);
+  shard_memory_.use(*device_);
 }
 
 // The shard of data-parallel rank 0's weights, as FSDP1's
@@ -151,16 +169,18 @@ void Engine::shard_rank_zero_weights(const meshrun_strategy_setup& setup,
   float* weights = reinterpret_cast<float*>(static_cast<std::byte*>(setup.parameters.data) +
                                             setup.parameters.byte_offset);
   const int64_t numel = offsets_.back();
-  std::vector<float> received(static_cast<size_t>(rank == 0 ? 0 : std::min(numel, kWeightPiece)));
+  Buffer received(shard_memory_);
+  if (rank != 0) received.allocate(size_t(std::min(numel, kWeightPiece)) * sizeof(float), false);
   for (int64_t begin = 0; begin < numel; begin += kWeightPiece) {
     int64_t count = std::min(kWeightPiece, numel - begin);
     // Rank 0 sends from the host's weights, which a broadcast leaves as they are.
-    float* piece = rank == 0 ? weights + begin : received.data();
-    DLTensor tensor = float32_tensor(piece, count);
+    float* piece = rank == 0 ? weights + begin : received.floats();
+    DLTensor tensor = flat_tensor(piece, device_->where(), Dtype::float32, count);
     throw_if_error(setup.comm->broadcast(setup.data_parallel, &tensor, 0, nullptr),
                    "broadcast of the weights from data-parallel rank 0");
-    layout.shard(piece, begin, count, shard_parameters_.data());
+    layout.shard(piece, begin, count, shard_parameters_.floats(), copy_on_device());
   }
+  received.used_until(device_->record());
 }
 
 void Engine::log(int32_t level, const std::string& message) const {
@@ -243,11 +263,13 @@ bool Engine::reshards_after_forward(int32_t unit) const {
 
 void Engine::broadcast_parameters() {
   check_outside_step("broadcast_parameters");
-  DLTensor shard = float32_tensor(shard_parameters_.data(), local_numel_);
+  device_->comm_follows_compute();
+  DLTensor shard = shard_tensor(shard_parameters_);
   throw_if_error(groups_.comm->broadcast(groups_.replicate, &shard, 0, nullptr),
                  "broadcast of the local shard from replicate-group rank 0");
   // Gathered copies of the old shard would be stale.
   reshard_all();
+  device_->compute_follows_comm();
 }
 
 void Engine::begin_micro_batch(bool sync) {
@@ -256,6 +278,7 @@ void Engine::begin_micro_batch(bool sync) {
     out_of_order("begin_micro_batch after the step's sync micro-batch without finish_gradients");
   }
   check_between_units("begin_micro_batch");
+  device_->comm_follows_compute();
   if (in_micro_batch_ && reduces_micro_batch()) reduce_held_gradients();
   replicate_started();
   poll();
@@ -282,12 +305,20 @@ void Engine::finish_gradients() {
         "with sync = 1");
   }
   check_between_units("finish_gradients");
+  device_->comm_follows_compute();
   // Deferred gradients of units the sync micro-batch's backward never
   // reached, and without overlap the micro-batch's.
   reduce_held_gradients();
   replicate_started();
+  // Waited for on the host even on a device, so that a lost peer ends the
+  // step within the comm timeout instead of stalling the GPU.
   while (!reductions_.empty()) finish_first_reduction();
   reshard_all();
+  while (!settling_.empty()) {
+    settling_.front().request.wait(settling_.front().what);
+    settling_.pop_front();
+  }
+  device_->compute_follows_comm();
   in_micro_batch_ = false;
 }
 
@@ -301,6 +332,7 @@ void Engine::pre_forward(int32_t u) { enter(u, Phase::forward); }
 
 void Engine::post_forward(int32_t u) {
   const Unit& unit = leave(u, Phase::forward);
+  device_->comm_follows_compute();
   poll();
   if (unit.reshard_after_forward) reshard(u);
 }
@@ -316,6 +348,7 @@ void Engine::pre_backward(int32_t u) {
 
 void Engine::post_backward(int32_t u) {
   leave(u, Phase::backward);
+  device_->comm_follows_compute();
   replicate_started();
   poll();
   Bucket& bucket = bucket_of(u);
@@ -343,8 +376,10 @@ Engine::Unit& Engine::enter(int32_t u, Phase phase) {
     out_of_order(call + " outside a micro-batch: call begin_micro_batch first");
   }
   check_idle(u, call.c_str());
+  device_->comm_follows_compute();
   poll();
   unshard(u, forward ? forward_prefetch(u) : backward_prefetch(u));
+  device_->compute_waits(bucket_of(u).ready.get());
   unit.phase = phase;
   return unit;
 }
@@ -374,12 +409,13 @@ void Engine::unit_views(int32_t u, DLTensor* parameters, DLTensor* gradients) {
   check_gathered(u, "unit_views");
   const Bucket& bucket = bucket_of(u);
   if (parameters != nullptr) {
-    *parameters = float32_tensor(bucket.parameters.floats() + unit.offset, unit.numel);
+    *parameters = flat_tensor(bucket.parameters.floats() + unit.offset, device_->where(),
+                              Dtype::float32, unit.numel);
   }
   if (gradients != nullptr) {
     const bool in_backward = unit.phase == Phase::backward;
-    *gradients =
-        float32_tensor(in_backward ? bucket.gradients.floats() + unit.offset : nullptr, unit.numel);
+    *gradients = flat_tensor(in_backward ? bucket.gradients.floats() + unit.offset : nullptr,
+                             device_->where(), Dtype::float32, unit.numel);
   }
 }
 
@@ -389,14 +425,14 @@ void Engine::unit_views_bfloat16(int32_t u, DLTensor* parameters) {
   if (parameters == nullptr) invalid("unit_views_bfloat16: parameters is NULL");
   const Buffer& received = bucket_of(u).received;
   auto* data = reinterpret_cast<uint16_t*>(received.data());
-  *parameters =
-      host_tensor(received.held() ? data + unit.offset : nullptr, Dtype::bfloat16, unit.numel);
+  *parameters = flat_tensor(received.held() ? data + unit.offset : nullptr, device_->where(),
+                            Dtype::bfloat16, unit.numel);
 }
 
 void Engine::local_shard(DLTensor* parameters, DLTensor* gradients) {
   check_setup_done("local_shard");
-  if (parameters != nullptr) *parameters = float32_tensor(shard_parameters_.data(), local_numel_);
-  if (gradients != nullptr) *gradients = float32_tensor(shard_gradients_.data(), local_numel_);
+  if (parameters != nullptr) *parameters = shard_tensor(shard_parameters_);
+  if (gradients != nullptr) *gradients = shard_tensor(shard_gradients_);
 }
 
 void Engine::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
@@ -415,16 +451,31 @@ void Engine::shard_segments(meshrun_shard_segment* segments, int64_t capacity,
 void Engine::gather_parameters(DLTensor* full) {
   check_outside_step("gather_parameters");
   if (full == nullptr) invalid("gather_parameters: full is NULL");
-  strategies::check_flat_float32(*full, "gather_parameters: full", offsets_.back(), kDLCPU);
+  strategies::check_flat_float32(*full, "gather_parameters: full", offsets_.back(),
+                                 device_->where().device_type);
+  device_->comm_follows_compute();
   Buffer gathered(meter_);
   int64_t gathered_numel = layout_->ranks() * local_numel_;
   gathered.allocate(static_cast<size_t>(gathered_numel) * sizeof(float), false);
-  const DLTensor send = float32_tensor(shard_parameters_.data(), local_numel_);
-  DLTensor recv = float32_tensor(gathered.data(), gathered_numel);
+  const DLTensor send = shard_tensor(shard_parameters_);
+  DLTensor recv = flat_tensor(gathered.data(), device_->where(), Dtype::float32, gathered_numel);
   throw_if_error(groups_.comm->all_gather(groups_.shard, &send, &recv, nullptr),
                  "all_gather of the local shards");
-  layout_->unshard(gathered.floats(), reinterpret_cast<float*>(static_cast<std::byte*>(full->data) +
-                                                               full->byte_offset));
+  layout_->unshard(
+      gathered.floats(),
+      reinterpret_cast<float*>(static_cast<std::byte*>(full->data) + full->byte_offset),
+      copy_on_device());
+  gathered.used_until(device_->record());
+  device_->compute_follows_comm();
+}
+
+DLTensor Engine::shard_tensor(const Buffer& shard) {
+  return flat_tensor(shard.data(), device_->where(), Dtype::float32, local_numel_);
+}
+
+CopyFloats Engine::copy_on_device() const {
+  Device* device = device_.get();
+  return [device](float* to, const float* from, int64_t count) { device->copy(to, from, count); };
 }
 
 // ---- checks ----
@@ -508,7 +559,7 @@ void Engine::start_gather(int32_t u) {
     bucket.parameters.allocate(0, false);
     return;
   }
-  bucket.gather.emplace(groups_, bucket.comm, shard_parameters_.data(), options_.param_dtype,
+  bucket.gather.emplace(groups_, bucket.comm, shard_parameters_.floats(), options_.param_dtype,
                         meter_);
 }
 
@@ -519,7 +570,9 @@ void Engine::complete_gather(int32_t b) {
     if (!slot->held()) free_slot(slot, b);
     bucket.parameters.swap(*slot);
   }
-  bucket.gather->finish(bucket.parameters, bucket.received);
+  strategies::Request in_flight = bucket.gather->finish(bucket.parameters, bucket.received);
+  bucket.ready = bucket.gather->ready();
+  if (in_flight.pending()) settling_.push_back({std::move(in_flight), bucket.gather->what()});
   bucket.gather.reset();
 }
 
@@ -578,14 +631,12 @@ void Engine::reshard_all() {
 void Engine::check_finite_gradients(const Bucket& bucket) const {
   const float* gradients = bucket.gradients.floats();
   for (const ParameterPlace& place : bucket.comm.block->parameters) {
-    const float* begin = gradients + place.block_begin;
-    const float* found =
-        std::find_if(begin, begin + place.numel, [](float value) { return !std::isfinite(value); });
-    if (found == begin + place.numel) continue;
+    const NonFinite found = device_->first_non_finite(gradients + place.block_begin, place.numel);
+    if (found.index < 0) continue;
     throw Error(MESHRUN_FAILED_PRECONDITION,
                 "report_nan_in_param_grad: the gradient of '" +
                     parameter_names_[static_cast<size_t>(place.parameter)] + "' holds " +
-                    std::to_string(*found) + " (element " + std::to_string(found - begin) +
+                    std::to_string(found.value) + " (element " + std::to_string(found.index) +
                     ") on data-parallel rank " + std::to_string(data_parallel_rank_) +
                     ", before its reduction");
   }
@@ -603,7 +654,8 @@ void Engine::start_reduction(Bucket& bucket) {
   const float scale =
       average ? 1.0f : 1.0f / static_cast<float>(layout_->ranks() * groups_.replicate_size);
   reductions_.emplace_back(groups_, bucket.comm, bucket.gradients, options_.reduce_dtype,
-                           average ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM, scale, meter_);
+                           average ? MESHRUN_REDUCE_AVG : MESHRUN_REDUCE_SUM, scale,
+                           shard_gradients_.floats(), meter_);
   bucket.gradients.release();
 }
 
@@ -618,7 +670,7 @@ void Engine::replicate_started() {
 // Reductions complete in start order, so every replica of a shard adds the
 // same results in the same order and the replicas stay bit-identical.
 void Engine::finish_first_reduction() {
-  reductions_.front().finish(shard_gradients_.data());
+  reductions_.front().finish();
   reductions_.pop_front();
 }
 
@@ -628,6 +680,9 @@ void Engine::finish_first_reduction() {
 // take their float32 (and bfloat16) buffers.
 void Engine::poll() {
   while (!reductions_.empty() && reductions_.front().done()) finish_first_reduction();
+  while (!settling_.empty() && settling_.front().request.test(settling_.front().what)) {
+    settling_.pop_front();
+  }
   for (int32_t b = 0; b < static_cast<int32_t>(buckets_.size()); ++b) {
     Bucket& bucket = buckets_[static_cast<size_t>(b)];
     if (bucket.gather.has_value() && bucket.gather->done()) complete_gather(b);

@@ -19,6 +19,11 @@
 // single_bucket every unit at once; the hooks name units, and a unit's
 // views are its part of its bucket's buffers.
 //
+// The buffers live on the comm backend's device (device.hpp): host memory,
+// or a CUDA GPU, where a unit's collectives and casts run on the comm stream
+// and the host's compute waits for a gather's event before the unit
+// computes (meshrun/strategy.h, ABI 1.13).
+//
 // Every rank must start its collectives in the same order (meshrun/comm.h),
 // and ranks complete requests at different times, so nothing is started
 // because a request was found complete: gathers start in pre_forward and
@@ -35,6 +40,8 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "common/request.hpp"
+#include "device.hpp"
 #include "layout.hpp"
 #include "meshrun/strategy.h"
 #include "precision.hpp"
@@ -135,6 +142,7 @@ class Engine {
     CommPlace comm;                // its block of the layout
     int32_t anchor = 0;            // the unit whose reshard frees it and whose backward reduces it
     std::optional<Gather> gather;  // in flight
+    EventRef ready;                // on a device: the last gather's end
     Buffer parameters;             // held while gathered
     Buffer received;               // the same, as gathered in bfloat16 (empty otherwise)
     Buffer gradients;              // held from the first pre_backward until reduced
@@ -142,6 +150,7 @@ class Engine {
 
   Unit& enter(int32_t unit, Phase phase);
   Unit& leave(int32_t unit, Phase phase);
+  void use_device(const meshrun_strategy_setup& setup);
   void check_setup_done(const char* call) const;
   Unit& unit_at(int32_t unit, const char* call);
   void check_idle(int32_t unit, const char* call) const;
@@ -174,6 +183,10 @@ class Engine {
   void replicate_started();
   void finish_first_reduction();
   void poll();
+  // A view of the local shard's parameters or gradients.
+  DLTensor shard_tensor(const Buffer& shard);
+  // Copies between the engine's buffers on its device (the comm stream).
+  CopyFloats copy_on_device() const;
 
   const meshrun_host_services* host_;
   const char* name_;
@@ -189,17 +202,28 @@ class Engine {
   std::vector<int32_t> layers_;    // the units but the root, in forward order
   std::vector<int32_t> position_;  // of each unit in layers_; -1 for the root
 
-  // Declared before what it counts: destroyed last.
+  // Declared before what lives on it: destroyed last.
+  std::unique_ptr<Device> device_;
+  // Declared before what they count. The local shard's memory is counted
+  // apart: memory() reports communication and gathered buffers.
   MemoryMeter meter_;
+  MemoryMeter shard_memory_;
   int64_t local_numel_ = 0;  // the local shard's shape
-  std::vector<float> shard_parameters_;
-  std::vector<float> shard_gradients_;
+  Buffer shard_parameters_{shard_memory_};
+  Buffer shard_gradients_{shard_memory_};
   std::vector<Unit> units_;
   std::vector<Bucket> buckets_;  // one per unit, or one (single_bucket)
   // With double_buffer: the two gather buffers, each lent to the layer unit
   // gathered into it and empty meanwhile.
   std::vector<Buffer> slots_;
   std::deque<Reduction> reductions_;  // in flight, in start order
+  // On a device: gathers whose results the compute stream already waits
+  // for, kept until their requests complete.
+  struct Settling {
+    strategies::Request request;
+    std::string what;  // the operation, for its error
+  };
+  std::deque<Settling> settling_;
   bool in_micro_batch_ = false;
   bool sync_ = false;
 };

@@ -53,22 +53,27 @@ std::vector<meshrun_shard_segment> ShardLayout::segments_of(int64_t rank) const 
   return segments;
 }
 
-void ShardLayout::shard(const float* piece, int64_t begin, int64_t count, float* local) const {
+void copy_host_floats(float* to, const float* from, int64_t count) {
+  std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
+}
+
+void ShardLayout::shard(const float* piece, int64_t begin, int64_t count, float* local,
+                        const CopyFloats& copy) const {
   const int64_t end = begin + count;
   for (const meshrun_shard_segment& segment : segments()) {
     const int64_t first = std::max(segment.global_begin, begin);
     const int64_t last = std::min(segment.global_begin + segment.count, end);
     if (first >= last) continue;
-    std::memcpy(local + segment.local_begin + (first - segment.global_begin),
-                piece + (first - begin), static_cast<size_t>(last - first) * sizeof(float));
+    copy(local + segment.local_begin + (first - segment.global_begin), piece + (first - begin),
+         last - first);
   }
 }
 
-void ShardLayout::unshard(const float* gathered, float* full) const {
+void ShardLayout::unshard(const float* gathered, float* full, const CopyFloats& copy) const {
   for (int64_t r = 0; r < ranks_; ++r) {
     for (const meshrun_shard_segment& segment : segments_of(r)) {
-      std::memcpy(full + segment.global_begin, gathered + r * local_numel_ + segment.local_begin,
-                  static_cast<size_t>(segment.count) * sizeof(float));
+      copy(full + segment.global_begin, gathered + r * local_numel_ + segment.local_begin,
+           segment.count);
     }
   }
 }

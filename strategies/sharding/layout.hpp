@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "meshrun/strategy.h"
@@ -59,6 +60,11 @@ struct LayoutInput {
   bool one_block = false;  // every unit in one block; else a block per unit
 };
 
+// to[i] = from[i] for `count` floats, wherever the layout's buffers live.
+using CopyFloats = std::function<void(float* to, const float* from, int64_t count)>;
+// CopyFloats for host memory (memcpy).
+void copy_host_floats(float* to, const float* from, int64_t count);
+
 class ShardLayout {
  public:
   // The layout of rank `rank` of a shard group of `ranks` ranks.
@@ -77,11 +83,12 @@ class ShardLayout {
   std::vector<meshrun_shard_segment> segments() const { return segments_of(rank_); }
   // Writes this rank's parts of elements [begin, begin + count) of the
   // setup's layout, held at `piece`, into `local` (local_numel() elements);
-  // padding is left as it is.
-  void shard(const float* piece, int64_t begin, int64_t count, float* local) const;
+  // padding is left as it is. `copy` moves each contiguous part.
+  void shard(const float* piece, int64_t begin, int64_t count, float* local,
+             const CopyFloats& copy = copy_host_floats) const;
   // Writes every parameter into `full` (the setup's layout) from `gathered`:
   // every rank's local shard, ranks() x local_numel() elements, rank order.
-  void unshard(const float* gathered, float* full) const;
+  void unshard(const float* gathered, float* full, const CopyFloats& copy = copy_host_floats) const;
 
  private:
   std::vector<meshrun_shard_segment> segments_of(int64_t rank) const;

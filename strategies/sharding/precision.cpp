@@ -57,8 +57,8 @@ DLDataType dlpack_dtype(Dtype dtype) {
 
 size_t dtype_bytes(Dtype dtype) { return dtype == Dtype::float32 ? 4 : 2; }
 
-DLTensor host_tensor(void* data, Dtype dtype, int64_t& numel) {
-  return DLTensor{data, {kDLCPU, 0}, 1, dlpack_dtype(dtype), &numel, nullptr, 0};
+DLTensor flat_tensor(void* data, DLDevice device, Dtype dtype, int64_t& numel) {
+  return DLTensor{data, device, 1, dlpack_dtype(dtype), &numel, nullptr, 0};
 }
 
 void narrow(Dtype dtype, const float* in, void* out, int64_t count, float scale) {

@@ -21,9 +21,9 @@ const char* dtype_name(Dtype dtype);
 DLDataType dlpack_dtype(Dtype dtype);
 size_t dtype_bytes(Dtype dtype);
 
-// A one-dimensional view of `numel` elements of `dtype` at `data` in host
-// memory; its shape is `numel` itself, which must outlive the view.
-DLTensor host_tensor(void* data, Dtype dtype, int64_t& numel);
+// A one-dimensional view of `numel` elements of `dtype` at `data` on
+// `device`; its shape is `numel` itself, which must outlive the view.
+DLTensor flat_tensor(void* data, DLDevice device, Dtype dtype, int64_t& numel);
 
 // out[i] = in[i] * scale (in float32) rounded to `dtype` (round to nearest
 // even), for `count` elements; `out` holds elements of `dtype`.

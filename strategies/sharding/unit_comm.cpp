@@ -17,47 +17,74 @@ size_t bytes_of(int64_t numel, Dtype dtype) {
 
 Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
                MemoryMeter& meter)
-    : block_(comm.block),
+    : device_(&meter.device()),
+      block_(comm.block),
       dtype_(dtype),
       what_("all_gather of " + comm.name),
       send_numel_(block_->chunk),
       recv_numel_(block_->padded_numel),
       send_(meter),
-      recv_(meter) {
+      recv_(meter),
+      full_(meter),
+      received_(meter) {
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
   // In float32 the chunk goes straight from the shard, which nothing
   // writes while a step gathers; another dtype needs it cast first.
   void* chunk = const_cast<float*>(local + block_->local_begin);
   if (dtype != Dtype::float32) {
     send_.allocate(bytes_of(send_numel_, dtype), false);
-    narrow(dtype, local + block_->local_begin, send_.data(), send_numel_);
+    device_->narrow(dtype, local + block_->local_begin, send_.data(), send_numel_, 1.0f);
     chunk = send_.data();
   }
-  const DLTensor send = host_tensor(chunk, dtype, send_numel_);
-  DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
+  const DLTensor send = flat_tensor(chunk, device_->where(), dtype, send_numel_);
+  DLTensor recv = flat_tensor(recv_.data(), device_->where(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
   throw_if_error(groups.comm->all_gather(groups.shard, &send, &recv, &request), what_);
   request_ = strategies::Request(*groups.comm, request);
+  if (device_->orders_work_after_collectives()) {
+    unpack(full_, received_);
+    ready_ = device_->record();
+    full_.used_until(ready_);
+    received_.used_until(ready_);
+    release_buffers();
+  }
 }
 
 bool Gather::done() { return request_.test(what_); }
 
-void Gather::finish(Buffer& full, Buffer& received) {
+strategies::Request Gather::finish(Buffer& full, Buffer& received) {
+  if (device_->orders_work_after_collectives()) {
+    full.swap(full_);
+    received.swap(received_);
+    return std::move(request_);
+  }
   request_.wait(what_);
+  unpack(full, received);
+  release_buffers();
+  return {};
+}
+
+void Gather::unpack(Buffer& full, Buffer& received) {
   if (dtype_ == Dtype::float32 && !full.held()) {
     full.swap(recv_);
   } else {
     full.ensure(bytes_of(block_->full_numel, Dtype::float32));
-    widen(dtype_, recv_.data(), full.floats(), block_->full_numel);
+    device_->widen(dtype_, recv_.data(), full.floats(), block_->full_numel);
   }
   if (dtype_ == Dtype::bfloat16) received.swap(recv_);
+}
+
+void Gather::release_buffers() {
+  send_.used_until(ready_);
+  recv_.used_until(ready_);
   send_.release();
   recv_.release();
 }
 
 Reduction::Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradients, Dtype dtype,
-                     int32_t op, float scale, MemoryMeter& meter)
-    : groups_(&groups),
+                     int32_t op, float scale, float* local_gradients, MemoryMeter& meter)
+    : device_(&meter.device()),
+      groups_(&groups),
       block_(comm.block),
       dtype_(dtype),
       op_(op),
@@ -66,6 +93,7 @@ Reduction::Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradie
       what_("reduce_scatter of the gradients of " + unit_name_),
       send_numel_(block_->padded_numel),
       recv_numel_(block_->chunk),
+      local_gradients_(local_gradients),
       send_(meter),
       recv_(meter) {
   // A shard group of one (ZeRO-0) has nothing to scatter: the gradients go
@@ -77,11 +105,12 @@ Reduction::Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradie
   }
   cast_into(gradients, send_, send_numel_, scale);
   recv_.allocate(bytes_of(recv_numel_, dtype), false);
-  const DLTensor send = host_tensor(send_.data(), dtype, send_numel_);
-  DLTensor recv = host_tensor(recv_.data(), dtype, recv_numel_);
+  const DLTensor send = flat_tensor(send_.data(), device_->where(), dtype, send_numel_);
+  DLTensor recv = flat_tensor(recv_.data(), device_->where(), dtype, recv_numel_);
   meshrun_request* request = nullptr;
   throw_if_error(groups.comm->reduce_scatter(groups.shard, &send, &recv, op_, &request), what_);
   request_ = strategies::Request(*groups.comm, request);
+  if (replicated_) enqueue_add();
 }
 
 // float32 gradients are scaled where they are and handed over; another
@@ -89,36 +118,56 @@ Reduction::Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradie
 void Reduction::cast_into(Buffer& gradients, Buffer& into, int64_t numel, float scale) {
   if (dtype_ != Dtype::float32) {
     into.allocate(bytes_of(numel, dtype_), false);
-    narrow(dtype_, gradients.floats(), into.data(), numel, scale);
+    device_->narrow(dtype_, gradients.floats(), into.data(), numel, scale);
     return;
   }
   into.swap(gradients);
-  if (scale != 1.0f) narrow(Dtype::float32, into.floats(), into.data(), numel, scale);
+  if (scale != 1.0f) device_->narrow(Dtype::float32, into.floats(), into.data(), numel, scale);
 }
 
 bool Reduction::awaits_replication() const { return !replicated_; }
 
 void Reduction::replicate() {
-  request_.wait(what_);
-  send_.release();
+  if (device_->orders_work_after_collectives()) {
+    scattered_ = std::move(request_);
+  } else {
+    request_.wait(what_);
+    send_.release();
+  }
   start_all_reduce();
 }
 
 void Reduction::start_all_reduce() {
   what_ = "all_reduce over the replicate group of the gradients of " + unit_name_;
-  DLTensor result = host_tensor(recv_.data(), dtype_, recv_numel_);
+  DLTensor result = flat_tensor(recv_.data(), device_->where(), dtype_, recv_numel_);
   meshrun_request* request = nullptr;
   throw_if_error(groups_->comm->all_reduce(groups_->replicate, &result, &result, op_, &request),
                  what_);
   request_ = strategies::Request(*groups_->comm, request);
   replicated_ = true;
+  enqueue_add();
+}
+
+void Reduction::enqueue_add() {
+  if (!device_->orders_work_after_collectives()) return;
+  device_->widen_add(dtype_, recv_.data(), local_gradients_ + block_->local_begin, recv_numel_);
+  const EventRef added = device_->record();
+  send_.used_until(added);
+  recv_.used_until(added);
 }
 
 bool Reduction::done() { return replicated_ && request_.test(what_); }
 
-void Reduction::finish(float* local_gradients) {
+void Reduction::finish() {
+  scattered_.wait("reduce_scatter of the gradients of " + unit_name_);
   request_.wait(what_);
-  widen_add(dtype_, recv_.data(), local_gradients + block_->local_begin, recv_numel_);
+  if (!device_->orders_work_after_collectives()) {
+    device_->widen_add(dtype_, recv_.data(), local_gradients_ + block_->local_begin, recv_numel_);
+  }
+  release_buffers();
+}
+
+void Reduction::release_buffers() {
   send_.release();
   recv_.release();
 }

@@ -37,18 +37,33 @@ class Gather {
   // Starts the all-gather of `comm`: this rank's chunk of `local` (its
   // shard), cast to `dtype` into a send buffer unless float32, every rank's
   // chunk into the receive buffer, in one all_gather over the shard group.
+  // On a device that orders work after collectives, the unpacking that
+  // finish() describes is enqueued right behind the collective, so that it
+  // never queues behind collectives started later.
   Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
          MemoryMeter& meter);
 
   bool done();
-  // Waits, then makes `full` hold the block's full buffer in float32: the
-  // receive buffer itself when float32 and `full` holds nothing, else
-  // widened (or copied) into what `full` holds when that is large enough.
-  // Gathered in bfloat16, `received` then holds the receive buffer, the same
-  // numbers in bfloat16, for matmuls that read bfloat16 operands.
-  void finish(Buffer& full, Buffer& received);
+  // Makes `full` hold the block's full buffer in float32: the receive
+  // buffer itself when float32 and `full` holds nothing, else widened (or
+  // copied) into what `full` holds when that is large enough. Gathered in
+  // bfloat16, `received` then holds the receive buffer, the same numbers in
+  // bfloat16, for matmuls that read bfloat16 operands. On the host it waits
+  // for the collective first and returns an empty request; on a device it
+  // waits for nothing, returns the request still in flight (the caller keeps
+  // it until it completes), and the host's compute must wait for ready()
+  // before it reads `full` or `received`.
+  strategies::Request finish(Buffer& full, Buffer& received);
+  // The event that ends the gather's work on the device (NULL on the host).
+  const EventRef& ready() const { return ready_; }
+  // The operation, as its errors name it.
+  const std::string& what() const { return what_; }
 
  private:
+  void unpack(Buffer& full, Buffer& received);
+  void release_buffers();
+
+  Device* device_;
   const BlockPlace* block_;
   Dtype dtype_;
   std::string what_;
@@ -56,6 +71,9 @@ class Gather {
   int64_t recv_numel_;
   Buffer send_;
   Buffer recv_;
+  Buffer full_;      // on a device: the unpacked buffers, until finish
+  Buffer received_;  // (their memory is the collective's until ready_)
+  EventRef ready_;
   strategies::Request request_;  // after the buffers: destroyed first
 };
 
@@ -70,8 +88,10 @@ class Reduction {
   // MESHRUN_REDUCE_AVG averages, and MESHRUN_REDUCE_SUM with scale 1 /
   // (shard ranks x replicas) averages by summing. A shard group of one
   // skips the reduce-scatter.
+  // `local_gradients` (the local shard's gradients) receives the result
+  // (see finish).
   Reduction(const Groups& groups, const CommPlace& comm, Buffer& gradients, Dtype dtype, int32_t op,
-            float scale, MemoryMeter& meter);
+            float scale, float* local_gradients, MemoryMeter& meter);
 
   // True while the average over the replicate group (HSDP) is still to be
   // started.
@@ -81,14 +101,21 @@ class Reduction {
   void replicate();
   // True once the whole reduction is complete.
   bool done();
-  // Waits, then adds the result to the block's chunk of `local_gradients`
-  // (the local shard's gradients).
-  void finish(float* local_gradients);
+  // Waits, then adds the result to the block's chunk of the local
+  // gradients. On a device that add is enqueued right behind the last
+  // collective (its result in stream order), so finish only waits for the
+  // collective and frees the buffers.
+  void finish();
 
  private:
   void cast_into(Buffer& gradients, Buffer& into, int64_t numel, float scale);
   void start_all_reduce();
+  // On a device: the add into the local gradients behind the last
+  // collective, and the event that ends the buffers' use.
+  void enqueue_add();
+  void release_buffers();
 
+  Device* device_;
   const Groups* groups_;
   const BlockPlace* block_;
   Dtype dtype_;
@@ -98,8 +125,12 @@ class Reduction {
   std::string what_;  // the operation in flight
   int64_t send_numel_;
   int64_t recv_numel_;
+  float* local_gradients_;
   Buffer send_;
   Buffer recv_;
+  // On a device, with HSDP: the reduce-scatter, still in flight when the
+  // all-reduce behind it starts.
+  strategies::Request scattered_;
   strategies::Request request_;  // after the buffers: destroyed first
 };
 

@@ -52,6 +52,7 @@
 #include "checker.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
+#include "fsdp2_setup.hpp"
 #include "meshrun/dtype.hpp"
 #include "plugin/loader.hpp"
 #include "strategy/strategy.hpp"
@@ -66,12 +67,7 @@ using meshrun::StrategyUnits;
 using meshrun::test::Checker;
 using Json = nlohmann::json;
 
-struct Parameter {
-  const char* name;
-  int64_t rows;
-  int64_t columns;
-  int32_t unit;
-};
+using meshrun::test::Parameter;
 
 constexpr int32_t kUnits = 4;
 constexpr int32_t kRoot = 3;
@@ -165,24 +161,8 @@ int64_t padded_unit_numel(const Model& model, int32_t unit, int64_t ranks) {
   return (numel + ranks - 1) / ranks * ranks;
 }
 
-// The options the host sends, with float32 gathers so that views compare
-// exactly; `changes` are merged in (RFC 7386: null removes a key).
 std::string options_with(const Json& changes = Json::object()) {
-  Json options = {{"strategy", "fsdp2"},
-                  {"pp_size", 1},
-                  {"dp_replicate_size", 1},
-                  {"reshard_after_forward", nullptr},
-                  {"defer_fsdp_grad_sync", true},
-                  {"enable_fsdp2_prefetch", true},
-                  {"fsdp2_forward_prefetch_depth", 1},
-                  {"fsdp2_backward_prefetch_depth", 2},
-                  {"mp_policy",
-                   {{"param_dtype", "float32"},
-                    {"reduce_dtype", "float32"},
-                    {"output_dtype", "float32"},
-                    {"cast_forward_inputs", true}}}};
-  options.merge_patch(changes);
-  return options.dump();
+  return meshrun::test::fsdp2_options_with(changes);
 }
 
 // The data-parallel, shard and replicate groups one strategy runs over.

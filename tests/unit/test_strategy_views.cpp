@@ -125,7 +125,7 @@ TEST_CASE("strategy views: a broken view is refused naming the strategy, call, p
       {"dtype", false, "unit_views",
        unit + "parameters view has dtype code 2 bits 16, expected float32"},
       {"device", false, "unit_views",
-       unit + "parameters view is on device type 2, expected kDLCPU (1)"},
+       unit + "parameters view is on device type 2 id 0, expected the buffers' device type 1 id 0"},
       {"ndim", false, "unit_views", unit + "parameters view has 2 dimensions, expected 1"},
       {"strides", false, "unit_views", unit + "parameters view has stride 2, expected 1"},
       {"null_parameters", false, "unit_views", unit + "parameters view has data NULL"},

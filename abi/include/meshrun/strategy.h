@@ -35,6 +35,30 @@
  * no weights cross setup, and the host writes each rank's initial values
  * into local_shard() itself before broadcast_parameters. It also lets a
  * strategy predict a rank's memory before any rank runs (`plan_memory`).
+ *
+ * ABI 1.13 states how device tensors (a comm backend whose device_type is
+ * kDLCUDA) cross between host and strategy, as DLPack's
+ * `__dlpack__(stream=...)` does: whoever hands a tensor over makes the
+ * receiver's stream wait for its own work on it (an event and
+ * cudaStreamWaitEvent), and nobody waits on the host for that.
+ *   - host -> strategy: when the host calls setup, broadcast_parameters,
+ *     begin_micro_batch, a hook, finish_gradients or gather_parameters, its
+ *     work on the buffers the call reads (weights, gradients written into
+ *     unit views, the optimizer's update of local_shard) is enqueued on
+ *     `compute_stream`, not necessarily done. The strategy orders its own
+ *     work on them after that.
+ *   - strategy -> host: what a call fills or lends (unit views after
+ *     pre_forward and pre_backward, local_shard after setup and
+ *     finish_gradients, gather_parameters' `full`) is ready for the work the
+ *     host enqueues on `compute_stream` after the call returns.
+ *   - memory the host gives back (a unit's views after its post_ hook) is
+ *     reused by the strategy only after the compute_stream work enqueued
+ *     before that hook.
+ * The strategy's collectives run on `comm_stream`, the stream the host set
+ * on every communicator of the setup (meshrun_comm_api.set_stream); the
+ * strategy enqueues its own kernels there, so that they overlap the host's
+ * compute. Host waits on comm requests stay allowed (finish_gradients may
+ * wait, so that a lost peer still ends the step within the comm timeout).
  */
 #ifndef MESHRUN_STRATEGY_H_
 #define MESHRUN_STRATEGY_H_
@@ -91,6 +115,16 @@ typedef struct meshrun_strategy_setup {
 
   /* Where the shards' initial values come from: MESHRUN_INITIAL_WEIGHTS_*. */
   int32_t initial_weights;
+
+  /* ---- ABI 1.13 (test with MESHRUN_HAS_FIELD; a smaller setup means NULL) ---- */
+
+  /* For a device comm backend: the CUDA stream (cudaStream_t) the host
+   * computes on, and the one it set on the setup's communicators; NULL is
+   * the legacy default stream. The same stream twice is allowed (no
+   * overlap). Both ignored by CPU backends. Borrowed: valid until the
+   * instance is destroyed. */
+  void* compute_stream;
+  void* comm_stream;
 } meshrun_strategy_setup;
 
 /* `parameters` holds data-parallel rank 0's full weights; setup copies each
@@ -274,6 +308,7 @@ struct meshrun_strategy_api {
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_2 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, extensions)
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_3 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, parameter_rows)
 #define MESHRUN_STRATEGY_SETUP_SIZE_1_6 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, initial_weights)
+#define MESHRUN_STRATEGY_SETUP_SIZE_1_13 MESHRUN_STRUCT_SIZE(meshrun_strategy_setup, comm_stream)
 
 #ifdef __cplusplus
 } /* extern "C" */
