@@ -29,7 +29,8 @@ cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
 gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test
   meshrun_cuda_adamw_test meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
-  meshrun_fsdp2_device_test meshrun_strategy_fsdp2 meshrun_comm_nccl meshrun_comm_mpi)
+  meshrun_strategy_device_test meshrun_strategy_ddp meshrun_strategy_fsdp2 meshrun_comm_nccl
+  meshrun_comm_mpi test_plugin_loopback)
 
 echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== GPUs"

@@ -9,14 +9,20 @@
 // overlaps the rest of backward, and finish_gradients waits only for what is
 // still in flight. Earlier micro-batches reduce nothing: gradients accumulate
 // in the host's buffer (deferred sync, DDP's no_sync).
+//
+// On a GPU (ABI 1.13) a bucket's all-reduce runs on the comm stream after
+// the host's compute enqueued before the gradients_ready call that completed
+// it, and the compute stream waits for the all-reduces at finish_gradients.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "buckets.hpp"
+#include "common/device.hpp"
 #include "common/errors.hpp"
 #include "common/options.hpp"
 #include "common/setup_checks.hpp"
@@ -99,6 +105,7 @@ class Ddp {
       }
     }
     ready_.assign(names_.size(), false);
+    device_ = meshrun::strategies::make_device(*setup);
     data_parallel_ = setup->data_parallel;
     comm_ = setup->comm;
     log(MESHRUN_LOG_DEBUG, "ddp: " + std::to_string(buckets_.size()) + " gradient buckets over " +
@@ -109,8 +116,10 @@ class Ddp {
   void broadcast_parameters() {
     require_setup("broadcast_parameters");
     if (in_micro_batch_) out_of_order("broadcast_parameters during a micro-batch");
+    device_->comm_follows_compute();
     throw_if_error(comm_->broadcast(data_parallel_, &parameters_, 0, nullptr),
                    "broadcast of the parameters from data-parallel rank 0");
+    device_->compute_follows_comm();
   }
 
   void begin_micro_batch(bool sync) {
@@ -165,6 +174,7 @@ class Ddp {
       launch_ready_buckets();
     }
     wait_in_flight();
+    device_->compute_follows_comm();
   }
 
   void memory(meshrun_strategy_memory* out) const {
@@ -206,6 +216,9 @@ class Ddp {
   // and ranks see their gradients become ready in different orders, so a
   // complete bucket waits until those before it have started.
   void launch_ready_buckets() {
+    if (next_launch_ < buckets_.size() && buckets_[next_launch_].unready == 0) {
+      device_->comm_follows_compute();
+    }
     for (; next_launch_ < buckets_.size() && buckets_[next_launch_].unready == 0; ++next_launch_) {
       Bucket& bucket = buckets_[next_launch_];
       DLTensor view = gradients_;
@@ -266,7 +279,8 @@ class Ddp {
   }
 
   const meshrun_host_services* host_;
-  const meshrun_comm_api* comm_ = nullptr;  // non-NULL once set up
+  std::unique_ptr<meshrun::strategies::Device> device_;  // orders the streams on a GPU
+  const meshrun_comm_api* comm_ = nullptr;               // non-NULL once set up
   meshrun_communicator* data_parallel_ = nullptr;
   DLTensor parameters_{};
   DLTensor gradients_{};

@@ -6,9 +6,9 @@
 
 namespace meshrun::fsdp2 {
 
-using sharding::dtype_from_name;
-using sharding::dtype_name;
-using sharding::dtype_names;
+using strategies::dtype_from_name;
+using strategies::dtype_name;
+using strategies::dtype_names;
 
 sharding::EngineOptions parse_options(const char* options_json) {
   const strategies::Json json = strategies::parse_options(options_json);

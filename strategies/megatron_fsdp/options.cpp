@@ -27,8 +27,8 @@ sharding::EngineOptions parse_options(const char* options_json) {
   parsed.backward_prefetch_depth = 1;
   parsed.average_in_collective = options.boolean("average_in_collective", false);
   parsed.report_nan_in_param_grad = options.boolean("report_nan_in_param_grad", false);
-  parsed.param_dtype = sharding::Dtype::float32;
-  parsed.reduce_dtype = sharding::Dtype::float32;
+  parsed.param_dtype = strategies::Dtype::float32;
+  parsed.reduce_dtype = strategies::Dtype::float32;
   return parsed;
 }
 

@@ -20,9 +20,13 @@
 #include <map>
 #include <utility>
 
-#include "device.hpp"
+#include "common/device.hpp"
 
 namespace meshrun::sharding {
+
+using strategies::Device;
+using strategies::DeviceEvent;
+using strategies::EventRef;
 
 // Bytes held now, the most held at once, and the idle buffers kept for reuse.
 class MemoryMeter {

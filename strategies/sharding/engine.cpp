@@ -132,26 +132,20 @@ void Engine::setup(const meshrun_strategy_setup* setup) {
           dtype_name(options_.param_dtype) + ", reduce_dtype " + dtype_name(options_.reduce_dtype));
 }
 
-// Host memory for a CPU comm backend; for a CUDA one, the GPU of the
-// setup's tensors and the streams of ABI 1.13 (a smaller setup: the default
-// stream for both).
+// Host memory for a CPU comm backend, the GPU for a CUDA one; the engine
+// computes on its buffers, so no other device will do.
 void Engine::use_device(const meshrun_strategy_setup& setup) {
-  if (setup.comm->device_type == kDLCPU) {
-    device_ = make_host_device();
-  } else if (setup.comm->device_type == kDLCUDA) {
-    if (options_.double_buffer) {
-      throw Error(MESHRUN_UNIMPLEMENTED,
-                  "setup: double buffering (fsdp_double_buffer) is implemented for host memory "
-                  "only; set it to false for a CUDA run");
-    }
-    const bool streams = MESHRUN_HAS_FIELD(meshrun_strategy_setup, &setup, comm_stream);
-    device_ = make_cuda_device(setup.parameters.device.device_id,
-                               streams ? setup.compute_stream : nullptr,
-                               streams ? setup.comm_stream : nullptr);
-  } else {
-    invalid("setup: the comm backend moves device type " + std::to_string(setup.comm->device_type) +
+  const int32_t type = setup.comm->device_type;
+  if (type != kDLCPU && type != kDLCUDA) {
+    invalid("setup: the comm backend moves device type " + std::to_string(type) +
             " tensors; the sharded strategies keep their buffers on the CPU (1) or a CUDA GPU (2)");
   }
+  if (type == kDLCUDA && options_.double_buffer) {
+    throw Error(MESHRUN_UNIMPLEMENTED,
+                "setup: double buffering (fsdp_double_buffer) is implemented for host memory "
+                "only; set it to false for a CUDA run");
+  }
+  device_ = strategies::make_device(setup);
   meter_.use(*device_);
   shard_memory_.use(*device_);
 }
@@ -631,7 +625,8 @@ void Engine::reshard_all() {
 void Engine::check_finite_gradients(const Bucket& bucket) const {
   const float* gradients = bucket.gradients.floats();
   for (const ParameterPlace& place : bucket.comm.block->parameters) {
-    const NonFinite found = device_->first_non_finite(gradients + place.block_begin, place.numel);
+    const strategies::NonFinite found =
+        device_->first_non_finite(gradients + place.block_begin, place.numel);
     if (found.index < 0) continue;
     throw Error(MESHRUN_FAILED_PRECONDITION,
                 "report_nan_in_param_grad: the gradient of '" +

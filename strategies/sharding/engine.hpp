@@ -40,11 +40,11 @@
 #include <vector>
 
 #include "buffer.hpp"
+#include "common/device.hpp"
+#include "common/precision.hpp"
 #include "common/request.hpp"
-#include "device.hpp"
 #include "layout.hpp"
 #include "meshrun/strategy.h"
-#include "precision.hpp"
 #include "unit_comm.hpp"
 
 namespace meshrun::sharding {

@@ -9,12 +9,17 @@
 #include <string>
 
 #include "buffer.hpp"
+#include "common/precision.hpp"
 #include "common/request.hpp"
 #include "layout.hpp"
 #include "meshrun/comm.h"
-#include "precision.hpp"
 
 namespace meshrun::sharding {
+
+// The dtypes of the gathers and reductions, and the casts between them.
+using strategies::Dtype;
+using strategies::dtype_bytes;
+using strategies::flat_tensor;
 
 // Where fsdp2 communicates.
 struct Groups {

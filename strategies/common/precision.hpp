@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 
 enum class Dtype { float32, bfloat16, float16 };
 
@@ -33,4 +33,4 @@ void widen(Dtype dtype, const void* in, float* out, int64_t count);
 // out[i] += in[i] as float32.
 void widen_add(Dtype dtype, const void* in, float* out, int64_t count);
 
-}  // namespace meshrun::sharding
+}  // namespace meshrun::strategies

@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <string>
 
+#include "common/device.hpp"
 #include "meshrun/plugin.hpp"
-#include "sharding/device.hpp"
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 namespace {
 
 using meshrun::plugin::Error;
@@ -223,4 +223,4 @@ std::unique_ptr<Device> make_cuda_device(int32_t device_id, void* compute_stream
                                       static_cast<cudaStream_t>(comm_stream));
 }
 
-}  // namespace meshrun::sharding
+}  // namespace meshrun::strategies

@@ -5,7 +5,7 @@
 #include "common/errors.hpp"
 #include "meshrun/dtype.hpp"
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 namespace {
 
 // Calls `body` with `data` as elements of `dtype` and the function that
@@ -100,4 +100,4 @@ void widen_add(Dtype dtype, const void* in, float* out, int64_t count) {
   });
 }
 
-}  // namespace meshrun::sharding
+}  // namespace meshrun::strategies

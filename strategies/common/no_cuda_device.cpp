@@ -2,7 +2,7 @@
 #include "common/errors.hpp"
 #include "device.hpp"
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 
 std::unique_ptr<Device> make_cuda_device(int32_t, void*, void*) {
   throw strategies::Error(MESHRUN_UNIMPLEMENTED,
@@ -10,4 +10,4 @@ std::unique_ptr<Device> make_cuda_device(int32_t, void*, void*) {
                           "built without the CUDA toolkit (rebuild where nvcc is found)");
 }
 
-}  // namespace meshrun::sharding
+}  // namespace meshrun::strategies

@@ -1,23 +1,33 @@
-// fsdp2 with its buffers on a CUDA GPU over the nccl backend, against
-// fsdp2 in host memory over the mpi backend (its CPU twin), run by ctest
-// through mpirun on 1 rank (and on 2 where a node has 2 GPUs):
+// The strategies with their buffers on a CUDA GPU over the nccl backend,
+// against the same strategies in host memory over the mpi backend (their
+// CPU twins), run by ctest through mpirun on 1 rank (and on 2 where a node
+// has 2 GPUs):
 //
-//   mpirun -np 1 meshrun_fsdp2_device_test
+//   mpirun -np 1 meshrun_strategy_device_test
 //
-// Each rank runs one script twice, through the core's Strategy wrapper: on
-// the host (float vectors, the mpi world) and on its GPU (cudaMalloc'd
-// buffers, the nccl world bootstrapped through the mpi one, the host's
-// compute on one stream and the communicators on another, as ABI 1.13
-// describes). The script: setup from rank 0's weights, broadcast_parameters,
-// two steps of two micro-batches (the first deferred), the hooks around every
-// unit as a trainer calls them, the host adding rank-, step- and
-// micro-batch-dependent gradients through the unit views, an SGD step on the
-// local shard, then gather_parameters. Every view the host reads (float32
-// and bfloat16 parameters of every unit at every pre_ hook), the local
-// shard's gradients after every step and the gathered parameters must be
-// equal bit for bit, for float32 and bfloat16 gathers, float32 and bfloat16
-// reductions, deferred and immediate reduction, and units kept gathered
-// after forward.
+// Each rank runs each script twice, through the core's Strategy wrapper: on
+// the host (float vectors, the mpi world; on 1 rank the loopback test
+// backend, so that a GPU machine without MPI runs it) and on its GPU
+// (cudaMalloc'd buffers, the nccl world bootstrapped through the CPU one,
+// the host's compute on one stream and the communicators on another, as
+// ABI 1.13 describes).
+//
+// fsdp2: setup from rank 0's weights, broadcast_parameters, two steps of two
+// micro-batches (the first deferred), the hooks around every unit as a
+// trainer calls them, the host adding rank-, step- and micro-batch-dependent
+// gradients through the unit views, an SGD step on the local shard, then
+// gather_parameters. Every view the host reads (float32 and bfloat16
+// parameters of every unit at every pre_ hook), the local shard's gradients
+// after every step and the gathered parameters must be equal bit for bit,
+// for float32 and bfloat16 gathers, float32 and bfloat16 reductions,
+// deferred and immediate reduction, units kept gathered after forward, and
+// no prefetch.
+//
+// ddp: broadcast_parameters from rank 0, then two steps of two micro-batches
+// in which the host adds its gradients parameter by parameter, last to
+// first, reporting each ready as a backward would, with buckets small enough
+// that several all-reduces are in flight; the parameters after the
+// broadcast and the gradients after every step must be equal bit for bit.
 //
 // Why bit for bit: on 1 or 2 ranks every reduction adds at most two values,
 // once, and averaging divides by 1 or 2 (exact), so NCCL's order and MPI's
@@ -178,34 +188,53 @@ struct Side {
 // Everything the host saw, in order.
 using Trace = std::vector<std::vector<float>>;
 
-class Script {
- public:
-  Script(const Side& side, std::shared_ptr<meshrun::PluginLibrary> fsdp2,
-         const std::string& options)
-      : side_(side) {
-    offsets_.push_back(0);
+// The synthetic model on one side: its layout, and its weights (shifted by
+// `shift`) and zero gradients in that side's memory.
+struct ModelBuffers {
+  ModelBuffers(const Side& side, float shift) : side(side) {
+    offsets.push_back(0);
     for (const Parameter& p : kParameters) {
-      offsets_.push_back(offsets_.back() + p.rows * p.columns);
-      names_.emplace_back(p.name);
+      offsets.push_back(offsets.back() + p.rows * p.columns);
+      names.emplace_back(p.name);
     }
-    std::vector<float> weights(size_t(offsets_.back()));
-    for (size_t i = 0; i < weights.size(); ++i) weights[i] = initial_weight(int64_t(i));
-    weights_ = side.memory.allocate(weights);
-    gradients_ = side.memory.allocate(std::vector<float>(weights.size(), 0.0f));
-    meshrun::StrategyBuffers buffers{weights_, gradients_,  offsets_.back(),     offsets_,
-                                     names_,   side.device, side.compute_stream, side.comm_stream};
+    std::vector<float> initial(static_cast<size_t>(numel()));
+    for (size_t i = 0; i < initial.size(); ++i) initial[i] = initial_weight(int64_t(i)) + shift;
+    weights = side.memory.allocate(initial);
+    gradients = side.memory.allocate(std::vector<float>(initial.size(), 0.0f));
+  }
+  ~ModelBuffers() {
+    side.memory.free(gradients);
+    side.memory.free(weights);
+  }
+  ModelBuffers(const ModelBuffers&) = delete;
+  ModelBuffers& operator=(const ModelBuffers&) = delete;
+
+  int64_t numel() const { return offsets.back(); }
+  meshrun::StrategyBuffers strategy_buffers() const {
+    return {weights,     gradients,           numel(),         offsets, names,
+            side.device, side.compute_stream, side.comm_stream};
+  }
+
+  const Side& side;
+  std::vector<int64_t> offsets;
+  std::vector<std::string> names;
+  float* weights = nullptr;
+  float* gradients = nullptr;
+};
+
+// The fsdp2 script (see the file's header).
+class ShardedScript {
+ public:
+  ShardedScript(const Side& side, std::shared_ptr<meshrun::PluginLibrary> fsdp2,
+                const std::string& options)
+      : side_(side), model_(side, 0.0f) {
     meshrun::StrategyUnits units{&side.world, &side.replicate, kUnits, kRoot, {}, {}};
     for (const Parameter& p : kParameters) {
       units.parameter_units.push_back(p.unit);
       units.parameter_rows.push_back(p.rows);
     }
-    strategy_ =
-        std::make_unique<meshrun::Strategy>(std::move(fsdp2), side.world, buffers, options, &units);
-  }
-  ~Script() {
-    strategy_.reset();
-    side_.memory.free(gradients_);
-    side_.memory.free(weights_);
+    strategy_ = std::make_unique<meshrun::Strategy>(std::move(fsdp2), side.world,
+                                                    model_.strategy_buffers(), options, &units);
   }
 
   Trace run() {
@@ -215,10 +244,10 @@ class Script {
       strategy_->finish_gradients();
       sgd_step();
     }
-    std::vector<float> full(size_t(offsets_.back()), 0.0f);
+    std::vector<float> full(size_t(model_.numel()), 0.0f);
     float* gathered = side_.memory.allocate(full);
-    strategy_->gather_parameters(gathered, offsets_.back());
-    trace_.push_back(side_.memory.floats(gathered, offsets_.back()));
+    strategy_->gather_parameters(gathered, model_.numel());
+    trace_.push_back(side_.memory.floats(gathered, model_.numel()));
     side_.memory.free(gathered);
     return trace_;
   }
@@ -278,10 +307,52 @@ class Script {
   }
 
   const Side& side_;
-  std::vector<int64_t> offsets_;
-  std::vector<std::string> names_;
-  float* weights_ = nullptr;
-  float* gradients_ = nullptr;
+  ModelBuffers model_;  // before the strategy: destroyed after it
+  std::unique_ptr<meshrun::Strategy> strategy_;
+  Trace trace_;
+};
+
+// The ddp script (see the file's header).
+class ReplicatedScript {
+ public:
+  // Every rank starts from its own weights: the broadcast makes them rank 0's.
+  ReplicatedScript(const Side& side, std::shared_ptr<meshrun::PluginLibrary> ddp)
+      : side_(side), model_(side, float(side.world.rank())) {
+    // 64-byte buckets: several all-reduces in flight in one backward.
+    const Json options = {{"strategy", "ddp"}, {"bucket_cap_mb", 64.0 / (1024 * 1024)}};
+    strategy_ = std::make_unique<meshrun::Strategy>(std::move(ddp), side.world,
+                                                    model_.strategy_buffers(), options.dump());
+  }
+
+  Trace run() {
+    strategy_->broadcast_parameters();
+    trace_.push_back(side_.memory.floats(model_.weights, model_.numel()));
+    for (int step = 0; step < 2; ++step) {
+      side_.memory.put(model_.gradients, std::vector<float>(size_t(model_.numel()), 0.0f));
+      for (int m = 0; m < 2; ++m) {
+        strategy_->begin_micro_batch(m == 1);
+        for (size_t p = kParameters.size(); p-- > 0;) add_gradients(p, step, m);
+      }
+      strategy_->finish_gradients();
+      trace_.push_back(side_.memory.floats(model_.gradients, model_.numel()));
+    }
+    return trace_;
+  }
+
+ private:
+  void add_gradients(size_t p, int step, int m) {
+    const int64_t begin = model_.offsets[p];
+    const int64_t end = model_.offsets[p + 1];
+    std::vector<float> values = side_.memory.floats(model_.gradients + begin, end - begin);
+    for (size_t i = 0; i < values.size(); ++i) {
+      values[i] += local_gradient(side_.world.rank(), step, m, begin + int64_t(i));
+    }
+    side_.memory.put(model_.gradients + begin, values);
+    strategy_->gradients_ready(begin, end);
+  }
+
+  const Side& side_;
+  ModelBuffers model_;  // before the strategy: destroyed after it
   std::unique_ptr<meshrun::Strategy> strategy_;
   Trace trace_;
 };
@@ -323,15 +394,21 @@ meshrun_error* broadcast_over_mpi(void* context, void* data, size_t bytes, int64
   }
 }
 
-int run(int device) {
+// A bootstrap for a job of one rank: broadcasting to oneself moves nothing.
+meshrun_error* broadcast_to_self(void*, void*, size_t, int64_t) { return nullptr; }
+
+int run(int device, int ranks) {
+  if (ranks > 2) throw std::runtime_error("run on 1 or 2 ranks (see the file's header)");
   const meshrun::PluginLoader loader = meshrun::PluginLoader::from_environment();
   const auto fsdp2 = loader.load(meshrun::PluginKind::strategy, "fsdp2");
-  meshrun::CommBackend mpi(loader, "mpi");
-  Communicator cpu_world = mpi.world(kTimeoutSeconds);
-  if (cpu_world.size() > 2) throw std::runtime_error("run on 1 or 2 ranks (see the file's header)");
+  // One rank needs no MPI (the GPU machines have none): the loopback test
+  // backend is its CPU twin's comm.
+  meshrun::CommBackend cpu_backend(loader, ranks == 1 ? "loopback" : "mpi");
+  Communicator cpu_world = cpu_backend.world(kTimeoutSeconds);
   Communicator cpu_replicate = cpu_world.split(cpu_world.rank(), 0, "dp_replicate");
   const meshrun_bootstrap bootstrap{sizeof(meshrun_bootstrap), cpu_world.rank(), cpu_world.size(),
-                                    &cpu_world, &broadcast_over_mpi};
+                                    &cpu_world,
+                                    ranks == 1 ? &broadcast_to_self : &broadcast_over_mpi};
   meshrun::CommBackend nccl(loader, "nccl");
   Communicator gpu_world = nccl.world(kTimeoutSeconds, device, &bootstrap);
   Communicator gpu_replicate = gpu_world.split(gpu_world.rank(), 0, "dp_replicate");
@@ -348,6 +425,20 @@ int run(int device) {
   const Side host{"host", cpu_world, cpu_replicate, host_memory, {kDLCPU, 0}, nullptr, nullptr};
   const Side gpu{"cuda", gpu_world, gpu_replicate, device_memory, {kDLCUDA, device}, compute, comm};
 
+  int failures = 0;
+  const auto compare = [&](const std::string& what, const Trace& expected, const Trace& got) {
+    const std::string difference = first_difference(expected, got);
+    if (difference.empty()) {
+      std::printf("rank %lld: %s: %zu buffers equal bit for bit\n",
+                  static_cast<long long>(cpu_world.rank()), what.c_str(), got.size());
+      return;
+    }
+    ++failures;
+    std::fprintf(stderr, "rank %lld: FAIL %s: %s\n", static_cast<long long>(cpu_world.rank()),
+                 what.c_str(), difference.c_str());
+  };
+  const auto ddp = loader.load(meshrun::PluginKind::strategy, "ddp");
+  compare("ddp", ReplicatedScript(host, ddp).run(), ReplicatedScript(gpu, ddp).run());
   const std::vector<std::pair<const char*, Json>> cases = {
       {"float32 gathers and reductions", Json::object()},
       {"bfloat16 gathers", {{"mp_policy", {{"param_dtype", "bfloat16"}}}}},
@@ -358,20 +449,10 @@ int run(int device) {
        {{"reshard_after_forward", false}, {"fsdp2_backward_prefetch_depth", 1}}},
       {"no prefetch", {{"enable_fsdp2_prefetch", false}}},
   };
-  int failures = 0;
   for (const auto& [what, changes] : cases) {
     const std::string options = meshrun::test::fsdp2_options_with(changes);
-    const Trace expected = Script(host, fsdp2, options).run();
-    const Trace got = Script(gpu, fsdp2, options).run();
-    const std::string difference = first_difference(expected, got);
-    if (difference.empty()) {
-      std::printf("rank %lld: %s: %zu buffers equal bit for bit\n",
-                  static_cast<long long>(cpu_world.rank()), what, got.size());
-    } else {
-      ++failures;
-      std::fprintf(stderr, "rank %lld: FAIL %s: %s\n", static_cast<long long>(cpu_world.rank()),
-                   what, difference.c_str());
-    }
+    compare(std::string("fsdp2, ") + what, ShardedScript(host, fsdp2, options).run(),
+            ShardedScript(gpu, fsdp2, options).run());
   }
   gpu_replicate.set_stream(nullptr);
   gpu_world.set_stream(nullptr);
@@ -393,9 +474,9 @@ int main() {
     return kSkip;
   }
   try {
-    return run(local_rank % *usable);
+    return run(local_rank % *usable, env_int("OMPI_COMM_WORLD_SIZE", 1));
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fsdp2 device test: %s\n", e.what());
+    std::fprintf(stderr, "strategy device test: %s\n", e.what());
     return 1;
   }
 }

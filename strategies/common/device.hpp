@@ -1,9 +1,10 @@
-// Where the sharding engine's buffers live and how it computes on them:
-// host memory, or a CUDA GPU's (cuda/device.cu). The engine touches buffer
-// memory only through this interface, so one engine serves both.
+// Where a strategy's buffers live and how it computes on them: host memory,
+// or a CUDA GPU's (cuda/device.cu). The sharding engine touches buffer
+// memory only through this interface, so one engine serves both; ddp uses
+// its stream ordering only (its buckets are the host's gradients).
 //
 // A GPU device has two streams (meshrun/strategy.h, ABI 1.13): the host's
-// compute stream, and the comm stream its collectives run on. The engine's
+// compute stream, and the comm stream the collectives run on. A strategy's
 // own kernels (casts, copies) run on the comm stream, except the zeroing of
 // a buffer the host's compute writes. Events order one stream after the
 // other; the host never waits for them. The host device has no streams:
@@ -19,9 +20,10 @@
 #include <cstdint>
 #include <memory>
 
+#include "meshrun/strategy.h"
 #include "precision.hpp"
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 
 // A point in the comm stream's work: what follows a wait on it runs after
 // the comm work enqueued before it was recorded. Owned by shared_ptr, so
@@ -83,6 +85,12 @@ class Device {
 // Host memory: precision.hpp's loops, memcpy, memset.
 std::unique_ptr<Device> make_host_device();
 
+// The device of `setup`'s comm backend: for kDLCUDA the GPU of the setup's
+// tensors and the streams of ABI 1.13 (a smaller setup: the default stream
+// for both), for any other type the host device (whose ordering does
+// nothing). Errors as make_cuda_device's.
+std::unique_ptr<Device> make_device(const meshrun_strategy_setup& setup);
+
 // The CUDA GPU `device_id`, its compute and comm streams (cudaStream_t; NULL
 // is the legacy default stream). Throws UNIMPLEMENTED when the strategy was
 // built without the CUDA toolkit, and INVALID_ARGUMENT for a device id past
@@ -90,4 +98,4 @@ std::unique_ptr<Device> make_host_device();
 std::unique_ptr<Device> make_cuda_device(int32_t device_id, void* compute_stream,
                                          void* comm_stream);
 
-}  // namespace meshrun::sharding
+}  // namespace meshrun::strategies

@@ -1,5 +1,5 @@
-// The sharding engine's buffers in host memory: every call completes before
-// it returns, so there is nothing to order.
+// A strategy's buffers in host memory: every call completes before it
+// returns, so there is nothing to order.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "common/errors.hpp"
 #include "device.hpp"
 
-namespace meshrun::sharding {
+namespace meshrun::strategies {
 namespace {
 
 class HostDevice final : public Device {
@@ -37,13 +37,13 @@ class HostDevice final : public Device {
     std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
   }
   void narrow(Dtype dtype, const float* in, void* out, int64_t count, float scale) override {
-    sharding::narrow(dtype, in, out, count, scale);
+    strategies::narrow(dtype, in, out, count, scale);
   }
   void widen(Dtype dtype, const void* in, float* out, int64_t count) override {
-    sharding::widen(dtype, in, out, count);
+    strategies::widen(dtype, in, out, count);
   }
   void widen_add(Dtype dtype, const void* in, float* out, int64_t count) override {
-    sharding::widen_add(dtype, in, out, count);
+    strategies::widen_add(dtype, in, out, count);
   }
   NonFinite first_non_finite(const float* data, int64_t count) override {
     const float* found =
@@ -62,4 +62,12 @@ class HostDevice final : public Device {
 
 std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
 
-}  // namespace meshrun::sharding
+std::unique_ptr<Device> make_device(const meshrun_strategy_setup& setup) {
+  if (setup.comm->device_type != kDLCUDA) return make_host_device();
+  const bool streams = MESHRUN_HAS_FIELD(meshrun_strategy_setup, &setup, comm_stream);
+  return make_cuda_device(setup.parameters.device.device_id,
+                          streams ? setup.compute_stream : nullptr,
+                          streams ? setup.comm_stream : nullptr);
+}
+
+}  // namespace meshrun::strategies
