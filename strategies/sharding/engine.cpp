@@ -145,7 +145,7 @@ void Engine::use_device(const meshrun_strategy_setup& setup) {
                 "setup: double buffering (fsdp_double_buffer) is implemented for host memory "
                 "only; set it to false for a CUDA run");
   }
-  device_ = strategies::make_device(setup);
+  device_ = make_device_(setup);
   meter_.use(*device_);
   shard_memory_.use(*device_);
 }

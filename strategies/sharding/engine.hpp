@@ -90,12 +90,17 @@ struct EngineOptions {
 
 // INVALID_ARGUMENT naming the key for a value of the wrong type or range.
 using OptionsParser = EngineOptions (*)(const char* options_json);
+// The device of a setup whose comm backend moves CPU or CUDA tensors.
+using DeviceMaker = std::unique_ptr<Device> (*)(const meshrun_strategy_setup& setup);
 
 class Engine {
  public:
-  // `name` begins messages and log lines; `parse` reads the setup's options.
-  Engine(const meshrun_host_services& host, const char* name, OptionsParser parse)
-      : host_(&host), name_(name), parse_(parse) {}
+  // `name` begins messages and log lines; `parse` reads the setup's options;
+  // `make_device` gives the buffers' device (the tests give one of their
+  // own, to run the GPU's code paths on host memory).
+  Engine(const meshrun_host_services& host, const char* name, OptionsParser parse,
+         DeviceMaker make_device = &strategies::make_device)
+      : host_(&host), name_(name), parse_(parse), make_device_(make_device) {}
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -191,6 +196,7 @@ class Engine {
   const meshrun_host_services* host_;
   const char* name_;
   OptionsParser parse_;
+  DeviceMaker make_device_;
   EngineOptions options_;
   Groups groups_;
   std::unique_ptr<const ShardLayout> layout_;  // set once setup succeeded
