@@ -24,6 +24,7 @@ struct meshrun_strategy {
   meshrun::LocalParameters local;
   meshrun::CheckpointLayout layout;
   int64_t seed = 0;
+  DLDevice device{kDLCPU, 0};  // of the buffers and every view
   // The shape arrays of the views handed out (DLTensor points at them).
   std::vector<std::array<int64_t, 2>> unit_shapes;
   int64_t local_shape = 0;
@@ -41,9 +42,16 @@ using meshrun::host_api::require;
   throw Error(MESHRUN_INVALID_ARGUMENT, "meshrun_strategy_parameters: " + what);
 }
 
-// A caller's flat float32 CPU buffer of `numel` elements, or INVALID_ARGUMENT
-// naming `name` ("params->parameters", "full").
-float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& name) {
+std::string device_name(DLDevice device) {
+  return device.device_type == kDLCPU
+             ? "the CPU"
+             : fmt::format("device type {} id {}", int(device.device_type), device.device_id);
+}
+
+// A caller's flat float32 buffer of `numel` elements on `device`, or
+// INVALID_ARGUMENT naming `name` ("params->parameters", "full").
+float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& name,
+                    DLDevice device = {kDLCPU, 0}) {
   const auto refuse = [&](const std::string& why) {
     throw Error(MESHRUN_INVALID_ARGUMENT, fmt::format("{}: {}", name, why));
   };
@@ -53,10 +61,15 @@ float* flat_float32(const DLTensor& tensor, int64_t numel, const std::string& na
   int64_t elements = 1;
   for (int32_t d = 0; d < tensor.ndim; ++d) elements *= tensor.shape[d];
   const bool compact = tensor.strides == nullptr || (tensor.ndim == 1 && tensor.strides[0] == 1);
-  if (tensor.device.device_type != kDLCPU || tensor.dtype.code != kDLFloat ||
-      tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 || !compact || elements != numel) {
+  if (tensor.device.device_type != device.device_type ||
+      (device.device_type != kDLCPU && tensor.device.device_id != device.device_id)) {
+    refuse(fmt::format("is on {}, but the runtime's buffers are on {} (the comm backend's device)",
+                       device_name(tensor.device), device_name(device)));
+  }
+  if (tensor.dtype.code != kDLFloat || tensor.dtype.bits != 32 || tensor.dtype.lanes != 1 ||
+      !compact || elements != numel) {
     refuse(
-        fmt::format("must be a compact float32 CPU tensor of {} elements (every parameter), "
+        fmt::format("must be a compact float32 tensor of {} elements (every parameter), "
                     "got {} elements",
                     numel, elements));
   }
@@ -108,17 +121,45 @@ meshrun::CheckpointLayout layout_of(const meshrun_strategy_parameters& p) {
   return meshrun::checkpoint_layout("host", names, shapes);
 }
 
+// The device the caller's buffers must be on: the CPU for a CPU backend,
+// for a GPU one the device of `parameters` (the runtime placed the rank).
+DLDevice device_of(meshrun::Job& job, const DLTensor& parameters) {
+  const int32_t type = job.communicator("dp").comm_api().device_type;
+  if (type == kDLCPU) return {kDLCPU, 0};
+  return {static_cast<DLDeviceType>(type), parameters.device.device_id};
+}
+
+// With a GPU backend: the caller's streams, the comm stream set on the
+// data-parallel communicators.
+void use_streams(meshrun::Job& job, const meshrun_strategy_parameters& p,
+                 meshrun::StrategyBuffers& buffers) {
+  if (buffers.device.device_type == kDLCPU ||
+      !MESHRUN_HAS_FIELD(meshrun_strategy_parameters, &p, comm_stream)) {
+    return;
+  }
+  buffers.compute_stream = p.compute_stream;
+  buffers.comm_stream = p.comm_stream;
+  for (const char* axis : {"dp", "dp_shard_cp", "dp_replicate"}) {
+    job.communicator(axis).set_stream(p.comm_stream);
+  }
+}
+
 void create(meshrun_runtime* runtime, const meshrun_strategy_parameters& p, meshrun_strategy& s) {
   // The caller's description first, then the runtime's state: a runtime
   // that has not joined is told to join (a built mesh alone, for planning,
   // has a plan but no communicators).
   s.offsets = checked_offsets(p);
   const int64_t numel = s.offsets.back();
-  float* values = flat_float32(p.parameters, numel, "params->parameters");
-  float* gradients = flat_float32(p.gradients, numel, "params->gradients");
+  // Shapes and dtypes here; the device once the runtime's backend is known.
+  flat_float32(p.parameters, numel, "params->parameters", p.parameters.device);
+  flat_float32(p.gradients, numel, "params->gradients", p.gradients.device);
   s.job = runtime->runtime.job();
   const meshrun::Plan& plan = runtime->runtime.plan();
-  meshrun::StrategyBuffers buffers{values, gradients, numel, s.offsets, {}};
+  s.device = device_of(*s.job, p.parameters);
+  float* values = flat_float32(p.parameters, numel, "params->parameters", s.device);
+  float* gradients = flat_float32(p.gradients, numel, "params->gradients", s.device);
+  meshrun::StrategyBuffers buffers{values, gradients, numel, s.offsets, {}, s.device};
+  use_streams(*s.job, p, buffers);
   for (int64_t i = 0; i < p.num_parameters; ++i) buffers.parameter_names.emplace_back(p.names[i]);
   s.units.shard_group = &s.job->communicator("dp_shard_cp");
   s.units.replicate_group = &s.job->communicator("dp_replicate");
@@ -144,10 +185,19 @@ meshrun::Strategy& strategy_of(meshrun_strategy* strategy) {
   return *strategy->strategy;
 }
 
-void set_view(DLTensor* out, const meshrun::FloatView& view, int64_t& shape) {
+// UNIMPLEMENTED for buffers on a GPU: the calls that read host memory.
+void require_host_memory(const meshrun_strategy& s) {
+  if (s.device.device_type == kDLCPU) return;
+  throw Error(MESHRUN_UNIMPLEMENTED,
+              fmt::format("the strategy's buffers are on {}, and this call reads host memory "
+                          "(not yet for GPU buffers)",
+                          device_name(s.device)));
+}
+
+void set_view(DLTensor* out, const meshrun::FloatView& view, DLDevice device, int64_t& shape) {
   if (out == nullptr) return;
   shape = view.numel;
-  *out = DLTensor{view.data, {kDLCPU, 0}, 1, meshrun::dtype_float32(), &shape, nullptr, 0};
+  *out = DLTensor{view.data, device, 1, meshrun::dtype_float32(), &shape, nullptr, 0};
 }
 
 // The caller's named buffers in the local shard's layout, after the
@@ -257,8 +307,8 @@ meshrun_error* meshrun_strategy_unit_views(meshrun_strategy* strategy, int32_t u
   return guarded(__func__, [&] {
     const auto [values, grads] = strategy_of(strategy).unit_views(unit);
     auto& shapes = strategy->unit_shapes.at(size_t(unit));
-    set_view(parameters, values, shapes[0]);
-    set_view(gradients, grads, shapes[1]);
+    set_view(parameters, values, strategy->device, shapes[0]);
+    set_view(gradients, grads, strategy->device, shapes[1]);
   });
 }
 
@@ -267,8 +317,8 @@ meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* strategy, DLTensor
   return guarded(__func__, [&] {
     strategy_of(strategy);
     const auto& local = strategy->local;
-    set_view(parameters, {local.params, local.numel}, strategy->local_shape);
-    set_view(gradients, {local.grads, local.numel}, strategy->local_shape);
+    set_view(parameters, {local.params, local.numel}, strategy->device, strategy->local_shape);
+    set_view(gradients, {local.grads, local.numel}, strategy->device, strategy->local_shape);
   });
 }
 
@@ -297,6 +347,7 @@ meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy
   return guarded(__func__, [&] {
     strategy_of(strategy);
     require(out, "out");
+    require_host_memory(*strategy);
     const auto& local = strategy->local;
     auto squared = float(meshrun::squared_norm(local.grads, local.numel));
     if (local.norm_group != nullptr) {
@@ -312,7 +363,8 @@ meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy, DL
     meshrun::Strategy& s = strategy_of(strategy);
     require(full, "full");
     const int64_t numel = strategy->offsets.back();
-    float* data = flat_float32(*full, numel, "full");
+    float* data = flat_float32(*full, numel, "full", strategy->device);
+    if (!s.sharded()) require_host_memory(*strategy);
     if (s.sharded()) {
       s.gather_parameters(data, numel);
     } else {
@@ -327,6 +379,7 @@ meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, cons
   return guarded(__func__, [&] {
     strategy_of(strategy);
     require(dir, "dir");
+    require_host_memory(*strategy);
     meshrun::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
                           checkpoint_buffers(*strategy, num_buffers, names, buffers),
                           strategy->job->world());
@@ -339,6 +392,7 @@ meshrun_error* meshrun_strategy_load_checkpoint(meshrun_strategy* strategy, cons
   return guarded(__func__, [&] {
     strategy_of(strategy);
     require(dir, "dir");
+    require_host_memory(*strategy);
     const auto index = meshrun::read_index(dir, strategy->layout);
     const auto wanted = checkpoint_buffers(*strategy, num_buffers, names, buffers);
     for (const auto& buffer : wanted) {

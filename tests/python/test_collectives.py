@@ -13,6 +13,7 @@ errors of a joined runtime. All ranks run the same tests in the same order,
 so their collectives match; a short comm timeout turns a hang into an error.
 """
 
+import ctypes
 import gc
 import os
 import sys
@@ -287,6 +288,29 @@ class Lifecycle(unittest.TestCase):
 
     def test_unknown_axis_is_not_found(self):
         self.assert_code(meshrun.NOT_FOUND, lambda: JOB.comm("dq"), "dq")
+
+    def test_strategy_buffers_on_a_gpu_are_named_not_read(self):
+        # This runtime's comm backend (mpi) moves host memory: buffers that
+        # say they are on CUDA device 0 are refused before anything reads them.
+        values = numpy.zeros(4, numpy.float32)
+        borrowed = [meshrun.dlpack.borrow(values, name, ("float32",), (meshrun.dlpack.CPU,))
+                    for name in ("parameters", "gradients")]
+        on_gpu = [meshrun.dlpack.DLTensor.from_buffer_copy(b.tensor) for b in borrowed]
+        for tensor in on_gpu:
+            tensor.device.device_type = 2  # kDLCUDA
+        names = (ctypes.c_char_p * 1)(b"w")
+        params = meshrun._capi.StrategyParameters(
+            struct_size=ctypes.sizeof(meshrun._capi.StrategyParameters), num_parameters=1,
+            names=names, numels=(ctypes.c_int64 * 1)(4), rows=(ctypes.c_int64 * 1)(1),
+            units=(ctypes.c_int32 * 1)(0), num_units=1, root_unit=0, parameters=on_gpu[0],
+            gradients=on_gpu[1])
+        out = ctypes.c_void_p()
+        self.assert_code(meshrun.INVALID_ARGUMENT, lambda: meshrun._capi.check(
+            meshrun.library().meshrun_strategy_create(JOB.handle, ctypes.byref(params),
+                                                      ctypes.byref(out))),
+            "meshrun_strategy_create: params->parameters: is on device type 2 id 0, but the "
+            "runtime's buffers are on the CPU (the comm backend's device)")
+        self.assertFalse(out)
 
     def test_strategy_misuse(self):
         params, grads = numpy.zeros(6, numpy.float32), numpy.zeros(6, numpy.float32)

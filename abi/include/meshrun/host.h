@@ -218,7 +218,8 @@ MESHRUN_HOST_API void meshrun_op_destroy(meshrun_op* op);
 /* ---- ABI 1.5: the configured strategy over the caller's parameters ---- */
 
 /* What the caller's model is, for a strategy: its parameters in one order,
- * each contiguous in two caller-owned flat float32 CPU buffers (parameters
+ * each contiguous in two caller-owned flat float32 buffers on the runtime's
+ * device (host memory; the rank's GPU with a CUDA backend, ABI 1.13) (parameters
  * and gradients, the same layout: parameter i is elements [offset_i,
  * offset_i + numels[i]), offsets cumulative from 0), and the units they form
  * (meshrun/strategy.h: the parameters a sharded strategy gathers together;
@@ -240,6 +241,22 @@ typedef struct meshrun_strategy_parameters {
   DLTensor parameters;
   DLTensor gradients;
   const meshrun_extension* extensions;
+
+  /* ---- ABI 1.13 (read only when struct_size covers it; absent: NULL) ---- */
+
+  /* With a CUDA comm backend (dist_env.backend "nccl") the tensors above are
+   * on the rank's GPU (kDLCUDA and its ordinal), and so is every view the
+   * strategy lends. `compute_stream` is the cudaStream_t the caller computes
+   * on; the runtime sets `comm_stream` on its data-parallel communicators
+   * (dp, dp_shard_cp, dp_replicate), so their collectives, the strategy's
+   * and any the caller issues on them, run there. NULL is the legacy
+   * default stream. Streams are handed over as meshrun/strategy.h (ABI 1.13)
+   * says: the strategy's work follows the caller's compute enqueued before
+   * each call, and what a call lends is ready for compute enqueued after it.
+   * Both are ignored with a CPU backend. Borrowed: valid until the strategy
+   * is destroyed. */
+  void* compute_stream;
+  void* comm_stream;
 } meshrun_strategy_parameters;
 
 /* The configured strategy (distributed.strategy, with its [distributed]
@@ -286,8 +303,8 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_post_backward(meshrun_strategy*
 
 /* Views of a sharded strategy's gathered unit: its parameters in index order,
  * contiguous, and (inside the unit's backward, else data NULL) their
- * gradients, which the caller accumulates into. 1-D float32 CPU tensors
- * whose shape arrays the strategy owns; valid until the unit's next
+ * gradients, which the caller accumulates into. 1-D float32 tensors on the
+ * buffers' device whose shape arrays the strategy owns; valid until the unit's next
  * post_forward or post_backward. Either pointer may be NULL. Errors:
  * UNIMPLEMENTED for a replicated strategy, FAILED_PRECONDITION when the unit
  * is not gathered. */
@@ -307,13 +324,16 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_local_shard(meshrun_strategy* s
                                                              DLTensor* gradients);
 
 /* The squared L2 norm of the whole gradient over every data-parallel rank
- * (for clipping): collective over the shard group. */
+ * (for clipping): collective over the shard group. Errors: UNIMPLEMENTED
+ * for buffers on a GPU (it reads host memory). */
 MESHRUN_HOST_API meshrun_error* meshrun_strategy_gradient_norm_squared(meshrun_strategy* strategy,
                                                                        double* out);
 
-/* Fills `full` (float32, every parameter in the caller's layout) with the
- * current parameters; collective over the data-parallel ranks; outside a
- * step. */
+/* Fills `full` (float32, every parameter in the caller's layout, on the
+ * buffers' device) with the current parameters; collective over the
+ * data-parallel ranks; outside a step. Errors: UNIMPLEMENTED for a
+ * replicated strategy's buffers on a GPU (the caller's own buffers hold
+ * them). */
 MESHRUN_HOST_API meshrun_error* meshrun_strategy_gather_parameters(meshrun_strategy* strategy,
                                                                    DLTensor* full);
 
@@ -321,7 +341,8 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_gather_parameters(meshrun_strat
  * train's format, docs/checkpoints: every rank writes its part, rank 0
  * index.json last): the local shard's parameters and `num_buffers` more
  * buffers of the local shard's layout named `names` (e.g. an optimizer's
- * moments), with `step`. Collective over the job. */
+ * moments), with `step`. Collective over the job. Errors: UNIMPLEMENTED for
+ * buffers on a GPU (checkpoints read and write host memory). */
 MESHRUN_HOST_API meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy,
                                                                  const char* dir, int64_t step,
                                                                  int64_t num_buffers,
@@ -332,7 +353,7 @@ MESHRUN_HOST_API meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strateg
  * parameters (names and sizes) into the local shard and the named buffers;
  * *out_step receives its step. Errors: NOT_FOUND without index.json,
  * INVALID_ARGUMENT for a checkpoint of other parameters or without a named
- * buffer. */
+ * buffer, UNIMPLEMENTED for buffers on a GPU. */
 MESHRUN_HOST_API meshrun_error* meshrun_strategy_load_checkpoint(
     meshrun_strategy* strategy, const char* dir, int64_t num_buffers, const char* const* names,
     DLTensor* buffers, int64_t* out_step);

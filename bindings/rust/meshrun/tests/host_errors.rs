@@ -189,6 +189,8 @@ fn a_wrong_struct_size_or_a_null_buffer_is_named() {
         parameters: tensor(values.as_mut_ptr(), shape.as_mut_ptr()),
         gradients: tensor(grads.as_mut_ptr(), shape.as_mut_ptr()),
         extensions: ptr::null(),
+        compute_stream: ptr::null_mut(),
+        comm_stream: ptr::null_mut(),
     };
     let cases = [
         (
