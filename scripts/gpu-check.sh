@@ -18,17 +18,18 @@
 # a mixture's routing, dispatch and combine, rotary and flash-style causal
 # GQA attention, forward and backward (models/common/cuda), the cuBLASLt
 # bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), the AdamW
-# update (trainer/cuda), and the NCCL comm
-# backend (its C boundary, and every operation on 2 ranks when the node has
-# 2 GPUs).
-# Then one benchmark: the GPU's bfloat16 GEMM FLOP/s (an 8192^3 GEMM through
-# cuBLASLt) and its device-to-device copy bandwidth. No model computes on a
-# GPU yet (docs/testing.md).
+# update (trainer/cuda), the NCCL comm backend (its C boundary, and every
+# operation on 2 ranks when the node has 2 GPUs), and ddp and fsdp2 on GPU
+# buffers over NCCL against the same on host buffers (1 rank; 2 where the
+# node has 2 GPUs and MPI).
+# Then one benchmark, `meshrun bench peak --device cuda`: the GPU's bfloat16
+# GEMM FLOP/s (an 8192^3 GEMM through cuBLASLt) and its device-to-device
+# copy bandwidth. No model computes on a GPU yet (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
 gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test
-  meshrun_cuda_adamw_test meshrun_gpu_gemm_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
+  meshrun_cuda_adamw_test meshrun_cli meshrun_cuda_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
   meshrun_strategy_device_test meshrun_strategy_ddp meshrun_strategy_fsdp2 meshrun_comm_nccl
   meshrun_comm_mpi test_plugin_loopback)
 
@@ -86,9 +87,11 @@ grep -E '^[0-9]+: (PASS|FAIL|SKIP)|Test +#[0-9]+: |tests passed|not run' "$build
   sed -E 's/^[0-9]+: /    /'
 echo "== full log: $build_dir/gpu-tests.log"
 echo "== benchmark: bfloat16 GEMM peak and copy bandwidth"
-if [ -x "$build_dir/bin/meshrun_gpu_gemm_peak" ]; then
-  timeout 120 "$build_dir/bin/meshrun_gpu_gemm_peak" 8192 2 || echo "benchmark failed or skipped ($?)"
+if [ -x "$build_dir/bin/meshrun" ]; then
+  timeout 120 "$build_dir/bin/meshrun" bench peak --device cuda ||
+    echo "benchmark failed or skipped ($?)"
+  timeout 120 "$build_dir/bin/meshrun" bench peak --device cuda --json || true
 else
-  echo "not built here (no cuBLASLt)"
+  echo "not built here"
 fi
 exit $status

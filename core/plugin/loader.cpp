@@ -214,32 +214,38 @@ struct DlClose {
   void operator()(void* handle) const { dlclose(handle); }
 };
 
-// The directory the core code was loaded from, plus the relative path from
-// there to the plugin folder. The build tree mirrors the install tree, so the
-// same rule finds build/lib/meshrun/plugins and <prefix>/lib/meshrun/plugins.
-std::optional<std::string> default_plugin_dir() {
+}  // namespace
+
+// The build tree mirrors the install tree, so the same rule finds build/lib
+// and <prefix>/lib.
+std::optional<std::string> library_dir() {
   Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&default_plugin_dir), &info) == 0 ||
-      info.dli_fname == nullptr) {
+  if (dladdr(reinterpret_cast<void*>(&library_dir), &info) == 0 || info.dli_fname == nullptr) {
     return std::nullopt;
   }
-  const std::string module = info.dli_fname;
-  const fs::path module_path(module);
+  const fs::path module_path(info.dli_fname);
   const std::string module_file = module_path.filename().string();
   const bool shared_library =
       module_file.ends_with(".so") || module_file.find(".so.") != std::string::npos;
   std::error_code ec;
   if (shared_library) {
     const fs::path lib = fs::weakly_canonical(module_path, ec);
-    return ((ec ? module_path : lib).parent_path() / MESHRUN_PLUGIN_DIR_FROM_LIB)
-        .lexically_normal()
-        .string();
+    return (ec ? module_path : lib).parent_path().lexically_normal().string();
   }
   // dli_fname of the main program is argv[0] as typed (relative, or found on
   // PATH); /proc/self/exe is the file actually running.
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (ec) return std::nullopt;
-  return (exe.parent_path() / MESHRUN_PLUGIN_DIR_FROM_BIN).lexically_normal().string();
+  return (exe.parent_path() / MESHRUN_LIB_DIR_FROM_BIN).lexically_normal().string();
+}
+
+namespace {
+
+// The plugin folder of this build or installation: <libdir>/meshrun/plugins.
+std::optional<std::string> default_plugin_dir() {
+  const auto lib = library_dir();
+  if (!lib) return std::nullopt;
+  return (fs::path(*lib) / "meshrun" / "plugins").string();
 }
 
 bool same_directory(const std::string& a, const std::string& b) {

@@ -109,6 +109,12 @@ class PluginLoader {
   VersionPolicy policy_;
 };
 
+// The library folder of this build or installation (<libdir>, holding
+// libmeshrun and meshrun/plugins): found from libmeshrun when the core runs
+// inside it, else from the running program (<bindir>/../lib). nullopt when
+// neither can be told.
+std::optional<std::string> library_dir();
+
 // The host services table the core hands to plugins: logging through the
 // core's logger, errors, and aligned allocation. Static; valid forever.
 const meshrun_host_services& host_services();

@@ -206,6 +206,31 @@ class BadInputTest(InputErrorAssertions):
         self.assert_input_error(run("bench", "comm", "--dtype", "int8"), "--dtype")
         self.assert_input_error(run("bench", "comm", "--nproc", "0"), "--nproc")
         self.assert_input_error(run("bench", "comms"), "comm")
+        self.assert_input_error(run("bench", "memcpy", "--threads", "2"),
+                                "--threads: meshrun bench memcpy takes no such option")
+        self.assert_input_error(run("bench", "comm", "--device", "cuda"), "--device")
+        self.assert_input_error(run("bench", "peak", "--device", "tpu"),
+                                "--device: 'tpu'", "cpu, cuda, cuda:N")
+        self.assert_input_error(run("bench", "peak", "--device", "cuda", "--threads", "2"),
+                                "--threads")
+        self.assert_input_error(run("bench", "peak", "--device", "cuda", "--dtype", "float32"),
+                                "--dtype", "bfloat16 GEMMs only")
+
+    def test_bench_peak_on_cuda_without_a_gpu_says_why(self):
+        # Where a GPU and the peak library are, this measures; elsewhere it is
+        # an input error naming what is missing: the driver or device, or the
+        # library of a build without cuBLASLt.
+        result = run("bench", "peak", "--device", "cuda", "--seconds", "0.2", "--json",
+                     timeout=120)
+        if result.returncode == 0:
+            peak = json.loads(result.stdout)
+            self.assertEqual((peak["op"], peak["dtype"], peak["device"]),
+                             ("gemm_peak", "bfloat16", "cuda:0"))
+            self.assertGreater(peak["flops_per_s"], 0)
+            return
+        self.assert_input_error(result, "--device cuda")
+        self.assertTrue("no usable CUDA device (" in result.stderr or
+                        "libmeshrun_cuda_peak.so is missing" in result.stderr, result.stderr)
 
 
 class PlanTest(unittest.TestCase):

@@ -429,12 +429,12 @@ int run(int device, int ranks) {
   const auto compare = [&](const std::string& what, const Trace& expected, const Trace& got) {
     const std::string difference = first_difference(expected, got);
     if (difference.empty()) {
-      std::printf("rank %lld: %s: %zu buffers equal bit for bit\n",
+      std::printf("PASS rank %lld: %s: %zu buffers equal bit for bit\n",
                   static_cast<long long>(cpu_world.rank()), what.c_str(), got.size());
       return;
     }
     ++failures;
-    std::fprintf(stderr, "rank %lld: FAIL %s: %s\n", static_cast<long long>(cpu_world.rank()),
+    std::fprintf(stderr, "FAIL rank %lld: %s: %s\n", static_cast<long long>(cpu_world.rank()),
                  what.c_str(), difference.c_str());
   };
   const auto ddp = loader.load(meshrun::PluginKind::strategy, "ddp");

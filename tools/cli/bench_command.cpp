@@ -1,18 +1,24 @@
 // meshrun bench comm [--nproc N] [--ops ...] [--sizes ...] [--dtype D] [--backend B] [--json]
 // meshrun bench memcpy [--sizes ...] [--json]
-// meshrun bench peak [--threads N] [--dtype float32,bfloat16] [--seconds S] [--json]
+// meshrun bench peak [--device cpu|cuda[:N]] [--threads N] [--dtype float32,bfloat16]
+//                    [--seconds S] [--json]
 #include <fmt/format.h>
 
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "bench/comm_bench.hpp"
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "errors.hpp"
+#include "gemm_peak/cuda_peak.hpp"
 #include "launch/launch.hpp"
 #include "numeric/peak.hpp"
 
@@ -25,7 +31,8 @@ constexpr const char* kBenchUsage =
     "                          [--sizes 64K,1M,16M,64M,256M] [--dtype float32|bfloat16|float16]\n"
     "                          [--backend mpi] [--seconds S] [--timeout-minutes M] [--json]\n"
     "       meshrun bench memcpy [--sizes 1M,16M,64M,256M] [--seconds S] [--json]\n"
-    "       meshrun bench peak [--threads N] [--dtype float32,bfloat16] [--seconds S] [--json]";
+    "       meshrun bench peak [--device cpu|cuda[:N]] [--threads N] [--dtype float32,bfloat16]\n"
+    "                          [--seconds S] [--json]";
 
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;
@@ -141,7 +148,50 @@ int run_memcpy(const ParsedArgs& parsed) {
 
 // The GEMM peak MFU is measured against: one thread per core by default,
 // as training runs one rank per core.
+// The CUDA device of --device cuda or cuda:N; nullopt for cpu (the default).
+std::optional<int32_t> cuda_device(const ParsedArgs& parsed) {
+  const std::string device = parsed.value("device").value_or("cpu");
+  if (device == "cpu") return std::nullopt;
+  if (device == "cuda") return 0;
+  if (device.starts_with("cuda:")) {
+    return int32_t(parse_int_option("device", device.substr(5), 0, 1023));
+  }
+  throw invalid_argument(
+      fmt::format("--device: '{}' is not a device here; valid: cpu, cuda, cuda:N", device));
+}
+
+// The GPU's bfloat16 GEMM peak (8192^3, as a linear's forward through
+// cuBLASLt) and copy bandwidth.
+int run_cuda_peak(const ParsedArgs& parsed, int32_t device) {
+  if (parsed.value("threads")) {
+    throw invalid_argument("--threads: the CUDA peak runs on the GPU; leave --threads out");
+  }
+  const auto dtypes = split_list(parsed.value("dtype").value_or("bfloat16"));
+  if (dtypes != std::vector<std::string>{"bfloat16"}) {
+    throw invalid_argument("--dtype: the CUDA peak measures bfloat16 GEMMs only; valid: bfloat16");
+  }
+  constexpr int64_t kSize = 8192;
+  const train::CudaPeak peak =
+      train::measure_cuda_peak(device, kSize, parse_seconds(parsed, "seconds", 2.0));
+  if (parsed.has_flag("json")) {
+    const nlohmann::ordered_json json = {{"op", "gemm_peak"},
+                                         {"dtype", "bfloat16"},
+                                         {"device", fmt::format("cuda:{}", device)},
+                                         {"device_name", peak.device_name},
+                                         {"gemm_size", kSize},
+                                         {"flops_per_s", peak.gemm_flops_per_s},
+                                         {"copy_bytes_per_s", peak.copy_bytes_per_s}};
+    std::puts(json.dump().c_str());
+  } else {
+    std::printf("gemm peak bfloat16 cuda:%d (%s) %.1f TFLOP/s; device copy %.0f GB/s\n", device,
+                peak.device_name.c_str(), peak.gemm_flops_per_s / 1e12,
+                peak.copy_bytes_per_s / 1e9);
+  }
+  return 0;
+}
+
 int run_peak(const ParsedArgs& parsed) {
+  if (const auto device = cuda_device(parsed)) return run_cuda_peak(parsed, *device);
   const auto cores = int64_t(std::max(1u, std::thread::hardware_concurrency()));
   const int64_t threads =
       parse_int_option("threads", parsed.value("threads").value_or(std::to_string(cores)), 1, 4096);
@@ -170,12 +220,33 @@ int run_peak(const ParsedArgs& parsed) {
   return 0;
 }
 
+// Each benchmark's own options (besides --help); another's is refused, not
+// ignored.
+void refuse_foreign_options(const ParsedArgs& parsed, const std::string& what) {
+  static const std::map<std::string, std::set<std::string>> kOptions = {
+      {"comm", {"nproc", "ops", "sizes", "dtype", "backend", "seconds", "timeout-minutes", "json"}},
+      {"memcpy", {"sizes", "seconds", "json"}},
+      {"peak", {"device", "threads", "dtype", "seconds", "json"}}};
+  const std::set<std::string>& own = kOptions.at(what);
+  std::vector<std::string> given;
+  for (const auto& [name, value] : parsed.values) given.push_back(name);
+  given.insert(given.end(), parsed.flags.begin(), parsed.flags.end());
+  for (const std::string& name : given) {
+    if (own.contains(name)) continue;
+    std::string valid;
+    for (const std::string& option : own) valid += (valid.empty() ? "--" : ", --") + option;
+    throw invalid_argument(
+        fmt::format("--{}: meshrun bench {} takes no such option; valid: {}", name, what, valid));
+  }
+}
+
 }  // namespace
 
 int run_bench(const Args& args) {
   try {
     const ParsedArgs parsed = parse_args(args,
                                          {{"nproc", true},
+                                          {"device", true},
                                           {"threads", true},
                                           {"ops", true},
                                           {"sizes", true},
@@ -195,6 +266,7 @@ int run_bench(const Args& args) {
       throw invalid_argument(
           "meshrun bench: expected 'comm', 'memcpy' or 'peak' (meshrun bench --help)");
     }
+    refuse_foreign_options(parsed, what);
     if (what == "peak") return run_peak(parsed);
     return what == "comm" ? run_comm(args, parsed) : run_memcpy(parsed);
   } catch (const std::exception& error) {
