@@ -140,11 +140,6 @@ void Engine::use_device(const meshrun_strategy_setup& setup) {
     invalid("setup: the comm backend moves device type " + std::to_string(type) +
             " tensors; the sharded strategies keep their buffers on the CPU (1) or a CUDA GPU (2)");
   }
-  if (type == kDLCUDA && options_.double_buffer) {
-    throw Error(MESHRUN_UNIMPLEMENTED,
-                "setup: double buffering (fsdp_double_buffer) is implemented for host memory "
-                "only; set it to false for a CUDA run");
-  }
   device_ = make_device_(setup);
   meter_.use(*device_);
   shard_memory_.use(*device_);
@@ -553,21 +548,32 @@ void Engine::start_gather(int32_t u) {
     bucket.parameters.allocate(0, false);
     return;
   }
+  // A device unpacks when the gather starts, so it takes the gather buffer
+  // (double buffering) then; the host when the gather completes.
+  const int32_t b = units_[static_cast<size_t>(u)].bucket;
+  Buffer* slot = device_->orders_work_after_collectives() ? held_slot(b) : nullptr;
   bucket.gather.emplace(groups_, bucket.comm, shard_parameters_.floats(), options_.param_dtype,
-                        meter_);
+                        meter_, slot);
 }
 
 void Engine::complete_gather(int32_t b) {
   Bucket& bucket = buckets_[static_cast<size_t>(b)];
   if (!bucket.gather.has_value()) return;
-  if (Buffer* slot = slot_of(b)) {
-    if (!slot->held()) free_slot(slot, b);
-    bucket.parameters.swap(*slot);
+  if (!device_->orders_work_after_collectives()) {
+    if (Buffer* slot = held_slot(b)) bucket.parameters.swap(*slot);
   }
   strategies::Request in_flight = bucket.gather->finish(bucket.parameters, bucket.received);
   bucket.ready = bucket.gather->ready();
   if (in_flight.pending()) settling_.push_back({std::move(in_flight), bucket.gather->what()});
   bucket.gather.reset();
+}
+
+// The gather buffer of bucket `b` (double buffering), taken back from an
+// idle holder if need be; NULL without double buffering.
+Buffer* Engine::held_slot(int32_t b) {
+  Buffer* slot = slot_of(b);
+  if (slot != nullptr && !slot->held()) free_slot(slot, b);
+  return slot;
 }
 
 // A slot still lent to an idle unit (the last unit, kept gathered after a

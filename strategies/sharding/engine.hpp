@@ -177,6 +177,7 @@ class Engine {
   void start_gather(int32_t unit);
   void complete_gather(int32_t bucket);
   Buffer* slot_of(int32_t bucket);
+  Buffer* held_slot(int32_t bucket);
   void free_slot(Buffer* slot, int32_t bucket);
   void reshard(int32_t unit);
   void release_bucket(int32_t bucket);

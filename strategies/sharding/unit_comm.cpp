@@ -16,7 +16,7 @@ size_t bytes_of(int64_t numel, Dtype dtype) {
 }  // namespace
 
 Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
-               MemoryMeter& meter)
+               MemoryMeter& meter, Buffer* slot)
     : device_(&meter.device()),
       block_(comm.block),
       dtype_(dtype),
@@ -42,6 +42,7 @@ Gather::Gather(const Groups& groups, const CommPlace& comm, const float* local, 
   throw_if_error(groups.comm->all_gather(groups.shard, &send, &recv, &request), what_);
   request_ = strategies::Request(*groups.comm, request);
   if (device_->orders_work_after_collectives()) {
+    if (slot != nullptr) full_.swap(*slot);
     unpack(full_, received_);
     ready_ = device_->record();
     full_.used_until(ready_);

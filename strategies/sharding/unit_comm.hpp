@@ -44,9 +44,10 @@ class Gather {
   // chunk into the receive buffer, in one all_gather over the shard group.
   // On a device that orders work after collectives, the unpacking that
   // finish() describes is enqueued right behind the collective, so that it
-  // never queues behind collectives started later.
+  // never queues behind collectives started later, into `slot` when given
+  // (a double buffer's, which the gather holds until finish).
   Gather(const Groups& groups, const CommPlace& comm, const float* local, Dtype dtype,
-         MemoryMeter& meter);
+         MemoryMeter& meter, Buffer* slot = nullptr);
 
   bool done();
   // Makes `full` hold the block's full buffer in float32: the receive

@@ -274,6 +274,17 @@ inline const std::vector<Case>& cases() {
       {"reduced at the micro-batch's end", [](EngineOptions& o) { o.overlap_grad_reduce = false; }},
       {"averaged by summing pre-scaled gradients",
        [](EngineOptions& o) { o.average_in_collective = false; }},
+      {"double buffering, bfloat16 gathers",
+       [](EngineOptions& o) {
+         o.double_buffer = true;
+         o.backward_prefetch_depth = 1;
+         o.param_dtype = Dtype::bfloat16;
+       }},
+      {"double buffering, float32 gathers",
+       [](EngineOptions& o) {
+         o.double_buffer = true;
+         o.backward_prefetch_depth = 1;
+       }},
   };
   return all;
 }
