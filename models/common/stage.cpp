@@ -7,11 +7,8 @@
 namespace meshrun::models {
 
 void accumulate_weight_gradient(const LinearWeight& weight, const float* dy, const float* x) {
-  if (weight.layout == WeightLayout::out_in) {
-    kernels::linear_backward_weight(weight.first->grad, dy, x, weight.rows, weight.in, weight.out);
-  } else {
-    kernels::conv1d_backward_weight(weight.first->grad, dy, x, weight.rows, weight.in, weight.out);
-  }
+  weight.compute->linear_backward_weight(weight.layout, weight.first->grad, dy, x, weight.rows,
+                                         weight.in, weight.out);
 }
 
 void ImmediateWeightGradients::linear(const LinearWeight& weight, const float* dy,

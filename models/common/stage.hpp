@@ -86,6 +86,7 @@
 #include <string>
 #include <vector>
 
+#include "common/compute.hpp"
 #include "common/context_parallel.hpp"
 #include "common/expert_parallel.hpp"
 #include "common/kept_activations.hpp"
@@ -133,17 +134,15 @@ inline kernels::Weight<float> weight_of(const ParameterView& view) {
   return {view.data, view.bfloat16};
 }
 
-// How a linear's weight is stored: Hugging Face's nn.Linear [out, in]
-// (y = x W^T) or GPT-2's Conv1D [in, out] (y = x W).
-enum class WeightLayout { out_in, in_out };
-
 // A linear's weight over a pass of `rows` rows: the adjacent views [first,
-// last] (Llama's q/k/v and gate/up act as one fused projection).
+// last] (Llama's q/k/v and gate/up act as one fused projection), and where
+// its gradient is computed.
 struct LinearWeight {
   const ParameterView* first;
   const ParameterView* last;
   WeightLayout layout;
   int64_t rows, in, out;
+  Compute* compute = &host_compute();
 };
 
 // dW += dy^T x into the weight's gradient, as its layout stores it.

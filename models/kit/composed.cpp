@@ -18,20 +18,10 @@ using models::WeightLayout;
 
 namespace {
 
-// The projections' GEMMs in the composition's layout (layers.hpp): y = x
-// W^T for torch.nn.Linear's [out, in] weights, y = x W for Conv1D's [in,
-// out].
-struct Layout {
-  decltype(&linear_forward<float>) forward;
-  decltype(&linear_backward_input<float>) backward_input;
-  WeightLayout weights;
-};
-
-Layout layout_of(const Composition& c) {
-  if (c.conv1d) {
-    return {&conv1d_forward<float>, &conv1d_backward_input<float>, WeightLayout::in_out};
-  }
-  return {&linear_forward<float>, &linear_backward_input<float>, WeightLayout::out_in};
+// The projections' weights in the composition's layout: torch.nn.Linear's
+// [out, in] or Conv1D's [in, out].
+WeightLayout layout_of(const Composition& c) {
+  return c.conv1d ? WeightLayout::in_out : WeightLayout::out_in;
 }
 
 std::vector<int64_t> rotary_positions(const Composition& c,
@@ -57,6 +47,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
       head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
       attend(attention, cp, Composed::kName),
       rotary(attention.head_dim, rotary_positions(c, attend), c.rope_theta, c.rotary_dim()),
+      rotation(compute.rotation(rotary)),
       transient(c.tensors.size()),
       d_qkv(rows() * attention.qkv_dim()),
       d_attention(rows() * attention.q_dim()),
@@ -114,7 +105,7 @@ std::vector<float> Pass::take() {
 
 std::vector<float> Pass::take_zeroed() {
   std::vector<float> buffer = take();
-  std::fill(buffer.begin(), buffer.end(), 0.0f);
+  compute.zero(buffer.data(), int64_t(buffer.size()));
   return buffer;
 }
 
@@ -173,7 +164,7 @@ struct Projections {
   int64_t inputs;  // q, k, v: 3; gate, up: 2; fc1 or a fused Conv1D: 1
   const ParameterView* views;
   const LayerOp& op;
-  Layout layout;
+  WeightLayout layout;
   const ParameterView& in_weight() const { return views[0]; }
   const ParameterView& in_bias() const { return views[inputs]; }
   const ParameterView& out_weight() const { return views[inputs * (op.bias_in ? 2 : 1)]; }
@@ -191,16 +182,24 @@ Projections projections(const Pass& pass, const ParameterView* layer, const Laye
   return {c.conv1d ? 1 : fused, views_of(pass, layer, op), op, layout_of(c)};
 }
 
-// The element-wise steps, out of line: selective checkpointing computes
-// them again in the backward, and one copy of the code gives the same bits.
-[[gnu::noinline]] void norm_out_of_line(float* y, float* mean, float* rstd, const float* x,
-                                        const ParameterView* views, Op op, const Pass& pass) {
+// A norm of the stream's rows. Selective checkpointing computes it again in
+// the backward: one compute's kernel gives the same bits both times.
+void norm_of_rows(float* y, float* mean, float* rstd, const float* x, const ParameterView* views,
+                  Op op, Pass& pass) {
   const double eps = pass.composition.norm_eps;
   if (op == Op::rmsnorm) {
-    rmsnorm_forward(y, rstd, x, views[0].data, pass.stream_rows(), pass.hidden, eps);
+    pass.compute.rmsnorm_forward(y, rstd, x, views[0].data, pass.stream_rows(), pass.hidden, eps);
   } else {
-    layernorm_forward(y, mean, rstd, x, views[0].data, views[1].data, pass.stream_rows(),
-                      pass.hidden, eps);
+    pass.compute.layernorm_forward(y, mean, rstd, x, views[0].data, views[1].data,
+                                   pass.stream_rows(), pass.hidden, eps);
+  }
+}
+
+// `buffer` rounded to bfloat16 when the pass keeps its activations so
+// (common/stage.hpp, bfloat16_activations).
+void round_kept(Pass& pass, std::vector<float>& buffer) {
+  if (pass.bfloat16_activations) {
+    pass.compute.round_to_bfloat16(buffer.data(), int64_t(buffer.size()));
   }
 }
 
@@ -210,7 +209,7 @@ void norm_forward(Pass& pass, float* y, OpActivations& kept, const float* x,
                   const ParameterView* views, const LayerOp& op) {
   const bool gather = pass.sequence_parallel && op.gathered_output;
   float* rows = gather ? pass.stream.data() : y;
-  norm_out_of_line(rows, kept.mean.data(), kept.rstd.data(), x, views, op.op, pass);
+  norm_of_rows(rows, kept.mean.data(), kept.rstd.data(), x, views, op.op, pass);
   if (gather) models::gather_rows(pass.tp, rows, y, pass.stream_rows(), pass.hidden);
 }
 
@@ -226,29 +225,29 @@ void norm_weights_backward(Pass& pass, Op op, const ParameterView* views, float*
   float* d_bias =
       shared ? pass.d_norm_bias.data() : (op == Op::layernorm ? views[1].grad : nullptr);
   if (shared) {
-    std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
-    std::fill(pass.d_norm_bias.begin(), pass.d_norm_bias.end(), 0.0f);
+    pass.compute.zero(pass.d_norm_weight.data(), H);
+    pass.compute.zero(pass.d_norm_bias.data(), H);
   }
   if (op == Op::rmsnorm) {
-    rmsnorm_backward(dx, d_weight, dy, x, views[0].data, rstd, n, H);
+    pass.compute.rmsnorm_backward(dx, d_weight, dy, x, views[0].data, rstd, n, H);
   } else {
-    layernorm_backward(dx, d_weight, d_bias, dy, x, views[0].data, mean, rstd, n, H);
+    pass.compute.layernorm_backward(dx, d_weight, d_bias, dy, x, views[0].data, mean, rstd, n, H);
   }
   const int64_t vectors = op == Op::layernorm ? 2 : 1;
   for (int64_t v = 0; v < vectors && shared; ++v) {
     float* partial = v == 0 ? d_weight : d_bias;
     pass.tp.all_reduce_sum(partial, H);
-    for (int64_t i = 0; i < H; ++i) views[v].grad[i] += partial[i];
+    pass.compute.accumulate(views[v].grad, partial, H);
   }
   for (int64_t v = vectors - 1; v >= 0; --v) gradients.vector_ready(views[v]);
 }
 
-[[gnu::noinline]] void activation_out_of_line(OpActivations& kept, const LayerOp& op,
-                                              const Pass& pass) {
+void activation_forward(OpActivations& kept, const LayerOp& op, Pass& pass) {
   if (op.op == Op::swiglu_mlp) {
-    swiglu_forward(kept.act.data(), kept.hidden.data(), pass.rows(), pass.intermediate);
+    pass.compute.swiglu_forward(kept.act.data(), kept.hidden.data(), pass.rows(),
+                                pass.intermediate);
   } else {
-    gelu_forward(kept.act.data(), kept.hidden.data(), pass.rows() * pass.intermediate);
+    pass.compute.gelu_forward(kept.act.data(), kept.hidden.data(), pass.rows() * pass.intermediate);
   }
 }
 
@@ -274,25 +273,28 @@ void output_projection(Pass& pass, const Projections& p, Block block, const floa
                        float* y) {
   const int64_t N = pass.rows(), H = pass.hidden;
   TensorParallelGroup& group = pass.group(block);
+  float* full = pass.sequence_parallel ? pass.projection.data() : y;
+  pass.compute.linear_forward(p.layout, full, x, weight_of(p.out_weight()), N, width, H);
   if (!pass.sequence_parallel) {
-    p.layout.forward(y, x, weight_of(p.out_weight()), N, width, H);
     models::reduce_partial_sums(group, y, N * H);
   } else {
-    p.layout.forward(pass.projection.data(), x, weight_of(p.out_weight()), N, width, H);
-    models::reduce_scatter_rows(group, pass.projection.data(), y, pass.stream_rows(), H);
+    models::reduce_scatter_rows(group, full, y, pass.stream_rows(), H);
   }
-  if (p.op.bias_out) bias_forward(y, p.out_bias().data, pass.stream_rows(), H);
+  if (p.op.bias_out) pass.compute.bias_forward(y, p.out_bias().data, pass.stream_rows(), H);
 }
 
 void attention_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept,
                        float* y) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden;
-  p.layout.forward(kept.qkv.data(), in, weight_of(p.in_weight()), N, H, shape.qkv_dim());
-  if (p.op.bias_in) bias_forward(kept.qkv.data(), p.in_bias().data, N, shape.qkv_dim());
+  pass.compute.linear_forward(p.layout, kept.qkv.data(), in, weight_of(p.in_weight()), N, H,
+                              shape.qkv_dim());
+  if (p.op.bias_in) {
+    pass.compute.bias_forward(kept.qkv.data(), p.in_bias().data, N, shape.qkv_dim());
+  }
   if (!pass.composition.learned_positions()) {
-    rotary_forward(kept.qkv.data(), pass.rotary, shape.batch, shape.seq_len,
-                   shape.heads + shape.kv_heads, shape.qkv_dim());
+    pass.rotation->forward(kept.qkv.data(), shape.batch, shape.seq_len,
+                           shape.heads + shape.kv_heads, shape.qkv_dim());
   }
   pass.attend.forward(kept.attention.data(), kept.lse.data(), kept.qkv.data());
   output_projection(pass, p, Block::attention, kept.attention.data(), shape.q_dim(), y);
@@ -301,10 +303,11 @@ void attention_forward(Pass& pass, const Projections& p, const float* in, OpActi
 void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivations& kept, float* y) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const int64_t width = p.inputs * I;
-  p.layout.forward(kept.hidden.data(), in, weight_of(p.in_weight()), N, H, width);
-  if (p.op.bias_in) bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
-  models::round_kept(pass.bfloat16_activations, kept.hidden);
-  activation_out_of_line(kept, p.op, pass);
+  pass.compute.linear_forward(p.layout, kept.hidden.data(), in, weight_of(p.in_weight()), N, H,
+                              width);
+  if (p.op.bias_in) pass.compute.bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
+  round_kept(pass, kept.hidden);
+  activation_forward(kept, p.op, pass);
   output_projection(pass, p, Block::mlp, kept.act.data(), I, y);
 }
 
@@ -321,12 +324,12 @@ struct Gradients {
       g = std::move(buffer);
       return;
     }
-    for (size_t i = 0; i < g.size(); ++i) g[i] += buffer[i];
+    pass.compute.accumulate(g.data(), buffer.data(), int64_t(g.size()));
     pass.give(std::move(buffer));
   }
   void add_copy(int t, const std::vector<float>& values) {
     std::vector<float> copy = pass.take();
-    std::copy(values.begin(), values.end(), copy.begin());
+    pass.compute.copy(copy.data(), values.data(), int64_t(values.size()));
     add(t, std::move(copy));
   }
   std::vector<float>& accumulating(int t) {
@@ -344,8 +347,8 @@ std::vector<float>& weight_gradient_input(const LayerOp& op, const Tensors& tens
   const Pass& pass = tensors.pass;
   const int64_t numel = op.input == 0 ? pass.stream_numel()
                                       : pass.numel_of(pass.composition.ops[size_t(op.input - 1)]);
-  const float* values = tensors[op.input];
-  own.assign(values, values + numel);
+  own.resize(size_t(numel));
+  tensors.pass.compute.copy(own.data(), tensors[op.input], numel);
   return own;
 }
 
@@ -368,7 +371,7 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   const int64_t N = pass.rows(), H = pass.hidden;
   std::vector<float> d_input = pass.take();
   float* full = pass.sequence_parallel ? pass.projection.data() : d_input.data();
-  p.layout.backward_input(full, dy, weight_of(p.in_weight()), N, H, width);
+  pass.compute.linear_backward_input(p.layout, full, dy, weight_of(p.in_weight()), N, H, width);
   TensorParallelGroup& group = pass.group(block);
   if (pass.sequence_parallel) {
     group.start_reduce_scatter_sum(full, d_input.data(), pass.stream_numel());
@@ -377,23 +380,23 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   }
   std::vector<float> own;
   std::vector<float>& x = weight_gradient_input(p.op, tensors, own);
-  gradients.linear({&p.in_weight(), &p.in_weight() + p.inputs - 1, p.layout.weights, N, H, width},
-                   dy, x);
+  gradients.linear(
+      {&p.in_weight(), &p.in_weight() + p.inputs - 1, p.layout, N, H, width, &pass.compute}, dy, x);
   group.wait_started();
   grads.add(p.op.input, std::move(d_input));
 }
 
-void output_bias_backward(const Projections& p, const float* dy, int64_t rows, int64_t hidden,
+void output_bias_backward(Pass& pass, const Projections& p, const float* dy,
                           WeightGradients& gradients) {
   if (!p.op.bias_out) return;
-  bias_backward(p.out_bias().grad, dy, rows, hidden);
+  pass.compute.bias_backward(p.out_bias().grad, dy, pass.rows(), pass.hidden);
   gradients.vector_ready(p.out_bias());
 }
 
-void input_bias_backward(const Projections& p, const float* dy, int64_t rows, int64_t width,
+void input_bias_backward(Pass& pass, const Projections& p, const float* dy, int64_t width,
                          WeightGradients& gradients) {
   if (!p.op.bias_in) return;
-  bias_backward(p.in_bias().grad, dy, rows, width);
+  pass.compute.bias_backward(p.in_bias().grad, dy, pass.rows(), width);
   for (int64_t k = p.inputs - 1; k >= 0; --k) gradients.vector_ready((&p.in_bias())[k]);
 }
 
@@ -403,17 +406,18 @@ void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   const float* d_out = block_output_gradient(pass, dy);
-  p.layout.backward_input(pass.d_attention.data(), d_out, weight_of(p.out_weight()), N, Q, H);
+  pass.compute.linear_backward_input(p.layout, pass.d_attention.data(), d_out,
+                                     weight_of(p.out_weight()), N, Q, H);
   pass.attend.backward(pass.d_qkv.data(), pass.d_attention.data(), kept.qkv.data(),
                        kept.attention.data(), kept.lse.data());
-  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, Q, H}, d_out,
+  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout, N, Q, H, &pass.compute}, d_out,
                    kept.attention);
-  output_bias_backward(p, d_out, N, H, gradients);
+  output_bias_backward(pass, p, d_out, gradients);
   if (!pass.composition.learned_positions()) {
-    rotary_backward(pass.d_qkv.data(), pass.rotary, shape.batch, shape.seq_len,
-                    shape.heads + shape.kv_heads, shape.qkv_dim());
+    pass.rotation->backward(pass.d_qkv.data(), shape.batch, shape.seq_len,
+                            shape.heads + shape.kv_heads, shape.qkv_dim());
   }
-  input_bias_backward(p, pass.d_qkv.data(), N, shape.qkv_dim(), gradients);
+  input_bias_backward(pass, p, pass.d_qkv.data(), shape.qkv_dim(), gradients);
   projection_input_backward(pass, p, Block::attention, pass.d_qkv.data(), shape.qkv_dim(), tensors,
                             grads, gradients);
 }
@@ -424,15 +428,17 @@ void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpAc
                   const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const float* d_out = block_output_gradient(pass, dy);
-  p.layout.backward_input(pass.d_act.data(), d_out, weight_of(p.out_weight()), N, I, H);
-  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout.weights, N, I, H}, d_out, kept.act);
-  output_bias_backward(p, d_out, N, H, gradients);
+  pass.compute.linear_backward_input(p.layout, pass.d_act.data(), d_out, weight_of(p.out_weight()),
+                                     N, I, H);
+  gradients.linear({&p.out_weight(), &p.out_weight(), p.layout, N, I, H, &pass.compute}, d_out,
+                   kept.act);
+  output_bias_backward(pass, p, d_out, gradients);
   if (p.op.op == Op::swiglu_mlp) {
-    swiglu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N, I);
+    pass.compute.swiglu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N, I);
   } else {
-    gelu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N * I);
+    pass.compute.gelu_backward(pass.d_hidden.data(), pass.d_act.data(), kept.hidden.data(), N * I);
   }
-  input_bias_backward(p, pass.d_hidden.data(), N, p.inputs * I, gradients);
+  input_bias_backward(pass, p, pass.d_hidden.data(), p.inputs * I, gradients);
   projection_input_backward(pass, p, Block::mlp, pass.d_hidden.data(), p.inputs * I, tensors, grads,
                             gradients);
 }
@@ -482,9 +488,9 @@ void Composed::embedding_forward(Pass& pass, const ParameterView* embedding, con
                                 pass.sequence_parallel);
   if (!pass.composition.learned_positions()) return;
   const int64_t first = pass.sequence_parallel ? pass.tp.rank() * pass.stream_rows() : 0;
-  kernels::embedding_forward(pass.projection.data(), pass.positions.data() + first,
-                             embedding[1].data, pass.stream_rows(), pass.hidden);
-  residual_forward(out, out, pass.projection.data(), pass.stream_numel());
+  pass.compute.embedding_forward(pass.projection.data(), pass.positions.data() + first,
+                                 embedding[1].data, pass.stream_rows(), pass.hidden);
+  pass.compute.add(out, out, pass.projection.data(), pass.stream_numel());
 }
 
 // The position table's gradient from every row, so that each tp rank holds
@@ -495,8 +501,8 @@ void Composed::embedding_backward(Pass& pass, const ParameterView* embedding,
   models::vocab_parallel_embedding_backward(embedding[0].grad, tokens, dy, pass.rows(), pass.hidden,
                                             pass.embedding_vocab);
   if (pass.composition.learned_positions()) {
-    kernels::embedding_backward(embedding[1].grad, pass.positions.data(), dy, pass.rows(),
-                                pass.hidden);
+    pass.compute.embedding_backward(embedding[1].grad, pass.positions.data(), dy, pass.rows(),
+                                    pass.hidden);
   }
 }
 
@@ -518,13 +524,11 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
       models::mixture_forward(*pass.experts, views_of(pass, layer, op), tensors[op.input],
                               *kept.experts, y);
     } else {
-      residual_forward(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
+      pass.compute.add(y, tensors[op.input], tensors[op.input2], pass.stream_numel());
     }
     // A norm may read it next, and selective checkpointing recomputes the
     // norm from what is kept.
-    if (op.keeps_output && !is_norm(op.op)) {
-      models::round_kept(pass.bfloat16_activations, saved.tensors[size_t(op.output)]);
-    }
+    if (op.keeps_output && !is_norm(op.op)) round_kept(pass, saved.tensors[size_t(op.output)]);
   }
 }
 
@@ -603,7 +607,7 @@ void Composed::recompute_elementwise(Pass& pass, const ParameterView* layer, con
       norm_forward(pass, tensors[op.output], saved.ops[i], tensors[op.input],
                    views_of(pass, layer, op), op);
     } else if (is_mlp(op.op)) {
-      activation_out_of_line(saved.ops[i], op, pass);
+      activation_forward(saved.ops[i], op, pass);
     }
   }
 }
@@ -614,15 +618,16 @@ double Composed::head_forward(Pass& pass, const ParameterView* head, const Param
   const int64_t N = pass.rows(), H = pass.hidden, V = pass.head_vocab.size;
   const bool gather = pass.sequence_parallel;
   float* rows = gather ? pass.stream.data() : saved.norm.data();
-  norm_out_of_line(rows, saved.mean.data(), saved.rstd.data(), x, head, c.final_norm, pass);
+  norm_of_rows(rows, saved.mean.data(), saved.rstd.data(), x, head, c.final_norm, pass);
   if (gather) models::gather_rows(pass.tp, rows, saved.norm.data(), pass.stream_rows(), H);
   TensorParallelGroup& group = pass.group(Block::head);
   if (!c.lm_head_bias) {
     return models::lm_head_loss_forward(saved.logits.data(), saved.norm.data(), lm_head, targets, N,
                                         H, pass.head_vocab, group);
   }
-  linear_forward(saved.logits.data(), saved.norm.data(), weight_of(lm_head), N, H, V);
-  bias_forward(saved.logits.data(), head[c.final_norm_views()].data, N, V);
+  pass.compute.linear_forward(WeightLayout::out_in, saved.logits.data(), saved.norm.data(),
+                              weight_of(lm_head), N, H, V);
+  pass.compute.bias_forward(saved.logits.data(), head[c.final_norm_views()].data, N, V);
   return models::vocab_parallel_cross_entropy_forward(saved.logits.data(), targets, N,
                                                       pass.head_vocab, group);
 }
@@ -640,11 +645,12 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
     const ParameterView& bias = head[c.final_norm_views()];
     models::vocab_parallel_cross_entropy_backward(saved.logits.data(), targets, N, pass.head_vocab,
                                                   loss_scale);
-    bias_backward(bias.grad, saved.logits.data(), N, V);
+    pass.compute.bias_backward(bias.grad, saved.logits.data(), N, V);
     gradients.vector_ready(bias);
-    linear_backward_input(d_norm.data(), saved.logits.data(), weight_of(lm_head), N, H, V);
-    gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, N, H, V}, saved.logits.data(),
-                     saved.norm);
+    pass.compute.linear_backward_input(WeightLayout::out_in, d_norm.data(), saved.logits.data(),
+                                       weight_of(lm_head), N, H, V);
+    gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, N, H, V, &pass.compute},
+                     saved.logits.data(), saved.norm);
   }
   TensorParallelGroup& group = pass.group(Block::head);
   const float* dy = d_norm.data();
@@ -654,7 +660,8 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
   } else {
     models::reduce_partial_sums(group, d_norm.data(), N * H);
   }
-  pass.d_residual.assign(size_t(pass.stream_numel()), 0.0f);
+  pass.d_residual.resize(size_t(pass.stream_numel()));
+  pass.compute.zero(pass.d_residual.data(), pass.stream_numel());
   norm_weights_backward(pass, c.final_norm, head, pass.d_residual.data(), dy, x, saved.mean.data(),
                         saved.rstd.data(), gradients);
 }

@@ -57,9 +57,12 @@ struct Pass {
   int64_t hidden, intermediate;
   models::VocabShard embedding_vocab, head_vocab;
   models::SequenceAttention attend;  // over the cp ranks, with its scratch
-  // Of the rows' positions in their sequence: rotary's angles, or the
-  // learned position table's rows [rows].
+  // Where the layer's kernels run (common/compute.hpp): the host's.
+  models::Compute& compute = models::host_compute();
+  // Of the rows' positions in their sequence: rotary's angles (where the
+  // compute reads them), or the learned position table's rows [rows].
   kernels::RotaryTable<float> rotary;
+  std::unique_ptr<models::Rotation> rotation;
   std::vector<int32_t> positions;
   // Per tensor, the outputs no backward reads (an ADD's addends, and the
   // layer's output as selective recomputation writes it): scratch.

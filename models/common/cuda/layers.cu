@@ -3,6 +3,8 @@
 // the weight gradients sum over rows one column per thread, in row order,
 // as the CPU twins do, so they need no atomics and give the same result on
 // every run.
+#include <cuda_bf16.h>
+
 #include <cmath>
 
 #include "common/cuda/layers.hpp"
@@ -199,6 +201,39 @@ __global__ void swiglu_backward_kernel(float* d_gate_up, const float* d_out, con
   }
 }
 
+// y[r, i] += bias[i]
+__global__ void bias_forward_kernel(float* y, const float* bias, int64_t rows, int64_t dim) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * dim;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] += bias[i % dim];
+  }
+}
+
+// d_bias[i] += dy[r, i] for r in order, one column per thread: the CPU
+// twin's sums, term for term.
+__global__ void bias_backward_kernel(float* d_bias, const float* dy, int64_t rows, int64_t dim) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dim;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float sum = d_bias[i];
+    for (int64_t row = 0; row < rows; ++row) sum += dy[row * dim + i];
+    d_bias[i] = sum;
+  }
+}
+
+__global__ void add_kernel(float* out, const float* x, const float* delta, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = x[i] + delta[i];
+  }
+}
+
+__global__ void round_to_bfloat16_kernel(float* values, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    values[i] = __bfloat162float(__float2bfloat16_rn(values[i]));
+  }
+}
+
 // y = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
 __device__ float gelu_argument(float x) {
   return float(kSqrt2OverPi) * (x + 0.044715f * x * x * x);
@@ -372,6 +407,33 @@ cudaError_t swiglu_backward(float* d_gate_up, const float* d_out, const float* g
   if (rows * dim == 0) return cudaSuccess;
   swiglu_backward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(d_gate_up, d_out,
                                                                             gate_up, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t bias_forward(float* y, const float* bias, int64_t rows, int64_t dim,
+                         cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  bias_forward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(y, bias, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t dim,
+                          cudaStream_t stream) {
+  if (dim == 0) return cudaSuccess;
+  bias_backward_kernel<<<element_blocks(dim), kBlock, 0, stream>>>(d_bias, dy, rows, dim);
+  return cudaGetLastError();
+}
+
+cudaError_t add(float* out, const float* x, const float* delta, int64_t count,
+                cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  add_kernel<<<element_blocks(count), kBlock, 0, stream>>>(out, x, delta, count);
+  return cudaGetLastError();
+}
+
+cudaError_t round_to_bfloat16(float* values, int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  round_to_bfloat16_kernel<<<element_blocks(count), kBlock, 0, stream>>>(values, count);
   return cudaGetLastError();
 }
 

@@ -42,6 +42,21 @@ cudaError_t layernorm_backward(float* dx, float* d_weight, float* d_bias, const 
                                const float* x, const float* weight, const float* mean,
                                const float* rstd, int64_t rows, int64_t dim, cudaStream_t stream);
 
+// y[r, :] += bias; d_bias += the sum of dy's rows, added in row order (as
+// the CPU twin adds them).
+cudaError_t bias_forward(float* y, const float* bias, int64_t rows, int64_t dim,
+                         cudaStream_t stream);
+cudaError_t bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t dim,
+                          cudaStream_t stream);
+
+// out = x + delta (out may be x or delta: a residual connection, or a sum
+// accumulated in place).
+cudaError_t add(float* out, const float* x, const float* delta, int64_t count, cudaStream_t stream);
+
+// Each value rounded to bfloat16 (nearest even), in place, as
+// numeric/bfloat16.hpp's round_to_bfloat16.
+cudaError_t round_to_bfloat16(float* values, int64_t count, cudaStream_t stream);
+
 // out = silu(gate) * up over rows of [gate | up]; and its gradients.
 cudaError_t swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim,
                            cudaStream_t stream);

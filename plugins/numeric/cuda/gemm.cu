@@ -68,6 +68,22 @@ cublasStatus_t GemmContext::gemm_bfloat16(bool transpose_a, bool transpose_b, in
                                           int64_t k, float alpha, const uint16_t* a, int64_t lda,
                                           const uint16_t* b, int64_t ldb, float beta, float* c,
                                           int64_t ldc, cudaStream_t stream) const {
+  return matmul(CUDA_R_16BF, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                stream);
+}
+
+cublasStatus_t GemmContext::gemm_float32(bool transpose_a, bool transpose_b, int64_t m, int64_t n,
+                                         int64_t k, float alpha, const float* a, int64_t lda,
+                                         const float* b, int64_t ldb, float beta, float* c,
+                                         int64_t ldc, cudaStream_t stream) const {
+  return matmul(CUDA_R_32F, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+                stream);
+}
+
+cublasStatus_t GemmContext::matmul(cudaDataType_t operands, bool transpose_a, bool transpose_b,
+                                   int64_t m, int64_t n, int64_t k, float alpha, const void* a,
+                                   int64_t lda, const void* b, int64_t ldb, float beta, float* c,
+                                   int64_t ldc, cudaStream_t stream) const {
   if (!ok()) return status_;
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
   Descriptors d;
@@ -79,9 +95,9 @@ cublasStatus_t GemmContext::gemm_bfloat16(bool transpose_a, bool transpose_b, in
   MESHRUN_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(d.operation, CUBLASLT_MATMUL_DESC_TRANSB, &a_op,
                                                     sizeof(a_op)));
   MESHRUN_CUBLAS_TRY(
-      layout_of(&d.b_layout, CUDA_R_16BF, transpose_b ? n : k, transpose_b ? k : n, ldb));
+      layout_of(&d.b_layout, operands, transpose_b ? n : k, transpose_b ? k : n, ldb));
   MESHRUN_CUBLAS_TRY(
-      layout_of(&d.a_layout, CUDA_R_16BF, transpose_a ? k : m, transpose_a ? m : k, lda));
+      layout_of(&d.a_layout, operands, transpose_a ? k : m, transpose_a ? m : k, lda));
   MESHRUN_CUBLAS_TRY(layout_of(&d.c_layout, CUDA_R_32F, m, n, ldc));
   MESHRUN_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&d.preference));
   MESHRUN_CUBLAS_TRY(

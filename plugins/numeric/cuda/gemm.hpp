@@ -1,6 +1,6 @@
-// The CUDA twin of numeric/gemm.hpp's bfloat16 GEMM: operands in bfloat16,
-// products and sums in float32 (cuBLASLt, CUBLAS_COMPUTE_32F), the result
-// float32, in the CPU GEMM's row-major convention; and the float32 to
+// The CUDA twins of numeric/gemm.hpp's GEMMs: operands in bfloat16 or
+// float32, products and sums in float32 (cuBLASLt, CUBLAS_COMPUTE_32F), the
+// result float32, in the CPU GEMM's row-major convention; and the float32 to
 // bfloat16 rounding of numeric/bfloat16.hpp (nearest even). Device
 // pointers; every call is enqueued on `stream` and returns without waiting.
 //
@@ -39,8 +39,19 @@ class GemmContext {
                                float alpha, const uint16_t* a, int64_t lda, const uint16_t* b,
                                int64_t ldb, float beta, float* c, int64_t ldc,
                                cudaStream_t stream) const;
+  // The same in float32: operands, products and sums (CUBLAS_COMPUTE_32F,
+  // no TF32), as the CPU's float32 GEMM.
+  cublasStatus_t gemm_float32(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k,
+                              float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
+                              float beta, float* c, int64_t ldc, cudaStream_t stream) const;
 
  private:
+  // Either, by the operands' type (CUDA_R_16BF or CUDA_R_32F).
+  cublasStatus_t matmul(cudaDataType_t operands, bool transpose_a, bool transpose_b, int64_t m,
+                        int64_t n, int64_t k, float alpha, const void* a, int64_t lda,
+                        const void* b, int64_t ldb, float beta, float* c, int64_t ldc,
+                        cudaStream_t stream) const;
+
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

@@ -1,0 +1,131 @@
+#include "common/compute.hpp"
+
+#include <algorithm>
+
+#include "numeric/bfloat16.hpp"
+
+namespace meshrun::models {
+
+namespace {
+
+using kernels::Weight;
+
+class HostRotation : public Rotation {
+ public:
+  explicit HostRotation(const kernels::RotaryTable<float>& table) : table_(table) {}
+  void forward(float* x, int64_t batch, int64_t seq_len, int64_t heads,
+               int64_t row_stride) const override {
+    kernels::rotary_forward(x, table_, batch, seq_len, heads, row_stride);
+  }
+  void backward(float* dx, int64_t batch, int64_t seq_len, int64_t heads,
+                int64_t row_stride) const override {
+    kernels::rotary_backward(dx, table_, batch, seq_len, heads, row_stride);
+  }
+
+ private:
+  const kernels::RotaryTable<float>& table_;
+};
+
+class HostCompute : public Compute {
+ public:
+  void linear_forward(WeightLayout layout, float* y, const float* x, const Weight<float>& weight,
+                      int64_t rows, int64_t in, int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      kernels::linear_forward(y, x, weight, rows, in, out);
+    } else {
+      kernels::conv1d_forward(y, x, weight, rows, in, out);
+    }
+  }
+  void linear_backward_input(WeightLayout layout, float* dx, const float* dy,
+                             const Weight<float>& weight, int64_t rows, int64_t in,
+                             int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      kernels::linear_backward_input(dx, dy, weight, rows, in, out);
+    } else {
+      kernels::conv1d_backward_input(dx, dy, weight, rows, in, out);
+    }
+  }
+  void linear_backward_weight(WeightLayout layout, float* d_weight, const float* dy, const float* x,
+                              int64_t rows, int64_t in, int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      kernels::linear_backward_weight(d_weight, dy, x, rows, in, out);
+    } else {
+      kernels::conv1d_backward_weight(d_weight, dy, x, rows, in, out);
+    }
+  }
+  void bias_forward(float* y, const float* bias, int64_t rows, int64_t dim) override {
+    kernels::bias_forward(y, bias, rows, dim);
+  }
+  void bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t dim) override {
+    kernels::bias_backward(d_bias, dy, rows, dim);
+  }
+
+  void add(float* out, const float* x, const float* delta, int64_t count) override {
+    kernels::residual_forward(out, x, delta, count);
+  }
+  void accumulate(float* sum, const float* addend, int64_t count) override {
+    for (int64_t i = 0; i < count; ++i) sum[i] += addend[i];
+  }
+  void copy(float* to, const float* from, int64_t count) override {
+    std::copy(from, from + count, to);
+  }
+  void zero(float* values, int64_t count) override { std::fill(values, values + count, 0.0f); }
+  void round_to_bfloat16(float* values, int64_t count) override {
+    kernels::round_to_bfloat16(values, values, count);
+  }
+
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight, int64_t rows,
+                       int64_t dim, double eps) override {
+    kernels::rmsnorm_forward(y, rstd, x, weight, rows, dim, eps);
+  }
+  void rmsnorm_backward(float* dx, float* d_weight, const float* dy, const float* x,
+                        const float* weight, const float* rstd, int64_t rows,
+                        int64_t dim) override {
+    kernels::rmsnorm_backward(dx, d_weight, dy, x, weight, rstd, rows, dim);
+  }
+  void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* weight,
+                         const float* bias, int64_t rows, int64_t dim, double eps) override {
+    kernels::layernorm_forward(y, mean, rstd, x, weight, bias, rows, dim, eps);
+  }
+  void layernorm_backward(float* dx, float* d_weight, float* d_bias, const float* dy,
+                          const float* x, const float* weight, const float* mean, const float* rstd,
+                          int64_t rows, int64_t dim) override {
+    kernels::layernorm_backward(dx, d_weight, d_bias, dy, x, weight, mean, rstd, rows, dim);
+  }
+
+  void swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim) override {
+    kernels::swiglu_forward(out, gate_up, rows, dim);
+  }
+  void swiglu_backward(float* d_gate_up, const float* d_out, const float* gate_up, int64_t rows,
+                       int64_t dim) override {
+    kernels::swiglu_backward(d_gate_up, d_out, gate_up, rows, dim);
+  }
+  void gelu_forward(float* y, const float* x, int64_t count) override {
+    kernels::gelu_forward(y, x, count);
+  }
+  void gelu_backward(float* dx, const float* dy, const float* x, int64_t count) override {
+    kernels::gelu_backward(dx, dy, x, count);
+  }
+
+  void embedding_forward(float* out, const int32_t* indices, const float* table, int64_t rows,
+                         int64_t dim) override {
+    kernels::embedding_forward(out, indices, table, rows, dim);
+  }
+  void embedding_backward(float* d_table, const int32_t* indices, const float* d_out, int64_t rows,
+                          int64_t dim) override {
+    kernels::embedding_backward(d_table, indices, d_out, rows, dim);
+  }
+
+  std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {
+    return std::make_unique<HostRotation>(table);
+  }
+};
+
+}  // namespace
+
+Compute& host_compute() {
+  static HostCompute compute;
+  return compute;
+}
+
+}  // namespace meshrun::models

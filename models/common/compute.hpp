@@ -1,0 +1,115 @@
+// Where a model's layers compute: the kernels a decoder layer calls, on the
+// memory of one device. The host's (host_compute(): the CPU kernels of
+// common/layers.hpp) or a CUDA GPU's (common/cuda/compute.hpp: their CUDA
+// twins and cuBLASLt), one interface, so that one layer code computes on
+// either, and the CPU's is the GPU's oracle (tests/gpu/test_cuda_compute.cpp
+// runs every call on both). Pointers are of the compute's device; a GPU's
+// calls are enqueued on its stream in call order and return without
+// waiting.
+//
+// The GEMMs follow the matmul precision of the process (numeric/gemm.hpp):
+// under bfloat16 each operand is rounded to bfloat16 and the products
+// summed in float32, on either device.
+//
+// The kit's layer (kit/composed.cpp) calls its kernels through this;
+// attention, the loss, the mixture and the collectives of tensor and
+// context parallelism still call the CPU's directly, and the buffers are
+// the host's: the GPU's compute has not run inside a model (docs/testing.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/layers.hpp"
+
+namespace meshrun::models {
+
+// How a linear's weight is stored: Hugging Face's nn.Linear [out, in]
+// (y = x W^T) or GPT-2's Conv1D [in, out] (y = x W).
+enum class WeightLayout { out_in, in_out };
+
+// The rotary angles of one pass's rows (a kernels::RotaryTable), where the
+// compute reads them. Made by Compute::rotation; the table must outlive it
+// (the host's reads it in place, a GPU's holds a copy).
+class Rotation {
+ public:
+  virtual ~Rotation() = default;
+  // Turns the first `heads` head vectors of every row of x ([batch *
+  // seq_len] rows, `row_stride` apart) by the angles of the row's position,
+  // in place; the backward turns the gradient by -angle.
+  virtual void forward(float* x, int64_t batch, int64_t seq_len, int64_t heads,
+                       int64_t row_stride) const = 0;
+  virtual void backward(float* dx, int64_t batch, int64_t seq_len, int64_t heads,
+                        int64_t row_stride) const = 0;
+};
+
+class Compute {
+ public:
+  virtual ~Compute() = default;
+
+  // A linear without bias over `rows` rows, the weight as `layout` stores
+  // it (its bfloat16 copy read where a bfloat16 matmul can):
+  //   forward:        y [rows, out] = x [rows, in] W
+  //   backward_input: dx [rows, in] = dy [rows, out] W^T   (overwritten)
+  //   backward_weight: dW += dy^T x (or x^T dy, as stored)
+  virtual void linear_forward(WeightLayout layout, float* y, const float* x,
+                              const kernels::Weight<float>& weight, int64_t rows, int64_t in,
+                              int64_t out) = 0;
+  virtual void linear_backward_input(WeightLayout layout, float* dx, const float* dy,
+                                     const kernels::Weight<float>& weight, int64_t rows, int64_t in,
+                                     int64_t out) = 0;
+  virtual void linear_backward_weight(WeightLayout layout, float* d_weight, const float* dy,
+                                      const float* x, int64_t rows, int64_t in, int64_t out) = 0;
+  // y[r, :] += bias; d_bias += the sum of dy's rows.
+  virtual void bias_forward(float* y, const float* bias, int64_t rows, int64_t dim) = 0;
+  virtual void bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t dim) = 0;
+
+  // out = x + delta (a residual connection; out may be x); sum += addend;
+  // to = from; values = 0.
+  virtual void add(float* out, const float* x, const float* delta, int64_t count) = 0;
+  virtual void accumulate(float* sum, const float* addend, int64_t count) = 0;
+  virtual void copy(float* to, const float* from, int64_t count) = 0;
+  virtual void zero(float* values, int64_t count) = 0;
+  // Each value rounded to bfloat16 (nearest even), in place: what keeping
+  // it in bfloat16 leaves (common/kept_activations.hpp).
+  virtual void round_to_bfloat16(float* values, int64_t count) = 0;
+
+  // The norms per row of `dim` (common/layers.hpp): the forward keeps 1/rms
+  // (and the mean); the backward adds into dx and the weight's (and
+  // bias's) gradient.
+  virtual void rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight,
+                               int64_t rows, int64_t dim, double eps) = 0;
+  virtual void rmsnorm_backward(float* dx, float* d_weight, const float* dy, const float* x,
+                                const float* weight, const float* rstd, int64_t rows,
+                                int64_t dim) = 0;
+  virtual void layernorm_forward(float* y, float* mean, float* rstd, const float* x,
+                                 const float* weight, const float* bias, int64_t rows, int64_t dim,
+                                 double eps) = 0;
+  virtual void layernorm_backward(float* dx, float* d_weight, float* d_bias, const float* dy,
+                                  const float* x, const float* weight, const float* mean,
+                                  const float* rstd, int64_t rows, int64_t dim) = 0;
+
+  // out = silu(gate) * up over rows of [gate | up] (`dim` each); GPT-2's
+  // tanh GELU; their gradients (d_gate_up, dx overwritten).
+  virtual void swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim) = 0;
+  virtual void swiglu_backward(float* d_gate_up, const float* d_out, const float* gate_up,
+                               int64_t rows, int64_t dim) = 0;
+  virtual void gelu_forward(float* y, const float* x, int64_t count) = 0;
+  virtual void gelu_backward(float* dx, const float* dy, const float* x, int64_t count) = 0;
+
+  // out[r, :] = table[indices[r], :]; d_table[indices[r], :] += d_out[r, :]
+  // (indices in the compute's memory).
+  virtual void embedding_forward(float* out, const int32_t* indices, const float* table,
+                                 int64_t rows, int64_t dim) = 0;
+  virtual void embedding_backward(float* d_table, const int32_t* indices, const float* d_out,
+                                  int64_t rows, int64_t dim) = 0;
+
+  // `table`'s angles where this compute reads them.
+  virtual std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) = 0;
+};
+
+// The host's compute: the CPU kernels, on host memory. One for the process.
+Compute& host_compute();
+
+}  // namespace meshrun::models

@@ -1,0 +1,259 @@
+#include "common/cuda/compute.hpp"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/cuda/attention.hpp"
+#include "common/cuda/layers.hpp"
+#include "numeric/cuda/gemm.hpp"
+#include "numeric/gemm.hpp"
+
+namespace meshrun::models {
+
+namespace {
+
+namespace gpu = kernels::cuda;
+using kernels::Weight;
+
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+void check(cudaError_t status, const char* call) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("cuda compute: ") + call + ": " +
+                             cudaGetErrorString(status));
+  }
+}
+
+void check(cublasStatus_t status, const char* call) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("cuda compute: ") + call + ": cuBLAS status " +
+                             std::to_string(int(status)));
+  }
+}
+
+// Device memory of `count` elements, freed with it.
+template <typename Element>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(size_t count) { resize(count); }
+  ~DeviceArray() { release(); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  Element* data() const { return data_; }
+  // At least `count` elements, contents undefined. Growing frees the old
+  // memory, which cudaFree does only once the device is done with it.
+  Element* at_least(size_t count) {
+    if (count > count_) resize(count);
+    return data_;
+  }
+
+ private:
+  void resize(size_t count) {
+    release();
+    check(cudaMalloc(reinterpret_cast<void**>(&data_), count * sizeof(Element)), "cudaMalloc");
+    count_ = count;
+  }
+  void release() {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = nullptr;
+    count_ = 0;
+  }
+  Element* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+class CudaRotation : public Rotation {
+ public:
+  CudaRotation(const kernels::RotaryTable<float>& table, cudaStream_t stream)
+      : cos_(table.cos.size()),
+        sin_(table.sin.size()),
+        half_dim_(table.half_dim),
+        head_dim_(table.head_dim),
+        stream_(stream) {
+    const size_t bytes = table.cos.size() * sizeof(float);
+    check(cudaMemcpy(cos_.data(), table.cos.data(), bytes, cudaMemcpyHostToDevice), "cos table");
+    check(cudaMemcpy(sin_.data(), table.sin.data(), bytes, cudaMemcpyHostToDevice), "sin table");
+  }
+  void forward(float* x, int64_t batch, int64_t seq_len, int64_t heads,
+               int64_t row_stride) const override {
+    check(gpu::rotary_forward(x, cos_.data(), sin_.data(), batch, seq_len, heads, head_dim_,
+                              half_dim_, row_stride, stream_),
+          "rotary_forward");
+  }
+  void backward(float* dx, int64_t batch, int64_t seq_len, int64_t heads,
+                int64_t row_stride) const override {
+    check(gpu::rotary_backward(dx, cos_.data(), sin_.data(), batch, seq_len, heads, head_dim_,
+                               half_dim_, row_stride, stream_),
+          "rotary_backward");
+  }
+
+ private:
+  DeviceArray<float> cos_, sin_;
+  int64_t half_dim_, head_dim_;
+  cudaStream_t stream_;
+};
+
+class CudaCompute : public Compute {
+ public:
+  CudaCompute(int device, cudaStream_t stream)
+      : stream_(stream), gemms_(workspace_bytes_on(device)) {
+    if (!gemms_.ok()) {
+      throw std::runtime_error("cuda compute: GPU " + std::to_string(device) +
+                               ": no cuBLASLt handle with " + std::to_string(kGemmWorkspaceBytes) +
+                               " bytes of workspace (cuBLAS status " +
+                               std::to_string(int(gemms_.status())) + ")");
+    }
+  }
+
+  // The CPU's GEMM calls of the two layouts (common/layers.hpp), row-major.
+  void linear_forward(WeightLayout layout, float* y, const float* x, const Weight<float>& weight,
+                      int64_t rows, int64_t in, int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      gemm(false, true, rows, out, in, x, in, weight, in, 0.0f, y, out);
+    } else {
+      gemm(false, false, rows, out, in, x, in, weight, out, 0.0f, y, out);
+    }
+  }
+  void linear_backward_input(WeightLayout layout, float* dx, const float* dy,
+                             const Weight<float>& weight, int64_t rows, int64_t in,
+                             int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      gemm(false, false, rows, in, out, dy, out, weight, in, 0.0f, dx, in);
+    } else {
+      gemm(false, true, rows, in, out, dy, out, weight, out, 0.0f, dx, in);
+    }
+  }
+  void linear_backward_weight(WeightLayout layout, float* d_weight, const float* dy, const float* x,
+                              int64_t rows, int64_t in, int64_t out) override {
+    if (layout == WeightLayout::out_in) {
+      gemm(true, false, out, in, rows, dy, out, Weight<float>(x), in, 1.0f, d_weight, in);
+    } else {
+      gemm(true, false, in, out, rows, x, in, Weight<float>(dy), out, 1.0f, d_weight, out);
+    }
+  }
+  void bias_forward(float* y, const float* bias, int64_t rows, int64_t dim) override {
+    check(gpu::bias_forward(y, bias, rows, dim, stream_), "bias_forward");
+  }
+  void bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t dim) override {
+    check(gpu::bias_backward(d_bias, dy, rows, dim, stream_), "bias_backward");
+  }
+
+  void add(float* out, const float* x, const float* delta, int64_t count) override {
+    check(gpu::add(out, x, delta, count, stream_), "add");
+  }
+  void accumulate(float* sum, const float* addend, int64_t count) override {
+    check(gpu::add(sum, sum, addend, count, stream_), "accumulate");
+  }
+  void copy(float* to, const float* from, int64_t count) override {
+    check(
+        cudaMemcpyAsync(to, from, size_t(count) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+        "copy");
+  }
+  void zero(float* values, int64_t count) override {
+    check(cudaMemsetAsync(values, 0, size_t(count) * sizeof(float), stream_), "zero");
+  }
+  void round_to_bfloat16(float* values, int64_t count) override {
+    check(gpu::round_to_bfloat16(values, count, stream_), "round_to_bfloat16");
+  }
+
+  void rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight, int64_t rows,
+                       int64_t dim, double eps) override {
+    check(gpu::rmsnorm_forward(y, rstd, x, weight, rows, dim, eps, stream_), "rmsnorm_forward");
+  }
+  void rmsnorm_backward(float* dx, float* d_weight, const float* dy, const float* x,
+                        const float* weight, const float* rstd, int64_t rows,
+                        int64_t dim) override {
+    check(gpu::rmsnorm_backward(dx, d_weight, dy, x, weight, rstd, rows, dim, stream_),
+          "rmsnorm_backward");
+  }
+  void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* weight,
+                         const float* bias, int64_t rows, int64_t dim, double eps) override {
+    check(gpu::layernorm_forward(y, mean, rstd, x, weight, bias, rows, dim, eps, stream_),
+          "layernorm_forward");
+  }
+  void layernorm_backward(float* dx, float* d_weight, float* d_bias, const float* dy,
+                          const float* x, const float* weight, const float* mean, const float* rstd,
+                          int64_t rows, int64_t dim) override {
+    check(gpu::layernorm_backward(dx, d_weight, d_bias, dy, x, weight, mean, rstd, rows, dim,
+                                  stream_),
+          "layernorm_backward");
+  }
+
+  void swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim) override {
+    check(gpu::swiglu_forward(out, gate_up, rows, dim, stream_), "swiglu_forward");
+  }
+  void swiglu_backward(float* d_gate_up, const float* d_out, const float* gate_up, int64_t rows,
+                       int64_t dim) override {
+    check(gpu::swiglu_backward(d_gate_up, d_out, gate_up, rows, dim, stream_), "swiglu_backward");
+  }
+  void gelu_forward(float* y, const float* x, int64_t count) override {
+    check(gpu::gelu_forward(y, x, count, stream_), "gelu_forward");
+  }
+  void gelu_backward(float* dx, const float* dy, const float* x, int64_t count) override {
+    check(gpu::gelu_backward(dx, dy, x, count, stream_), "gelu_backward");
+  }
+
+  void embedding_forward(float* out, const int32_t* indices, const float* table, int64_t rows,
+                         int64_t dim) override {
+    check(gpu::embedding_forward(out, indices, table, rows, dim, stream_), "embedding_forward");
+  }
+  void embedding_backward(float* d_table, const int32_t* indices, const float* d_out, int64_t rows,
+                          int64_t dim) override {
+    check(gpu::embedding_backward(d_table, indices, d_out, rows, dim, stream_),
+          "embedding_backward");
+  }
+
+  std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {
+    return std::make_unique<CudaRotation>(table, stream_);
+  }
+
+ private:
+  // Makes `device` current (the GEMM context is made on it); the bytes of
+  // the context's workspace.
+  static size_t workspace_bytes_on(int device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    return kGemmWorkspaceBytes;
+  }
+
+  // C = op(A) op(B) + beta C as the CPU's gemm: float32, or under the
+  // bfloat16 matmul precision each operand rounded to bfloat16 (B's
+  // bfloat16 copy read where the weight has one) and the products summed
+  // in float32.
+  void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
+            int64_t lda, const Weight<float>& b, int64_t ldb, float beta, float* c, int64_t ldc) {
+    if (kernels::matmul_precision() == kernels::MatmulPrecision::float32) {
+      check(gemms_.gemm_float32(transpose_a, transpose_b, m, n, k, 1.0f, a, lda, b.data, ldb, beta,
+                                c, ldc, stream_),
+            "gemm_float32");
+      return;
+    }
+    const uint16_t* a_bits = rounded(a, m * k, a_bits_);
+    const uint16_t* b_bits = b.bfloat16 != nullptr ? b.bfloat16 : rounded(b.data, k * n, b_bits_);
+    check(gemms_.gemm_bfloat16(transpose_a, transpose_b, m, n, k, 1.0f, a_bits, lda, b_bits, ldb,
+                               beta, c, ldc, stream_),
+          "gemm_bfloat16");
+  }
+
+  // `values` rounded to bfloat16 into `bits` (the stream orders its reuse).
+  const uint16_t* rounded(const float* values, int64_t count, DeviceArray<uint16_t>& bits) {
+    uint16_t* out = bits.at_least(size_t(count));
+    check(gpu::to_bfloat16(values, out, count, stream_), "to_bfloat16");
+    return out;
+  }
+
+  cudaStream_t stream_;
+  gpu::GemmContext gemms_;
+  DeviceArray<uint16_t> a_bits_, b_bits_;
+};
+
+}  // namespace
+
+std::unique_ptr<Compute> make_cuda_compute(int device, cudaStream_t stream) {
+  return std::make_unique<CudaCompute>(device, stream);
+}
+
+}  // namespace meshrun::models

@@ -1,0 +1,257 @@
+// Every call of the GPU's compute (common/cuda/compute.hpp) against the
+// host's (common/compute.hpp), which the kit's layer computes through: each
+// call runs once on host buffers through the host's compute and once on
+// device copies of them through the GPU's, and every buffer must agree
+// afterwards. The GEMMs of both weight layouts in float32 and under the
+// bfloat16 matmul precision (the weight's bfloat16 copy given or not), the
+// bias, the element-wise helpers, the norms, the activations, the
+// embedding and rotary (a partial rotary_dim too), on shapes that leave
+// partial blocks (37 rows). Without a usable GPU it exits 77 (skipped).
+//
+// Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu|, as the CUDA layers' test
+// (test_cuda_layers.cpp, where it is justified) for the kernels they share.
+// The GEMMs sum at most 48 products of inputs of spread 0.1 in another
+// order than oneDNN (both in float32, the bfloat16 operands rounded alike
+// to nearest even, their products exact), which moves a sum by a few ulp
+// of the sum of |terms| (< 1e-6 here), well inside it. Copies, zeroing,
+// rounding and the bias's row-ordered sums must agree exactly and do under
+// this bound too.
+//
+// This test has compiled but never run on a GPU (docs/testing.md).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/compute.hpp"
+#include "common/cuda/compute.hpp"
+#include "device_buffer.hpp"
+#include "numeric/bfloat16.hpp"
+#include "numeric/gemm.hpp"
+#include "usable_devices.hpp"
+
+namespace {
+
+using meshrun::models::Compute;
+using meshrun::models::WeightLayout;
+namespace kernels = meshrun::kernels;
+
+constexpr int64_t kRows = 37;
+constexpr double kEps = 1e-5;
+
+int failures = 0;
+
+// What a call reads and writes: float buffers, indices (tokens or
+// positions) and a weight's bfloat16 bits.
+struct Operands {
+  std::vector<std::vector<float>> floats;
+  std::vector<int32_t> indices;
+  std::vector<uint16_t> bits;
+};
+
+// The same operands as a compute sees them.
+struct Pointers {
+  std::vector<float*> floats;
+  const int32_t* indices;
+  const uint16_t* bits;
+};
+
+using Call = std::function<void(Compute&, const Pointers&)>;
+
+void compare(const std::string& what, size_t buffer, const std::vector<float>& gpu,
+             const std::vector<float>& cpu) {
+  double worst = 0;
+  bool within = true;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const double error = std::abs(double(gpu[i]) - double(cpu[i]));
+    worst = std::max(worst, error);
+    within = within && error <= 1e-5 + 1e-4 * std::abs(double(cpu[i]));
+  }
+  std::printf("%s %s, buffer %zu (largest difference %.3g)\n", within ? "PASS" : "FAIL",
+              what.c_str(), buffer, worst);
+  if (!within) ++failures;
+}
+
+// `call` on the host's compute over `operands` and on `gpu` over device
+// copies; every float buffer compared.
+void check(const std::string& what, Compute& gpu, Operands operands, const Call& call) {
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> device;
+  for (const auto& values : operands.floats) {
+    device.push_back(std::make_unique<DeviceBuffer<float>>(values));
+  }
+  DeviceBuffer<int32_t> indices(operands.indices.empty() ? std::vector<int32_t>{0}
+                                                         : operands.indices);
+  DeviceBuffer<uint16_t> bits(operands.bits.empty() ? std::vector<uint16_t>{0} : operands.bits);
+  Pointers on_device{{}, indices.get(), operands.bits.empty() ? nullptr : bits.get()};
+  for (auto& buffer : device) on_device.floats.push_back(buffer->get());
+  Pointers on_host{
+      {}, operands.indices.data(), operands.bits.empty() ? nullptr : operands.bits.data()};
+  for (auto& values : operands.floats) on_host.floats.push_back(values.data());
+
+  call(meshrun::models::host_compute(), on_host);
+  call(gpu, on_device);
+  for (size_t k = 0; k < operands.floats.size(); ++k) {
+    compare(what, k, device[k]->host(), operands.floats[k]);
+  }
+}
+
+std::vector<float> values(size_t count, unsigned seed, float mean = 0.0f, float spread = 1.0f) {
+  return random_values(count, mean, spread, seed);
+}
+
+void check_linears(Compute& gpu) {
+  constexpr int64_t in = 48, out = 40;
+  for (const bool bfloat16 : {false, true}) {
+    kernels::MatmulPrecisionScope precision(bfloat16 ? kernels::MatmulPrecision::bfloat16
+                                                     : kernels::MatmulPrecision::float32);
+    for (const WeightLayout layout : {WeightLayout::out_in, WeightLayout::in_out}) {
+      for (const bool with_bits : {false, true}) {
+        if (with_bits && !bfloat16) continue;
+        const std::string name = std::string(bfloat16 ? "bfloat16" : "float32") +
+                                 (layout == WeightLayout::out_in ? " [out, in]" : " [in, out]") +
+                                 (with_bits ? " with the weight's bits" : "");
+        Operands operands{
+            {values(size_t(in * out), 1, 0.0f, 0.1f), values(size_t(kRows * in), 2, 0.0f, 0.1f),
+             values(size_t(kRows * out), 3, 0.0f, 0.1f), values(size_t(kRows * out), 4),
+             values(size_t(kRows * in), 5), values(size_t(in * out), 6)},
+            {},
+            {}};
+        if (with_bits) {
+          operands.bits.resize(operands.floats[0].size());
+          kernels::to_bfloat16(operands.floats[0].data(), operands.bits.data(),
+                               int64_t(operands.bits.size()));
+        }
+        check("linear " + name, gpu, operands, [&](Compute& compute, const Pointers& p) {
+          const kernels::Weight<float> weight(p.floats[0], p.bits);
+          compute.linear_forward(layout, p.floats[3], p.floats[1], weight, kRows, in, out);
+          compute.linear_backward_input(layout, p.floats[4], p.floats[2], weight, kRows, in, out);
+          compute.linear_backward_weight(layout, p.floats[5], p.floats[2], p.floats[1], kRows, in,
+                                         out);
+        });
+      }
+    }
+  }
+}
+
+void check_vectors(Compute& gpu) {
+  constexpr int64_t dim = 300, count = kRows * dim;
+  check("bias", gpu, {{values(dim, 1), values(count, 2), values(count, 3), values(dim, 4)}, {}, {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.bias_forward(p.floats[1], p.floats[0], kRows, dim);
+          compute.bias_backward(p.floats[3], p.floats[2], kRows, dim);
+        });
+  check("add, accumulate, copy, zero, round", gpu,
+        {{values(count, 1), values(count, 2), values(count, 3), values(count, 4), values(count, 5),
+          values(count, 6)},
+         {},
+         {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.add(p.floats[2], p.floats[0], p.floats[1], count);
+          compute.add(p.floats[0], p.floats[0], p.floats[1], count);
+          compute.accumulate(p.floats[3], p.floats[1], count);
+          compute.copy(p.floats[4], p.floats[1], count);
+          compute.zero(p.floats[5], count - 1);
+          compute.round_to_bfloat16(p.floats[1], count);
+        });
+}
+
+void check_norms(Compute& gpu) {
+  constexpr int64_t dim = 300, count = kRows * dim;
+  check("rmsnorm", gpu,
+        {{values(count, 1), values(dim, 2, 1.0f, 0.2f), values(count, 3), values(count, 4),
+          values(kRows, 5), values(count, 6), values(dim, 7)},
+         {},
+         {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.rmsnorm_forward(p.floats[3], p.floats[4], p.floats[0], p.floats[1], kRows, dim,
+                                  kEps);
+          compute.rmsnorm_backward(p.floats[5], p.floats[6], p.floats[2], p.floats[0], p.floats[1],
+                                   p.floats[4], kRows, dim);
+        });
+  check("layernorm", gpu,
+        {{values(count, 1), values(dim, 2, 1.0f, 0.2f), values(dim, 3), values(count, 4),
+          values(count, 5), values(kRows, 6), values(kRows, 7), values(count, 8), values(dim, 9),
+          values(dim, 10)},
+         {},
+         {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.layernorm_forward(p.floats[4], p.floats[5], p.floats[6], p.floats[0], p.floats[1],
+                                    p.floats[2], kRows, dim, kEps);
+          compute.layernorm_backward(p.floats[7], p.floats[8], p.floats[9], p.floats[3],
+                                     p.floats[0], p.floats[1], p.floats[5], p.floats[6], kRows,
+                                     dim);
+        });
+}
+
+void check_activations(Compute& gpu) {
+  constexpr int64_t dim = 300, count = kRows * dim;
+  check("swiglu", gpu,
+        {{values(2 * count, 1), values(count, 2), values(count, 3), values(2 * count, 4)}, {}, {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.swiglu_forward(p.floats[2], p.floats[0], kRows, dim);
+          compute.swiglu_backward(p.floats[3], p.floats[1], p.floats[0], kRows, dim);
+        });
+  check("gelu, the backward in place", gpu,
+        {{values(count, 1), values(count, 2), values(count, 3)}, {}, {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.gelu_forward(p.floats[2], p.floats[0], count);
+          compute.gelu_backward(p.floats[1], p.floats[1], p.floats[0], count);
+        });
+}
+
+void check_embedding(Compute& gpu) {
+  constexpr int64_t vocab = 50, dim = 64;
+  std::vector<int32_t> indices(kRows);
+  for (int64_t r = 0; r < kRows; ++r) indices[size_t(r)] = int32_t((r * 7) % 13);  // repeats
+  check("embedding", gpu,
+        {{values(vocab * dim, 1), values(kRows * dim, 2), values(kRows * dim, 3),
+          values(vocab * dim, 4)},
+         indices,
+         {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.embedding_forward(p.floats[2], p.indices, p.floats[0], kRows, dim);
+          compute.embedding_backward(p.floats[3], p.indices, p.floats[1], kRows, dim);
+        });
+}
+
+void check_rotation(Compute& gpu) {
+  constexpr int64_t batch = 2, seq_len = 10, head_dim = 16, heads = 3, stride = 5 * head_dim;
+  std::vector<int64_t> positions(seq_len);
+  for (int64_t t = 0; t < seq_len; ++t) positions[size_t(t)] = 3 * t + 1;
+  for (const int64_t rotary_dim : {int64_t(0), int64_t(8)}) {
+    const kernels::RotaryTable<float> table(head_dim, positions, 10000.0, rotary_dim);
+    const auto host = meshrun::models::host_compute().rotation(table);
+    const auto device = gpu.rotation(table);
+    check("rotary, rotary_dim " + std::to_string(rotary_dim), gpu,
+          {{values(batch * seq_len * stride, 1), values(batch * seq_len * stride, 2)}, {}, {}},
+          [&](Compute& compute, const Pointers& p) {
+            const auto& rotation = &compute == &gpu ? *device : *host;
+            rotation.forward(p.floats[0], batch, seq_len, heads, stride);
+            rotation.backward(p.floats[1], batch, seq_len, heads, stride);
+          });
+  }
+}
+
+}  // namespace
+
+int main() {
+  if (!usable_cuda_devices()) return kSkip;
+  cudaStream_t stream = nullptr;
+  require(cudaStreamCreate(&stream), "cudaStreamCreate");
+  {
+    const auto gpu = meshrun::models::make_cuda_compute(0, stream);
+    check_linears(*gpu);
+    check_vectors(*gpu);
+    check_norms(*gpu);
+    check_activations(*gpu);
+    check_embedding(*gpu);
+    check_rotation(*gpu);
+  }
+  cudaStreamDestroy(stream);
+  std::printf("%d of the GPU compute's checks failed\n", failures);
+  return failures == 0 ? 0 : 1;
+}
