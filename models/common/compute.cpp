@@ -108,12 +108,62 @@ class HostCompute : public Compute {
   }
 
   void embedding_forward(float* out, const int32_t* indices, const float* table, int64_t rows,
-                         int64_t dim) override {
-    kernels::embedding_forward(out, indices, table, rows, dim);
+                         int64_t dim, int64_t begin, int64_t size) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = out + r * dim;
+      const int64_t table_row = indices[r] - begin;
+      if (table_row >= 0 && table_row < size) {
+        std::copy_n(table + table_row * dim, dim, row);
+      } else {
+        std::fill_n(row, dim, 0.0f);
+      }
+    }
   }
   void embedding_backward(float* d_table, const int32_t* indices, const float* d_out, int64_t rows,
-                          int64_t dim) override {
-    kernels::embedding_backward(d_table, indices, d_out, rows, dim);
+                          int64_t dim, int64_t begin, int64_t size) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t table_row = indices[r] - begin;
+      if (table_row < 0 || table_row >= size) continue;
+      float* d_row = d_table + table_row * dim;
+      for (int64_t i = 0; i < dim; ++i) d_row[i] += d_out[r * dim + i];
+    }
+  }
+
+  // The scores of one query block, and their gradient.
+  int64_t attention_scratch(const kernels::AttentionShape& shape) const override {
+    return 2 * shape.scores_size();
+  }
+  void attention_forward(const kernels::AttentionShape& shape, float* out, float* lse,
+                         const float* qkv, float* scratch) override {
+    kernels::attention_forward(out, lse, scratch, qkv, shape);
+  }
+  void attention_backward(const kernels::AttentionShape& shape, float* d_qkv, const float* d_out,
+                          const float* qkv, const float* /*out*/, const float* lse,
+                          float* scratch) override {
+    kernels::attention_backward(d_qkv, scratch, scratch + shape.scores_size(), d_out, qkv, lse,
+                                shape);
+  }
+
+  double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
+                               int64_t vocab) override {
+    return kernels::cross_entropy_forward(logits, targets, rows, vocab);
+  }
+  void vocab_parallel_row_max(float* row_max, const float* logits, int64_t rows,
+                              int64_t size) override {
+    kernels::vocab_parallel_row_max(row_max, logits, rows, size);
+  }
+  void vocab_parallel_exponentials(float* logits, float* sums, const float* row_max,
+                                   const int32_t* targets, int64_t rows, int64_t begin,
+                                   int64_t size) override {
+    kernels::vocab_parallel_exponentials(logits, sums, row_max, targets, rows, begin, size);
+  }
+  double vocab_parallel_probabilities(float* logits, const float* sums, const float* row_max,
+                                      int64_t rows, int64_t size) override {
+    return kernels::vocab_parallel_probabilities(logits, sums, row_max, rows, size);
+  }
+  void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
+                                             int64_t begin, int64_t size, float scale) override {
+    kernels::vocab_parallel_cross_entropy_backward(probs, targets, rows, begin, size, scale);
   }
 
   std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {

@@ -11,10 +11,12 @@
 // under bfloat16 each operand is rounded to bfloat16 and the products
 // summed in float32, on either device.
 //
-// The kit's layer (kit/composed.cpp) calls its kernels through this;
-// attention, the loss, the mixture and the collectives of tensor and
-// context parallelism still call the CPU's directly, and the buffers are
-// the host's: the GPU's compute has not run inside a model (docs/testing.md).
+// The kit's layer (kit/composed.cpp) calls its kernels through this, and
+// so do the embedding, attention on one cp rank and the loss (plain and
+// vocabulary-parallel); attention over cp ranks, the mixture and tensor
+// parallelism's embedding lookup still compute on the host, and the
+// buffers are the host's: the GPU's compute has not run inside a model
+// (docs/testing.md).
 #pragma once
 
 #include <cstdint>
@@ -98,12 +100,48 @@ class Compute {
   virtual void gelu_forward(float* y, const float* x, int64_t count) = 0;
   virtual void gelu_backward(float* dx, const float* dy, const float* x, int64_t count) = 0;
 
-  // out[r, :] = table[indices[r], :]; d_table[indices[r], :] += d_out[r, :]
+  // Over the table's rows [begin, begin + size) (a vocabulary-parallel
+  // rank's shard; 0 and all rows for the whole table): out[r, :] =
+  // table[indices[r] - begin, :], zero for an index outside; d_table[
+  // indices[r] - begin, :] += d_out[r, :] for those inside, in row order
   // (indices in the compute's memory).
   virtual void embedding_forward(float* out, const int32_t* indices, const float* table,
-                                 int64_t rows, int64_t dim) = 0;
+                                 int64_t rows, int64_t dim, int64_t begin, int64_t size) = 0;
   virtual void embedding_backward(float* d_table, const int32_t* indices, const float* d_out,
-                                  int64_t rows, int64_t dim) = 0;
+                                  int64_t rows, int64_t dim, int64_t begin, int64_t size) = 0;
+
+  // Causal grouped-query attention (common/layers.hpp's layout and
+  // AttentionShape): out and the log-sum-exps lse from qkv; d_qkv
+  // (overwritten) from d_out with the forward's qkv, out and lse. `scratch`
+  // holds attention_scratch(shape) floats of the compute's memory.
+  virtual int64_t attention_scratch(const kernels::AttentionShape& shape) const = 0;
+  virtual void attention_forward(const kernels::AttentionShape& shape, float* out, float* lse,
+                                 const float* qkv, float* scratch) = 0;
+  virtual void attention_backward(const kernels::AttentionShape& shape, float* d_qkv,
+                                  const float* d_out, const float* qkv, const float* out,
+                                  const float* lse, float* scratch) = 0;
+
+  // Softmax cross-entropy over the whole vocabulary: the logits become
+  // probabilities; returns the mean over rows of the natural-log loss (a
+  // GPU's waits for its stream to read it). The backward: probs become
+  // scale (p - onehot) / rows.
+  virtual double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
+                                       int64_t vocab) = 0;
+  // Vocabulary-parallel cross-entropy's local steps on a rank's columns
+  // [begin, begin + size), with the tp all-reduces between them the
+  // caller's (common/layers.hpp, vocab_parallel_row_max ...): row maxima;
+  // exponentials and sums [2 rows]; probabilities and the mean loss; and
+  // the backward on the rank's columns (also the whole vocabulary's).
+  virtual void vocab_parallel_row_max(float* row_max, const float* logits, int64_t rows,
+                                      int64_t size) = 0;
+  virtual void vocab_parallel_exponentials(float* logits, float* sums, const float* row_max,
+                                           const int32_t* targets, int64_t rows, int64_t begin,
+                                           int64_t size) = 0;
+  virtual double vocab_parallel_probabilities(float* logits, const float* sums,
+                                              const float* row_max, int64_t rows, int64_t size) = 0;
+  virtual void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
+                                                     int64_t rows, int64_t begin, int64_t size,
+                                                     float scale) = 0;
 
   // `table`'s angles where this compute reads them.
   virtual std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) = 0;

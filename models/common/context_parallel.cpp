@@ -225,15 +225,14 @@ void SequenceShard::select(const int32_t* full, int32_t* local, int64_t batch) c
 }
 
 SequenceAttention::SequenceAttention(const AttentionShape& shape, const ContextParallel& cp,
-                                     const char* family)
-    : shape_(shape), gathered_(shape), cp_(cp) {
+                                     const char* family, Compute& compute)
+    : compute_(compute), shape_(shape), gathered_(shape), cp_(cp) {
   const int64_t size = cp.size(), u = cp.ulysses_degree;
   const int64_t rank = cp.group != nullptr ? cp.group->rank() : 0;
   sequence_ = {size, rank, shape.seq_len * size};
   positions_ = sequence_.positions();
   if (size == 1) {
-    scores_.resize(size_t(shape.scores_size()));
-    d_scores_.resize(size_t(shape.scores_size()));
+    scratch_.resize(size_t(compute.attention_scratch(shape)));
     return;
   }
   require(shape.heads % u == 0 && shape.kv_heads % u == 0, family,
@@ -329,7 +328,7 @@ void SequenceAttention::all_to_all(const float* from, float* to,
 
 void SequenceAttention::forward(float* out, float* lse, const float* qkv) {
   if (cp_.size() == 1) {
-    kernels::attention_forward(out, lse, scores_.data(), qkv, shape_);
+    compute_.attention_forward(shape_, out, lse, qkv, scratch_.data());
     return;
   }
   const AttentionShape& s = shape_;
@@ -342,7 +341,7 @@ void SequenceAttention::forward(float* out, float* lse, const float* qkv) {
 void SequenceAttention::backward(float* d_qkv, const float* d_out, const float* qkv,
                                  const float* out, const float* lse) {
   if (cp_.size() == 1) {
-    kernels::attention_backward(d_qkv, scores_.data(), d_scores_.data(), d_out, qkv, lse, shape_);
+    compute_.attention_backward(shape_, d_qkv, d_out, qkv, out, lse, scratch_.data());
     return;
   }
   const AttentionShape& s = shape_;

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/compute.hpp"
 #include "common/layers.hpp"
 
 namespace meshrun::models {
@@ -99,9 +100,10 @@ struct SequenceShard {
 class SequenceAttention {
  public:
   // Throws std::invalid_argument (family first) when Ulysses' degree does
-  // not divide the local heads or key/value heads.
+  // not divide the local heads or key/value heads. On one rank attention
+  // computes on `compute` (which must outlive it); over cp ranks on the host.
   SequenceAttention(const kernels::AttentionShape& shape, const ContextParallel& cp,
-                    const char* family);
+                    const char* family, Compute& compute = host_compute());
 
   const kernels::AttentionShape& shape() const { return shape_; }
   // The local rows' positions in their sequence.
@@ -131,12 +133,14 @@ class SequenceAttention {
                   bool to_heads);
   std::vector<int64_t> member_chunks(int64_t ring_member) const;
 
+  Compute& compute_;
   kernels::AttentionShape shape_;     // local rows, local heads
   kernels::AttentionShape gathered_;  // Ulysses' rows, its share of the heads
   ContextParallel cp_;
   SequenceShard sequence_;
   int64_t ring_index_ = 0, ulysses_index_ = 0;
   std::vector<int64_t> positions_;
+  std::vector<float> scratch_;  // the compute's, on one rank
   std::vector<float> scores_, d_scores_;
   // Gathered qkv, output (the softmax's running sum in forward), its
   // gradient and the query gradient; the row maxima and sums.

@@ -630,4 +630,63 @@ void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, i
   }
 }
 
+// Vocabulary-parallel cross-entropy (common/tensor_parallel.hpp): the local
+// steps of a tp rank holding logit columns [begin, begin + size) of each
+// row; the caller all-reduces over tp between them, the maxima (max), then
+// the sums (sum, 2 rows floats).
+//   1. row_max[r] = the maximum of the rank's logits of row r;
+//   2. the logits become e^(z - row_max); sums[r] = their sum,
+//      sums[rows + r] = the target's logit where the rank holds it, else 0;
+//   3. the logits become probabilities (divided by the summed sums[r]);
+//      returns the mean over rows of log sum + max - target logit.
+template <typename Real>
+void vocab_parallel_row_max(Real* row_max, const Real* logits, int64_t rows, int64_t size) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const Real* z = logits + r * size;
+    row_max[r] = *std::max_element(z, z + size);
+  }
+}
+
+template <typename Real>
+void vocab_parallel_exponentials(Real* logits, Real* sums, const Real* row_max,
+                                 const int32_t* targets, int64_t rows, int64_t begin,
+                                 int64_t size) {
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* z = logits + r * size;
+    const bool holds = targets[r] >= begin && targets[r] < begin + size;
+    sums[rows + r] = holds ? z[targets[r] - begin] : Real(0);
+    Real sum = 0;
+    for (int64_t v = 0; v < size; ++v) {
+      z[v] = std::exp(z[v] - row_max[r]);
+      sum += z[v];
+    }
+    sums[r] = sum;
+  }
+}
+
+template <typename Real>
+double vocab_parallel_probabilities(Real* logits, const Real* sums, const Real* row_max,
+                                    int64_t rows, int64_t size) {
+  double total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* z = logits + r * size;
+    const Real inv_sum = Real(1) / sums[r];
+    for (int64_t v = 0; v < size; ++v) z[v] *= inv_sum;
+    total += double(std::log(sums[r]) + row_max[r] - sums[rows + r]);
+  }
+  return total / double(rows);
+}
+
+// The backward on the rank's columns: probs become scale (p - onehot) / rows.
+template <typename Real>
+void vocab_parallel_cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows,
+                                           int64_t begin, int64_t size, Real scale) {
+  const Real factor = scale / Real(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    Real* p = probs + r * size;
+    if (targets[r] >= begin && targets[r] < begin + size) p[targets[r] - begin] -= Real(1);
+    for (int64_t v = 0; v < size; ++v) p[v] *= factor;
+  }
+}
+
 }  // namespace meshrun::kernels

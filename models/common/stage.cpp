@@ -19,18 +19,21 @@ void ImmediateWeightGradients::linear(const LinearWeight& weight, const float* d
 
 double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
                             const int32_t* targets, int64_t rows, int64_t hidden,
-                            const VocabShard& vocab, TensorParallelGroup& tp) {
-  kernels::linear_forward(logits, x, weight_of(lm_head), rows, hidden, vocab.size);
-  return vocab_parallel_cross_entropy_forward(logits, targets, rows, vocab, tp);
+                            const VocabShard& vocab, TensorParallelGroup& tp, Compute& compute) {
+  compute.linear_forward(WeightLayout::out_in, logits, x, weight_of(lm_head), rows, hidden,
+                         vocab.size);
+  return vocab_parallel_cross_entropy_forward(logits, targets, rows, vocab, tp, compute);
 }
 
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
                            int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           WeightGradients& gradients) {
-  vocab_parallel_cross_entropy_backward(logits, targets, rows, vocab, loss_scale);
-  kernels::linear_backward_input(dx, logits, weight_of(lm_head), rows, hidden, vocab.size);
-  gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab.size}, logits, x);
+                           WeightGradients& gradients, Compute& compute) {
+  vocab_parallel_cross_entropy_backward(logits, targets, rows, vocab, loss_scale, compute);
+  compute.linear_backward_input(WeightLayout::out_in, dx, logits, weight_of(lm_head), rows, hidden,
+                                vocab.size);
+  gradients.linear({&lm_head, &lm_head, WeightLayout::out_in, rows, hidden, vocab.size, &compute},
+                   logits, x);
 }
 
 void require(bool condition, const char* family, const std::string& message) {

@@ -181,7 +181,8 @@ class ImmediateWeightGradients : public WeightGradients {
 // for the backward.
 double lm_head_loss_forward(float* logits, const float* x, const ParameterView& lm_head,
                             const int32_t* targets, int64_t rows, int64_t hidden,
-                            const VocabShard& vocab, TensorParallelGroup& tp);
+                            const VocabShard& vocab, TensorParallelGroup& tp,
+                            Compute& compute = host_compute());
 // dx = d(loss_scale * loss)/dx, through logits (overwritten with their
 // gradient): the rank's partial sum over its vocabulary shard, which the
 // caller sums over tp (all-reduce, or reduce-scatter with sequence
@@ -190,7 +191,7 @@ double lm_head_loss_forward(float* logits, const float* x, const ParameterView& 
 void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
                            std::vector<float>& x, const int32_t* targets, float loss_scale,
                            int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           WeightGradients& gradients);
+                           WeightGradients& gradients, Compute& compute = host_compute());
 
 // Throws std::invalid_argument(family + ": " + message) unless condition.
 void require(bool condition, const char* family, const std::string& message);

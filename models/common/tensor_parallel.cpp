@@ -112,86 +112,46 @@ void reduce_scatter_rows(TensorParallelGroup& tp, const float* partial, float* l
 
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
-                                      TensorParallelGroup& tp) {
-  if (tp.size() == 1) {
-    kernels::embedding_forward(out, tokens, table, rows, dim);
-    return;
-  }
-  vocab_parallel_embedding_lookup(out, tokens, table, rows, dim, shard);
-  tp.all_reduce_sum(out, rows * dim);
+                                      TensorParallelGroup& tp, Compute& compute) {
+  compute.embedding_forward(out, tokens, table, rows, dim, shard.begin, shard.size);
+  if (tp.size() > 1) tp.all_reduce_sum(out, rows * dim);
 }
 
 void embedding_into_stream(float* out, float* scratch, const int32_t* tokens, const float* table,
                            int64_t rows, int64_t dim, const VocabShard& shard,
-                           TensorParallelGroup& tp, bool sequence_parallel) {
+                           TensorParallelGroup& tp, bool sequence_parallel, Compute& compute) {
   if (!sequence_parallel) {
-    vocab_parallel_embedding_forward(out, tokens, table, rows, dim, shard, tp);
+    vocab_parallel_embedding_forward(out, tokens, table, rows, dim, shard, tp, compute);
     return;
   }
-  vocab_parallel_embedding_lookup(scratch, tokens, table, rows, dim, shard);
+  compute.embedding_forward(scratch, tokens, table, rows, dim, shard.begin, shard.size);
   reduce_scatter_rows(tp, scratch, out, rows / tp.size(), dim);
 }
 
-void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const float* table,
-                                     int64_t rows, int64_t dim, const VocabShard& shard) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = out + r * dim;
-    if (shard.holds(tokens[r])) {
-      std::copy_n(table + (tokens[r] - shard.begin) * dim, dim, row);
-    } else {
-      std::fill_n(row, dim, 0.0f);
-    }
-  }
-}
-
 void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
-                                       int64_t rows, int64_t dim, const VocabShard& shard) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!shard.holds(tokens[r])) continue;
-    float* d_row = d_table + (tokens[r] - shard.begin) * dim;
-    for (int64_t i = 0; i < dim; ++i) d_row[i] += d_out[r * dim + i];
-  }
+                                       int64_t rows, int64_t dim, const VocabShard& shard,
+                                       Compute& compute) {
+  compute.embedding_backward(d_table, tokens, d_out, rows, dim, shard.begin, shard.size);
 }
 
 double vocab_parallel_cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
-                                            const VocabShard& shard, TensorParallelGroup& tp) {
-  if (tp.size() == 1) return kernels::cross_entropy_forward(logits, targets, rows, shard.size);
-  std::vector<float> row_max(static_cast<size_t>(rows)), sums(static_cast<size_t>(2 * rows), 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* z = logits + r * shard.size;
-    row_max[size_t(r)] = *std::max_element(z, z + shard.size);
-  }
+                                            const VocabShard& shard, TensorParallelGroup& tp,
+                                            Compute& compute) {
+  if (tp.size() == 1) return compute.cross_entropy_forward(logits, targets, rows, shard.size);
+  std::vector<float> row_max(static_cast<size_t>(rows)), sums(static_cast<size_t>(2 * rows));
+  compute.vocab_parallel_row_max(row_max.data(), logits, rows, shard.size);
   tp.all_reduce_max(row_max.data(), rows);
-  // sums: the exp-sums [0, N), then the target logits [N, 2N).
-  for (int64_t r = 0; r < rows; ++r) {
-    float* z = logits + r * shard.size;
-    if (shard.holds(targets[r])) sums[size_t(rows + r)] = z[targets[r] - shard.begin];
-    float sum = 0;
-    for (int64_t v = 0; v < shard.size; ++v) {
-      z[v] = std::exp(z[v] - row_max[size_t(r)]);
-      sum += z[v];
-    }
-    sums[size_t(r)] = sum;
-  }
+  compute.vocab_parallel_exponentials(logits, sums.data(), row_max.data(), targets, rows,
+                                      shard.begin, shard.size);
   tp.all_reduce_sum(sums.data(), 2 * rows);
-  double total = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* z = logits + r * shard.size;
-    const float inv_sum = 1.0f / sums[size_t(r)];
-    for (int64_t v = 0; v < shard.size; ++v) z[v] *= inv_sum;
-    total += double(std::log(sums[size_t(r)]) + row_max[size_t(r)] - sums[size_t(rows + r)]);
-  }
-  return total / double(rows);
+  return compute.vocab_parallel_probabilities(logits, sums.data(), row_max.data(), rows,
+                                              shard.size);
 }
 
 void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
-                                           const VocabShard& shard, float scale) {
-  const float factor = scale / float(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* p = probs + r * shard.size;
-    if (shard.holds(targets[r])) p[targets[r] - shard.begin] -= 1.0f;
-    for (int64_t v = 0; v < shard.size; ++v) p[v] *= factor;
-  }
+                                           const VocabShard& shard, float scale, Compute& compute) {
+  compute.vocab_parallel_cross_entropy_backward(probs, targets, rows, shard.begin, shard.size,
+                                                scale);
 }
 
 Placements plan_placements(const char* plan_json) {

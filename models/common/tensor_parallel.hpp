@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/compute.hpp"
 #include "common/parameters.hpp"
 
 namespace meshrun::models {
@@ -197,23 +198,24 @@ VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp);
 VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp, const ParallelBlocks& blocks,
                        Block block);
 
-// This rank's part of out[r, :] = table[tokens[r], :]: the rows of the
-// tokens it holds, zero elsewhere; the sum over ranks completes them.
-void vocab_parallel_embedding_lookup(float* out, const int32_t* tokens, const float* table,
-                                     int64_t rows, int64_t dim, const VocabShard& shard);
-// The lookup, summed over the ranks.
+// out[r, :] = table[tokens[r], :] over the ranks: each rank looks up the
+// rows of the tokens it holds, zero elsewhere (Compute::embedding_forward
+// over its shard), and the sum over ranks completes them. On `compute`, as
+// every function below that takes one.
 void vocab_parallel_embedding_forward(float* out, const int32_t* tokens, const float* table,
                                       int64_t rows, int64_t dim, const VocabShard& shard,
-                                      TensorParallelGroup& tp);
+                                      TensorParallelGroup& tp, Compute& compute = host_compute());
 // The lookup as the residual stream holds it: every row summed over the
 // ranks, or with sequence parallelism out [rows / tp, dim] = this rank's
 // rows of the sum, through scratch [rows, dim].
 void embedding_into_stream(float* out, float* scratch, const int32_t* tokens, const float* table,
                            int64_t rows, int64_t dim, const VocabShard& shard,
-                           TensorParallelGroup& tp, bool sequence_parallel);
+                           TensorParallelGroup& tp, bool sequence_parallel,
+                           Compute& compute = host_compute());
 // d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens this rank holds.
 void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
-                                       int64_t rows, int64_t dim, const VocabShard& shard);
+                                       int64_t rows, int64_t dim, const VocabShard& shard,
+                                       Compute& compute = host_compute());
 
 // Mean cross-entropy over N rows of logits split over the vocabulary:
 //   L = 1/N sum_r (M_r + log sum_v exp(z_rv - M_r) - z_r,target_r)
@@ -222,10 +224,12 @@ void vocab_parallel_embedding_backward(float* d_table, const int32_t* tokens, co
 // (only the target's rank contributes it), 3N floats in all. The logits
 // become the rank's softmax probabilities, which the backward needs.
 double vocab_parallel_cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
-                                            const VocabShard& shard, TensorParallelGroup& tp);
+                                            const VocabShard& shard, TensorParallelGroup& tp,
+                                            Compute& compute = host_compute());
 // dz_rv = scale (p_rv - [v == target_r]) / N over the rank's columns, in place.
 void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
-                                           const VocabShard& shard, float scale);
+                                           const VocabShard& shard, float scale,
+                                           Compute& compute = host_compute());
 
 // What the plan says about tensor parallelism: every parameter's placement
 // ("tp" of the plan's "parameters": "replicate", "shard(0)", ...) by Hugging

@@ -45,7 +45,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
       intermediate(blocks.local(Block::mlp, c.intermediate_size, tp)),
       embedding_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::embedding)),
       head_vocab(models::vocab_shard(c.vocab_size, tp, blocks, Block::head)),
-      attend(attention, cp, Composed::kName),
+      attend(attention, cp, Composed::kName, compute),
       rotary(attention.head_dim, rotary_positions(c, attend), c.rope_theta, c.rotary_dim()),
       rotation(compute.rotation(rotary)),
       transient(c.tensors.size()),
@@ -485,11 +485,12 @@ void Composed::embedding_forward(Pass& pass, const ParameterView* embedding, con
                                  float* out) {
   models::embedding_into_stream(out, pass.projection.data(), tokens, embedding[0].data, pass.rows(),
                                 pass.hidden, pass.embedding_vocab, pass.group(Block::embedding),
-                                pass.sequence_parallel);
+                                pass.sequence_parallel, pass.compute);
   if (!pass.composition.learned_positions()) return;
   const int64_t first = pass.sequence_parallel ? pass.tp.rank() * pass.stream_rows() : 0;
   pass.compute.embedding_forward(pass.projection.data(), pass.positions.data() + first,
-                                 embedding[1].data, pass.stream_rows(), pass.hidden);
+                                 embedding[1].data, pass.stream_rows(), pass.hidden, 0,
+                                 pass.composition.max_position_embeddings);
   pass.compute.add(out, out, pass.projection.data(), pass.stream_numel());
 }
 
@@ -499,10 +500,10 @@ void Composed::embedding_backward(Pass& pass, const ParameterView* embedding,
                                   const int32_t* tokens) {
   const float* dy = block_output_gradient(pass, pass.d_residual);
   models::vocab_parallel_embedding_backward(embedding[0].grad, tokens, dy, pass.rows(), pass.hidden,
-                                            pass.embedding_vocab);
+                                            pass.embedding_vocab, pass.compute);
   if (pass.composition.learned_positions()) {
     pass.compute.embedding_backward(embedding[1].grad, pass.positions.data(), dy, pass.rows(),
-                                    pass.hidden);
+                                    pass.hidden, 0, pass.composition.max_position_embeddings);
   }
 }
 
@@ -623,13 +624,13 @@ double Composed::head_forward(Pass& pass, const ParameterView* head, const Param
   TensorParallelGroup& group = pass.group(Block::head);
   if (!c.lm_head_bias) {
     return models::lm_head_loss_forward(saved.logits.data(), saved.norm.data(), lm_head, targets, N,
-                                        H, pass.head_vocab, group);
+                                        H, pass.head_vocab, group, pass.compute);
   }
   pass.compute.linear_forward(WeightLayout::out_in, saved.logits.data(), saved.norm.data(),
                               weight_of(lm_head), N, H, V);
   pass.compute.bias_forward(saved.logits.data(), head[c.final_norm_views()].data, N, V);
   return models::vocab_parallel_cross_entropy_forward(saved.logits.data(), targets, N,
-                                                      pass.head_vocab, group);
+                                                      pass.head_vocab, group, pass.compute);
 }
 
 void Composed::head_backward(Pass& pass, const ParameterView* head, const ParameterView& lm_head,
@@ -640,11 +641,11 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
   std::vector<float>& d_norm = pass.d_norm;
   if (!c.lm_head_bias) {
     models::lm_head_loss_backward(d_norm.data(), saved.logits.data(), lm_head, saved.norm, targets,
-                                  loss_scale, N, H, pass.head_vocab, gradients);
+                                  loss_scale, N, H, pass.head_vocab, gradients, pass.compute);
   } else {
     const ParameterView& bias = head[c.final_norm_views()];
     models::vocab_parallel_cross_entropy_backward(saved.logits.data(), targets, N, pass.head_vocab,
-                                                  loss_scale);
+                                                  loss_scale, pass.compute);
     pass.compute.bias_backward(bias.grad, saved.logits.data(), N, V);
     gradients.vector_ready(bias);
     pass.compute.linear_backward_input(WeightLayout::out_in, d_norm.data(), saved.logits.data(),

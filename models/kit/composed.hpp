@@ -49,6 +49,8 @@ struct Pass {
   void give(std::vector<float>&& buffer);
 
   const Composition& composition;
+  // Where the layer's kernels run (common/compute.hpp): the host's.
+  models::Compute& compute = models::host_compute();
   TensorParallelGroup& tp;
   models::ReplicatedOver replicated;
   models::ParallelBlocks blocks;
@@ -57,8 +59,6 @@ struct Pass {
   int64_t hidden, intermediate;
   models::VocabShard embedding_vocab, head_vocab;
   models::SequenceAttention attend;  // over the cp ranks, with its scratch
-  // Where the layer's kernels run (common/compute.hpp): the host's.
-  models::Compute& compute = models::host_compute();
   // Of the rows' positions in their sequence: rotary's angles (where the
   // compute reads them), or the learned position table's rows [rows].
   kernels::RotaryTable<float> rotary;

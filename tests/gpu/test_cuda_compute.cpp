@@ -5,8 +5,10 @@
 // afterwards. The GEMMs of both weight layouts in float32 and under the
 // bfloat16 matmul precision (the weight's bfloat16 copy given or not), the
 // bias, the element-wise helpers, the norms, the activations, the
-// embedding and rotary (a partial rotary_dim too), on shapes that leave
-// partial blocks (37 rows). Without a usable GPU it exits 77 (skipped).
+// embedding (whole and a vocabulary shard), rotary (a partial rotary_dim
+// too), attention, and cross-entropy (whole and the vocabulary-parallel
+// steps, with the mean loss each returns), on shapes that leave partial
+// blocks (37 rows, 70 positions). Without a usable GPU it exits 77.
 //
 // Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu|, as the CUDA layers' test
 // (test_cuda_layers.cpp, where it is justified) for the kernels they share.
@@ -25,6 +27,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/compute.hpp"
@@ -45,12 +48,14 @@ constexpr double kEps = 1e-5;
 
 int failures = 0;
 
-// What a call reads and writes: float buffers, indices (tokens or
-// positions) and a weight's bfloat16 bits.
+// What a call reads and writes: float buffers, indices (tokens, positions
+// or targets), a weight's bfloat16 bits, and floats of scratch (each
+// compute's own contents, not compared).
 struct Operands {
   std::vector<std::vector<float>> floats;
   std::vector<int32_t> indices;
   std::vector<uint16_t> bits;
+  int64_t scratch = 0;
 };
 
 // The same operands as a compute sees them.
@@ -58,6 +63,7 @@ struct Pointers {
   std::vector<float*> floats;
   const int32_t* indices;
   const uint16_t* bits;
+  float* scratch;
 };
 
 using Call = std::function<void(Compute&, const Pointers&)>;
@@ -86,10 +92,15 @@ void check(const std::string& what, Compute& gpu, Operands operands, const Call&
   DeviceBuffer<int32_t> indices(operands.indices.empty() ? std::vector<int32_t>{0}
                                                          : operands.indices);
   DeviceBuffer<uint16_t> bits(operands.bits.empty() ? std::vector<uint16_t>{0} : operands.bits);
-  Pointers on_device{{}, indices.get(), operands.bits.empty() ? nullptr : bits.get()};
+  std::vector<float> host_scratch(size_t(operands.scratch) + 1);
+  DeviceBuffer<float> device_scratch(host_scratch);
+  Pointers on_device{
+      {}, indices.get(), operands.bits.empty() ? nullptr : bits.get(), device_scratch.get()};
   for (auto& buffer : device) on_device.floats.push_back(buffer->get());
-  Pointers on_host{
-      {}, operands.indices.data(), operands.bits.empty() ? nullptr : operands.bits.data()};
+  Pointers on_host{{},
+                   operands.indices.data(),
+                   operands.bits.empty() ? nullptr : operands.bits.data(),
+                   host_scratch.data()};
   for (auto& values : operands.floats) on_host.floats.push_back(values.data());
 
   call(meshrun::models::host_compute(), on_host);
@@ -203,19 +214,88 @@ void check_activations(Compute& gpu) {
         });
 }
 
+// The whole table, and a shard of rows [5, 12) as a vocabulary-parallel
+// rank holds it (rows of other tokens zero, their gradients dropped).
 void check_embedding(Compute& gpu) {
-  constexpr int64_t vocab = 50, dim = 64;
+  constexpr int64_t vocab = 13, dim = 64;
   std::vector<int32_t> indices(kRows);
-  for (int64_t r = 0; r < kRows; ++r) indices[size_t(r)] = int32_t((r * 7) % 13);  // repeats
-  check("embedding", gpu,
-        {{values(vocab * dim, 1), values(kRows * dim, 2), values(kRows * dim, 3),
-          values(vocab * dim, 4)},
+  for (int64_t r = 0; r < kRows; ++r) indices[size_t(r)] = int32_t((r * 7) % vocab);  // repeats
+  for (const auto& [begin, size] : {std::pair<int64_t, int64_t>{0, vocab}, {5, 7}}) {
+    const int64_t first = begin, count = size;
+    check(
+        "embedding over rows [" + std::to_string(first) + ", " + std::to_string(first + count) +
+            ")",
+        gpu,
+        {{values(size_t(count * dim), 1), values(kRows * dim, 2), values(kRows * dim, 3),
+          values(size_t(count * dim), 4)},
          indices,
          {}},
-        [](Compute& compute, const Pointers& p) {
-          compute.embedding_forward(p.floats[2], p.indices, p.floats[0], kRows, dim);
-          compute.embedding_backward(p.floats[3], p.indices, p.floats[1], kRows, dim);
+        [first, count](Compute& compute, const Pointers& p) {
+          compute.embedding_forward(p.floats[2], p.indices, p.floats[0], kRows, dim, first, count);
+          compute.embedding_backward(p.floats[3], p.indices, p.floats[1], kRows, dim, first, count);
         });
+  }
+}
+
+// Causal grouped-query attention, forward and backward: 70 rows in query
+// blocks of 32 on the host, GQA groups of 2, head_dim 40.
+void check_attention(Compute& gpu) {
+  kernels::AttentionShape shape;
+  shape.batch = 2;
+  shape.seq_len = 70;
+  shape.heads = 4;
+  shape.kv_heads = 2;
+  shape.head_dim = 40;
+  shape.query_block = 32;
+  const auto rows = size_t(shape.batch * shape.seq_len);
+  Operands operands{
+      {values(rows * size_t(shape.qkv_dim()), 1), values(rows * size_t(shape.q_dim()), 2),
+       values(rows * size_t(shape.q_dim()), 3), values(size_t(shape.lse_size()), 4),
+       values(rows * size_t(shape.qkv_dim()), 5)},
+      {},
+      {},
+      std::max(meshrun::models::host_compute().attention_scratch(shape),
+               gpu.attention_scratch(shape))};
+  check("attention", gpu, operands, [&shape](Compute& compute, const Pointers& p) {
+    compute.attention_forward(shape, p.floats[2], p.floats[3], p.floats[0], p.scratch);
+    compute.attention_backward(shape, p.floats[4], p.floats[1], p.floats[0], p.floats[2],
+                               p.floats[3], p.scratch);
+  });
+}
+
+// The whole vocabulary's cross-entropy, and a rank's steps of the
+// vocabulary-parallel one over columns [300, 700) of 1000 (the tp
+// all-reduces between them are the caller's; here the rank's own values
+// stand for the sums); the mean losses returned compared too.
+void check_cross_entropy(Compute& gpu) {
+  constexpr int64_t vocab = 1000, begin = 300, size = 400;
+  std::vector<int32_t> targets(kRows);
+  for (int64_t r = 0; r < kRows; ++r) targets[size_t(r)] = int32_t((r * 97) % vocab);
+  double losses[2] = {0, 0};
+  const auto loss_of = [&](Compute& compute) -> double& { return losses[&compute == &gpu]; };
+  const auto compare_losses = [&](const std::string& what) {
+    compare(what + ": the mean loss", 0, {float(losses[1])}, {float(losses[0])});
+  };
+  check("cross-entropy", gpu, {{values(kRows * vocab, 1, 0.0f, 3.0f)}, targets, {}},
+        [&](Compute& compute, const Pointers& p) {
+          loss_of(compute) = compute.cross_entropy_forward(p.floats[0], p.indices, kRows, vocab);
+          compute.vocab_parallel_cross_entropy_backward(p.floats[0], p.indices, kRows, 0, vocab,
+                                                        0.5f);
+        });
+  compare_losses("cross-entropy");
+  check(
+      "vocabulary-parallel cross-entropy's steps", gpu,
+      {{values(kRows * size, 2, 0.0f, 3.0f), values(kRows, 3), values(2 * kRows, 4)}, targets, {}},
+      [&](Compute& compute, const Pointers& p) {
+        compute.vocab_parallel_row_max(p.floats[1], p.floats[0], kRows, size);
+        compute.vocab_parallel_exponentials(p.floats[0], p.floats[2], p.floats[1], p.indices, kRows,
+                                            begin, size);
+        loss_of(compute) = compute.vocab_parallel_probabilities(p.floats[0], p.floats[2],
+                                                                p.floats[1], kRows, size);
+        compute.vocab_parallel_cross_entropy_backward(p.floats[0], p.indices, kRows, begin, size,
+                                                      0.5f);
+      });
+  compare_losses("vocabulary-parallel cross-entropy");
 }
 
 void check_rotation(Compute& gpu) {
@@ -250,6 +330,8 @@ int main() {
     check_activations(*gpu);
     check_embedding(*gpu);
     check_rotation(*gpu);
+    check_attention(*gpu);
+    check_cross_entropy(*gpu);
   }
   cudaStreamDestroy(stream);
   std::printf("%d of the GPU compute's checks failed\n", failures);

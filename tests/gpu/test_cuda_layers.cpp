@@ -330,9 +330,10 @@ void check_embedding() {
   DeviceBuffer<int32_t> gtokens(tokens);
   cpu::embedding_forward(out.data(), tokens.data(), table.data(), kRows, kDim);
   cpu::embedding_backward(d_table.data(), tokens.data(), d_out.data(), kRows, kDim);
-  require(gpu::embedding_forward(gout.get(), gtokens.get(), gtable.get(), kRows, kDim, 0),
-          "embedding_forward");
-  require(gpu::embedding_backward(gdt.get(), gtokens.get(), gdo.get(), kRows, kDim, 0),
+  require(
+      gpu::embedding_forward(gout.get(), gtokens.get(), gtable.get(), kRows, kDim, 0, kTable, 0),
+      "embedding_forward");
+  require(gpu::embedding_backward(gdt.get(), gtokens.get(), gdo.get(), kRows, kDim, 0, kTable, 0),
           "embedding_backward");
   compare("embedding forward", gout.host(), out);
   compare("embedding d_table (accumulated, repeated tokens)", gdt.host(), d_table);

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common/cuda/attention.hpp"
 #include "common/cuda/layers.hpp"
@@ -198,13 +199,62 @@ class CudaCompute : public Compute {
   }
 
   void embedding_forward(float* out, const int32_t* indices, const float* table, int64_t rows,
-                         int64_t dim) override {
-    check(gpu::embedding_forward(out, indices, table, rows, dim, stream_), "embedding_forward");
+                         int64_t dim, int64_t begin, int64_t size) override {
+    check(gpu::embedding_forward(out, indices, table, rows, dim, begin, size, stream_),
+          "embedding_forward");
   }
   void embedding_backward(float* d_table, const int32_t* indices, const float* d_out, int64_t rows,
-                          int64_t dim) override {
-    check(gpu::embedding_backward(d_table, indices, d_out, rows, dim, stream_),
+                          int64_t dim, int64_t begin, int64_t size) override {
+    check(gpu::embedding_backward(d_table, indices, d_out, rows, dim, begin, size, stream_),
           "embedding_backward");
+  }
+
+  // The backward's row dots D_t = dY_t . Y_t [batch, heads, seq].
+  int64_t attention_scratch(const kernels::AttentionShape& shape) const override {
+    return shape.lse_size();
+  }
+  void attention_forward(const kernels::AttentionShape& shape, float* out, float* lse,
+                         const float* qkv, float* /*scratch*/) override {
+    check(gpu::attention_forward(out, lse, qkv, dims_of(shape), stream_), "attention_forward");
+  }
+  void attention_backward(const kernels::AttentionShape& shape, float* d_qkv, const float* d_out,
+                          const float* qkv, const float* out, const float* lse,
+                          float* scratch) override {
+    check(gpu::attention_backward(d_qkv, scratch, d_out, out, qkv, lse, dims_of(shape), stream_),
+          "attention_backward");
+  }
+
+  double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
+                               int64_t vocab) override {
+    float* row_loss = row_loss_.at_least(size_t(rows));
+    check(gpu::cross_entropy_forward(logits, row_loss, targets, rows, vocab, stream_),
+          "cross_entropy_forward");
+    return mean_of(row_loss, rows);
+  }
+  void vocab_parallel_row_max(float* row_max, const float* logits, int64_t rows,
+                              int64_t size) override {
+    check(gpu::vocab_parallel_row_max(row_max, logits, rows, size, stream_),
+          "vocab_parallel_row_max");
+  }
+  void vocab_parallel_exponentials(float* logits, float* sums, const float* row_max,
+                                   const int32_t* targets, int64_t rows, int64_t begin,
+                                   int64_t size) override {
+    check(gpu::vocab_parallel_exponentials(logits, sums, row_max, targets, rows, begin, size,
+                                           stream_),
+          "vocab_parallel_exponentials");
+  }
+  double vocab_parallel_probabilities(float* logits, const float* sums, const float* row_max,
+                                      int64_t rows, int64_t size) override {
+    float* row_loss = row_loss_.at_least(size_t(rows));
+    check(gpu::vocab_parallel_probabilities(logits, row_loss, sums, row_max, rows, size, stream_),
+          "vocab_parallel_probabilities");
+    return mean_of(row_loss, rows);
+  }
+  void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
+                                             int64_t begin, int64_t size, float scale) override {
+    check(gpu::vocab_parallel_cross_entropy_backward(probs, targets, rows, begin, size, scale,
+                                                     stream_),
+          "vocab_parallel_cross_entropy_backward");
   }
 
   std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {
@@ -238,6 +288,23 @@ class CudaCompute : public Compute {
           "gemm_bfloat16");
   }
 
+  static gpu::AttentionDims dims_of(const kernels::AttentionShape& shape) {
+    return {shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim};
+  }
+
+  // The mean of the rows' losses, summed in double in row order as the
+  // CPU's cross-entropy sums them, once the stream has computed them.
+  double mean_of(const float* row_loss, int64_t rows) {
+    std::vector<float> losses(static_cast<size_t>(rows));
+    check(cudaMemcpyAsync(losses.data(), row_loss, losses.size() * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream_),
+          "the loss to the host");
+    check(cudaStreamSynchronize(stream_), "the loss");
+    double total = 0;
+    for (const float loss : losses) total += double(loss);
+    return total / double(rows);
+  }
+
   // `values` rounded to bfloat16 into `bits` (the stream orders its reuse).
   const uint16_t* rounded(const float* values, int64_t count, DeviceArray<uint16_t>& bits) {
     uint16_t* out = bits.at_least(size_t(count));
@@ -248,6 +315,7 @@ class CudaCompute : public Compute {
   cudaStream_t stream_;
   gpu::GemmContext gemms_;
   DeviceArray<uint16_t> a_bits_, b_bits_;
+  DeviceArray<float> row_loss_;
 };
 
 }  // namespace

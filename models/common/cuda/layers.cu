@@ -156,23 +156,26 @@ __global__ void layernorm_input_gradient(float* dx, const float* dy, const float
   }
 }
 
-// out[r, :] = table[tokens[r], :]
+// out[r, :] = table[tokens[r] - begin, :], zero for a token outside the
+// shard [begin, begin + size)
 __global__ void embedding_forward_kernel(float* out, const int32_t* tokens, const float* table,
-                                         int64_t rows, int64_t dim) {
+                                         int64_t rows, int64_t dim, int64_t begin, int64_t size) {
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < rows * dim;
        k += int64_t(gridDim.x) * blockDim.x) {
-    out[k] = table[int64_t(tokens[k / dim]) * dim + k % dim];
+    const int64_t row = int64_t(tokens[k / dim]) - begin;
+    out[k] = row >= 0 && row < size ? table[row * dim + k % dim] : 0.0f;
   }
 }
 
 // d_table[tokens[r], i] += d_out[r, i]: one thread per column i, over the
 // rows in order, so rows sharing a token add in the CPU twin's order.
 __global__ void embedding_backward_kernel(float* d_table, const int32_t* tokens, const float* d_out,
-                                          int64_t rows, int64_t dim) {
+                                          int64_t rows, int64_t dim, int64_t begin, int64_t size) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < dim;
        i += int64_t(gridDim.x) * blockDim.x) {
     for (int64_t row = 0; row < rows; ++row) {
-      d_table[int64_t(tokens[row]) * dim + i] += d_out[row * dim + i];
+      const int64_t table_row = int64_t(tokens[row]) - begin;
+      if (table_row >= 0 && table_row < size) d_table[table_row * dim + i] += d_out[row * dim + i];
     }
   }
 }
@@ -380,18 +383,19 @@ cudaError_t layernorm_backward(float* dx, float* d_weight, float* d_bias, const 
 }
 
 cudaError_t embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t rows,
-                              int64_t dim, cudaStream_t stream) {
+                              int64_t dim, int64_t begin, int64_t size, cudaStream_t stream) {
   if (rows * dim == 0) return cudaSuccess;
-  embedding_forward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(out, tokens, table,
-                                                                              rows, dim);
+  embedding_forward_kernel<<<element_blocks(rows * dim), kBlock, 0, stream>>>(
+      out, tokens, table, rows, dim, begin, size);
   return cudaGetLastError();
 }
 
 cudaError_t embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
-                               int64_t rows, int64_t dim, cudaStream_t stream) {
+                               int64_t rows, int64_t dim, int64_t begin, int64_t size,
+                               cudaStream_t stream) {
   if (rows * dim == 0) return cudaSuccess;
   embedding_backward_kernel<<<element_blocks(dim), kBlock, 0, stream>>>(d_table, tokens, d_out,
-                                                                        rows, dim);
+                                                                        rows, dim, begin, size);
   return cudaGetLastError();
 }
 

@@ -18,12 +18,16 @@
 
 namespace meshrun::kernels::cuda {
 
-// out[r, :] = table[tokens[r], :]; and d_table[tokens[r], :] += d_out[r, :],
-// rows sharing a token added in row order (as the CPU twin adds them).
+// Over the table's rows [begin, begin + size) of the vocabulary (a
+// vocabulary-parallel rank's shard; 0 and the vocabulary for all of it):
+// out[r, :] = table[tokens[r] - begin, :], zero for a token outside; and
+// d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens inside, rows
+// sharing a token added in row order (as the CPU twin adds them).
 cudaError_t embedding_forward(float* out, const int32_t* tokens, const float* table, int64_t rows,
-                              int64_t dim, cudaStream_t stream);
+                              int64_t dim, int64_t begin, int64_t size, cudaStream_t stream);
 cudaError_t embedding_backward(float* d_table, const int32_t* tokens, const float* d_out,
-                               int64_t rows, int64_t dim, cudaStream_t stream);
+                               int64_t rows, int64_t dim, int64_t begin, int64_t size,
+                               cudaStream_t stream);
 
 // RMSNorm per row: y = x r w, r = (mean x^2 + eps)^(-1/2), rstd[row] = r.
 cudaError_t rmsnorm_forward(float* y, float* rstd, const float* x, const float* weight,
