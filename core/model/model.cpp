@@ -390,6 +390,10 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   setup.ep = comms_->ep();
   setup.plan_json = plan_json.c_str();
   setup.options_json = options_json.c_str();
+  // The trainer's buffers (parameters, gradients, activations it hands
+  // over) are host memory, also in a CUDA run.
+  setup.device = DLDevice{kDLCPU, 0};
+  setup.compute_stream = nullptr;
   call("stage_create", [&] { return model.api().stage_create(model.handle(), &setup, &stage_); });
   if (stage_ == nullptr) {
     throw Error(MESHRUN_INTERNAL, fmt::format("model plugin {}: stage_create succeeded but "

@@ -844,6 +844,14 @@ static meshrun_error* byte_mlp_stage_create(meshrun_model* model,
     return fail(host, MESHRUN_INVALID_ARGUMENT,
                 "byte_mlp: stage_create: the setup or hooks table is smaller than ABI 1.5's");
   }
+  /* Its kernels are plain C loops over host memory. */
+  if (setup->struct_size >= MESHRUN_MODEL_STAGE_SETUP_SIZE_1_14 &&
+      setup->device.device_type != kDLCPU) {
+    return fail(host, MESHRUN_UNIMPLEMENTED,
+                "byte_mlp: the stage setup's device (DLPack device type %d, id %d) is not the "
+                "CPU, and this model computes on the CPU only",
+                (int)setup->device.device_type, (int)setup->device.device_id);
+  }
   if (setup->num_modules <= 0 || setup->modules == NULL) {
     return fail(host, MESHRUN_INVALID_ARGUMENT, "byte_mlp: a stage needs at least one module");
   }

@@ -25,7 +25,8 @@ namespace meshrun::models {
 // The host's hooks, as a stage calls them.
 class HostHooks : public StageHooks {
  public:
-  explicit HostHooks(const meshrun_model_hooks& hooks) : hooks_(hooks) {}
+  // The hooks of a stage on `device` (meshrun/model.h, ABI 1.14).
+  HostHooks(const meshrun_model_hooks& hooks, DLDevice device) : hooks_(hooks, device) {}
   void pre_forward(int64_t unit, float* hidden, int64_t numel) override {
     hooks_.pre_forward(int32_t(unit), hidden, numel);
   }
@@ -303,7 +304,7 @@ class HostStage {
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup,
             const Placements& placements)
       : host_(model.host()),
-        hooks_(*setup.hooks),
+        hooks_(*setup.hooks, plugin::stage_device(setup)),
         matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)),
         tp_(setup, placements.async),
         cp_group_(setup),

@@ -569,6 +569,40 @@ TEST_CASE("a model's entry points refuse NULL with INVALID_ARGUMENT", "[conforma
   api.destroy(instance);
 }
 
+// A stage setup on a device the model does not compute on (its
+// description's "devices", ABI 1.14's setup.device) is refused by
+// stage_create with UNIMPLEMENTED, before any hook is called, and no stage
+// is made.
+TEST_CASE("a model refuses a stage on a device it does not compute on", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (!MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) || api.model == nullptr) {
+    SUCCEED("not a model plugin");
+    return;
+  }
+  const auto model = default_model();
+  const std::vector<std::string>& devices = model->description().devices;
+  if (std::find(devices.begin(), devices.end(), "cuda") != devices.end()) {
+    SUCCEED("the model computes on CUDA");
+    return;
+  }
+  std::vector<const char*> modules;
+  for (const auto& module : model->description().modules) modules.push_back(module.name.c_str());
+  meshrun_model_hooks hooks{};
+  hooks.struct_size = sizeof(hooks);
+  meshrun_model_stage_setup setup{};
+  setup.struct_size = sizeof(setup);
+  setup.num_modules = int64_t(modules.size());
+  setup.modules = modules.data();
+  setup.hooks = &hooks;
+  setup.plan_json = "{}";
+  setup.options_json = "{}";
+  setup.device = DLDevice{kDLCUDA, 0};
+  meshrun_model_stage* stage = nullptr;
+  check_and_release_error(model->api().stage_create(model->handle(), &setup, &stage),
+                          MESHRUN_UNIMPLEMENTED);
+  CHECK(stage == nullptr);
+}
+
 // One micro-batch through a stage of the whole model, as the trainer runs it:
 // the description holds together, every parameter is initialized the same
 // for the same seed, the hooks come in the documented order (the host

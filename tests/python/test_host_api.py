@@ -64,7 +64,7 @@ def oracle_group(coords, axis, rank):
 
 class HostApiTest(unittest.TestCase):
     def test_versions(self):
-        self.assertEqual(meshrun.abi_version(), (1, 13))
+        self.assertEqual(meshrun.abi_version(), (1, 14))
         self.assertRegex(meshrun.library_version(), r"^\d+\.\d+\.\d+$")
 
     def test_hsdp_pipeline_moe_mesh_matches_enumeration(self):

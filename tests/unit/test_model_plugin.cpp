@@ -178,6 +178,51 @@ TEST_CASE("model plugin: a stage through the ABI computes what the model library
   check_stage_matches_library(plan_of(kTiny), reference);
 }
 
+// ABI 1.14: a stage lives on its setup's device, and a tensor handed to it
+// on another device is refused before any compute, naming the tensor and
+// both devices; a stage on a device the model does not compute on is
+// refused with UNIMPLEMENTED (also in the conformance suite).
+TEST_CASE("model plugin: a tensor on another device than the stage's is refused, naming both",
+          "[model]") {
+  const meshrun::Plan plan = plan_of(kTiny);
+  const Model& model = *plan.model;
+  std::vector<const char*> modules;
+  for (const auto& module : model.description().modules) modules.push_back(module.name.c_str());
+  meshrun_model_hooks hooks{};
+  hooks.struct_size = sizeof(hooks);
+  meshrun_model_stage_setup setup{};
+  setup.struct_size = sizeof(setup);
+  setup.num_modules = int64_t(modules.size());
+  setup.modules = modules.data();
+  setup.hooks = &hooks;
+  setup.plan_json = "{}";
+  setup.options_json = "{}";
+  setup.device = DLDevice{kDLCUDA, 1};
+  meshrun_model_stage* stage = nullptr;
+  meshrun_error* error = model.api().stage_create(model.handle(), &setup, &stage);
+  REQUIRE(error != nullptr);
+  CHECK(error->code == MESHRUN_UNIMPLEMENTED);
+  CHECK_THAT(std::string(error->message), Contains("device is cuda:1") && Contains("CPU only"));
+  meshrun_error_release(error);
+
+  setup.device = DLDevice{kDLCPU, 0};
+  REQUIRE(model.api().stage_create(model.handle(), &setup, &stage) == nullptr);
+  int64_t input_numel = 0, output_numel = 0;
+  REQUIRE(model.api().set_shape(stage, 1, 2, &input_numel, &output_numel) == nullptr);
+  int32_t tokens[2] = {1, 2}, targets[2] = {2, 3};
+  int64_t shape[2] = {1, 2};
+  DLTensor on_gpu{tokens, {kDLCUDA, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
+  DLTensor on_cpu{targets, {kDLCPU, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
+  double loss = 0;
+  error = model.api().forward(stage, 0, &on_gpu, &on_cpu, nullptr, nullptr, &loss);
+  REQUIRE(error != nullptr);
+  CHECK(error->code == MESHRUN_INVALID_ARGUMENT);
+  CHECK(std::string(error->message) ==
+        "forward: tokens is on cuda:0, and the stage computes on cpu");
+  meshrun_error_release(error);
+  model.api().stage_destroy(stage);
+}
+
 const char* const kTinyGpt2 = R"([model]
 model_type = "gpt2"
 vocab_size = 11

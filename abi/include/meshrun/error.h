@@ -25,7 +25,7 @@ extern "C" {
  * table or struct. A loader refuses another major, and a minor older than
  * MESHRUN_ABI_VERSION_MINOR_OLDEST. */
 #define MESHRUN_ABI_VERSION_MAJOR 1
-#define MESHRUN_ABI_VERSION_MINOR 13
+#define MESHRUN_ABI_VERSION_MINOR 14
 #define MESHRUN_ABI_VERSION_MINOR_OLDEST 0
 
 /* Error codes (stored as int32_t wherever they cross the ABI). The names and

@@ -1,7 +1,8 @@
 /*
  * meshrun/model.h — the model ABI (plugin kind "model", ABI 1.5; 1.7 adds experts;
  * 1.8 adds the description's "flops", 1.9 its "activations", 1.10 their
- * "float32" part, 1.11 its "unit_kinds"; 1.12 adds the hooks' parameter_bfloat16).
+ * "float32" part, 1.11 its "unit_kinds"; 1.12 adds the hooks' parameter_bfloat16;
+ * 1.14 the stage setup's device and compute stream).
  *
  * A model plugin (meshrun_model_llama.so, meshrun_model_gpt2.so, a
  * third-party one in C) is the compute of one model family: it declares the
@@ -233,7 +234,8 @@ typedef struct meshrun_model_hooks {
    * strategy may start reducing it. */
   meshrun_error* (*gradient_ready)(void* context, int64_t parameter);
   /* Fills `value` and `gradient` with views of parameter `parameter`:
-   * float32, CPU, contiguous, the described shape (a tp rank's piece of it
+   * float32, on the stage's device (ABI 1.14; host memory before),
+   * contiguous, the described shape (a tp rank's piece of it
    * under tensor parallelism); the shape arrays and the
    * memory are the host's, valid until the post_ hook of the parameter's
    * unit. `gradient->data` is NULL outside a backward; gradients accumulate
@@ -278,6 +280,28 @@ typedef struct meshrun_model_stage_setup {
   const char* plan_json;
   const char* options_json;
   const meshrun_extension* extensions;
+
+  /* ---- ABI 1.14 (read only when struct_size covers it; absent: the CPU) ---- */
+
+  /* Where the stage computes: every tensor the host hands it (tokens,
+   * targets, hidden states and their gradients, the hooks' parameter views)
+   * lives on this device, kDLCPU (host memory) or kDLCUDA with the rank's
+   * GPU as device_id. A stage that cannot compute there fails stage_create
+   * with UNIMPLEMENTED naming the device; one given a tensor on another
+   * device fails the call with INVALID_ARGUMENT naming the tensor and both
+   * devices. */
+  DLDevice device;
+  /* On a CUDA device, the stream (cudaStream_t; NULL: the legacy default
+   * stream) tensors are handed over on, as DLPack's __dlpack__(stream=...)
+   * and meshrun/strategy.h state it: the host's writes of what it hands a
+   * call (tokens, input, grad_output, parameter views after their pre_
+   * hook) are enqueued on it, not necessarily done; the stage enqueues its
+   * kernels on it (or makes it wait for its own streams), so what a call
+   * writes (output, grad_input, gradients, the hidden states a hook sees)
+   * is ready for the work the host enqueues on it after the call, and it
+   * waits on the host only to return a value (forward's loss). Ignored on
+   * the CPU. Borrowed until stage_destroy. */
+  void* compute_stream;
 } meshrun_model_stage_setup;
 
 /* The model plugin's table (meshrun_plugin_api.model). */
@@ -377,6 +401,9 @@ struct meshrun_model_api {
 #define MESHRUN_MODEL_HOOKS_SIZE_1_12 MESHRUN_STRUCT_SIZE(meshrun_model_hooks, parameter_bfloat16)
 #define MESHRUN_MODEL_STAGE_SETUP_SIZE_1_5 \
   MESHRUN_STRUCT_SIZE(meshrun_model_stage_setup, extensions)
+/* The size of the ABI 1.14 stage setup, with device and compute_stream. */
+#define MESHRUN_MODEL_STAGE_SETUP_SIZE_1_14 \
+  MESHRUN_STRUCT_SIZE(meshrun_model_stage_setup, compute_stream)
 
 #ifdef __cplusplus
 } /* extern "C" */

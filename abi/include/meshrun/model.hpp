@@ -26,6 +26,7 @@
 //     int64_t activation_bytes() const;
 //     std::string take_statistics();   // optional: a mixture of experts' (model.h)
 //     const meshrun_host_services& host() const;  // with take_statistics
+//     static constexpr bool kComputesOnCuda = true;  // optional: else CPU only
 //   };
 //   static const meshrun_model_api model_api =
 //       meshrun::plugin::ModelTable<MyModel, MyStage>::make("my_type", keys);
@@ -34,6 +35,11 @@
 // both (a split backward for zero-bubble schedules), else NULL; its
 // model_create when MyModel is made from (host, config_json), else the
 // caller sets it (the model kit's plugins make theirs from a composition).
+//
+// The table refuses a stage setup on a device the Stage does not compute on
+// (UNIMPLEMENTED), and a tensor handed to the stage on another device than
+// the setup's (INVALID_ARGUMENT naming both); the Stage reads the device
+// from its setup (stage_device) to place its own buffers.
 //
 // A stage reaches the host through ModelHooks, whose calls throw HostError.
 #ifndef MESHRUN_MODEL_HPP_
@@ -57,11 +63,55 @@ T* data_of(const DLTensor* tensor) {
   return reinterpret_cast<T*>(static_cast<char*>(tensor->data) + tensor->byte_offset);
 }
 
+// Where a stage computes (meshrun_model_stage_setup.device, ABI 1.14): the
+// CPU when the host's setup predates it.
+inline DLDevice stage_device(const meshrun_model_stage_setup& setup) {
+  if (setup.struct_size < MESHRUN_MODEL_STAGE_SETUP_SIZE_1_14) return DLDevice{kDLCPU, 0};
+  return setup.device;
+}
+
+// "cpu", "cuda:0", ... for messages.
+inline std::string device_name(DLDevice device) {
+  switch (device.device_type) {
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return "cuda:" + std::to_string(device.device_id);
+    case kDLCUDAHost:
+      return "cuda_host";
+    default:
+      return "device type " + std::to_string(int(device.device_type)) + ":" +
+             std::to_string(device.device_id);
+  }
+}
+
+// Whether memory on `device` is memory on `stage` (the CPU's has one id).
+inline bool same_device(DLDevice device, DLDevice stage) {
+  return device.device_type == stage.device_type &&
+         (device.device_type == kDLCPU || device.device_id == stage.device_id);
+}
+
+// The data of a tensor the host handed a stage on `device`, or NULL when
+// there is none; std::invalid_argument naming `what` and both devices when
+// it lies elsewhere.
+template <class T>
+T* data_on(DLDevice device, const DLTensor* tensor, const char* what) {
+  T* data = data_of<T>(tensor);
+  if (data != nullptr && !same_device(tensor->device, device)) {
+    throw std::invalid_argument(std::string(what) + " is on " + device_name(tensor->device) +
+                                ", and the stage computes on " + device_name(device));
+  }
+  return data;
+}
+
 // The host's hooks (meshrun/model.h) as C++ calls; each throws HostError
 // carrying the host's error object.
 class ModelHooks {
  public:
-  explicit ModelHooks(const meshrun_model_hooks& hooks) : hooks_(&hooks) {}
+  // The hooks of a stage on `device`: the hidden states it shows them are
+  // there, and the parameter views they hand back must be.
+  explicit ModelHooks(const meshrun_model_hooks& hooks, DLDevice device = DLDevice{kDLCPU, 0})
+      : hooks_(&hooks), device_(device) {}
 
   void pre_forward(int32_t unit, float* hidden, int64_t numel) const {
     DLTensor tensor = float_tensor(hidden, &numel);
@@ -81,7 +131,8 @@ class ModelHooks {
     DLTensor value{};
     DLTensor gradient{};
     check(hooks_->parameter(hooks_->context, parameter, &value, &gradient));
-    return {data_of<float>(&value), data_of<float>(&gradient)};
+    return {data_on<float>(device_, &value, "a parameter's values"),
+            data_on<float>(device_, &gradient, "a parameter's gradient")};
   }
   // The parameter's bfloat16 values when the host holds them (ABI 1.12),
   // else NULL.
@@ -92,17 +143,18 @@ class ModelHooks {
     }
     DLTensor value{};
     check(hooks_->parameter_bfloat16(hooks_->context, parameter, &value));
-    return data_of<const uint16_t>(&value);
+    return data_on<const uint16_t>(device_, &value, "a parameter's bfloat16 values");
   }
 
  private:
-  static DLTensor float_tensor(float* data, int64_t* numel) {
-    return DLTensor{data, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, numel, nullptr, 0};
+  DLTensor float_tensor(float* data, int64_t* numel) const {
+    return DLTensor{data, device_, 1, {kDLFloat, 32, 1}, numel, nullptr, 0};
   }
   static void check(meshrun_error* error) {
     if (error != nullptr) throw HostError(error);
   }
   const meshrun_model_hooks* hooks_;
+  DLDevice device_;
 };
 
 // `text` in memory from the host's `allocate`, as describe returns it.
@@ -121,6 +173,12 @@ template <class Stage>
 struct SplitsBackward<
     Stage, std::void_t<decltype(std::declval<Stage&>().backward_input(0, 1.0f, nullptr, nullptr)),
                        decltype(std::declval<Stage&>().backward_weight(0))>> : std::true_type {};
+// Whether a Stage class computes on CUDA GPUs too (static constexpr bool
+// kComputesOnCuda = true); else on the CPU only.
+template <class Stage, class = void>
+struct ComputesOnCuda : std::false_type {};
+template <class Stage>
+struct ComputesOnCuda<Stage, std::enable_if_t<Stage::kComputesOnCuda>> : std::true_type {};
 template <class Stage, class = void>
 struct ReportsStatistics : std::false_type {};
 template <class Stage>
@@ -184,10 +242,19 @@ class ModelTable {
     require(model != nullptr, "model");
     return *reinterpret_cast<Model*>(model);
   }
-  static Stage& stage_of(meshrun_model_stage* stage) {
+  // A stage and the device it computes on, which every tensor handed to it
+  // must be on.
+  struct Held {
+    Held(Model& model, const meshrun_model_stage_setup& setup)
+        : device(stage_device(setup)), stage(model, setup) {}
+    DLDevice device;
+    Stage stage;
+  };
+  static Held& held_of(meshrun_model_stage* stage) {
     require(stage != nullptr, "stage");
-    return *reinterpret_cast<Stage*>(stage);
+    return *reinterpret_cast<Held*>(stage);
   }
+  static Stage& stage_of(meshrun_model_stage* stage) { return held_of(stage).stage; }
 
   static meshrun_error* model_create(meshrun_plugin_instance* instance, const char* config_json,
                                      meshrun_model** out) {
@@ -222,10 +289,18 @@ class ModelTable {
           setup->hooks->struct_size < MESHRUN_MODEL_HOOKS_SIZE_1_5) {
         throw Error(MESHRUN_INVALID_ARGUMENT, "stage_create: setup or hooks table too small");
       }
-      *out = reinterpret_cast<meshrun_model_stage*>(new Stage(model_of(model), *setup));
+      const DLDevice device = stage_device(*setup);
+      const bool cuda = device.device_type == kDLCUDA && detail::ComputesOnCuda<Stage>::value;
+      if (device.device_type != kDLCPU && !cuda) {
+        throw Error(MESHRUN_UNIMPLEMENTED,
+                    "stage_create: the stage setup's device is " + device_name(device) +
+                        ", and this model computes on the CPU" +
+                        (detail::ComputesOnCuda<Stage>::value ? " and CUDA GPUs" : " only"));
+      }
+      *out = reinterpret_cast<meshrun_model_stage*>(new Held(model_of(model), *setup));
     });
   }
-  static void stage_destroy(meshrun_model_stage* stage) { delete reinterpret_cast<Stage*>(stage); }
+  static void stage_destroy(meshrun_model_stage* stage) { delete reinterpret_cast<Held*>(stage); }
   static meshrun_error* set_shape(meshrun_model_stage* stage, int64_t batch, int64_t seq_len,
                                   int64_t* out_input_numel, int64_t* out_output_numel) {
     return guard([&] {
@@ -238,24 +313,33 @@ class ModelTable {
                                 const DLTensor* input, DLTensor* output, double* out_loss) {
     return guard([&] {
       require(out_loss != nullptr, "forward: out_loss");
-      *out_loss = stage_of(stage).forward(microbatch, data_of<const int32_t>(tokens),
-                                          data_of<const int32_t>(targets),
-                                          data_of<const float>(input), data_of<float>(output));
+      Held& held = held_of(stage);
+      const DLDevice on = held.device;
+      *out_loss =
+          held.stage.forward(microbatch, data_on<const int32_t>(on, tokens, "forward: tokens"),
+                             data_on<const int32_t>(on, targets, "forward: targets"),
+                             data_on<const float>(on, input, "forward: input"),
+                             data_on<float>(on, output, "forward: output"));
     });
   }
   static meshrun_error* backward(meshrun_model_stage* stage, int32_t microbatch, float loss_scale,
                                  const DLTensor* grad_output, DLTensor* grad_input) {
     return guard([&] {
-      stage_of(stage).backward(microbatch, loss_scale, data_of<const float>(grad_output),
-                               data_of<float>(grad_input));
+      Held& held = held_of(stage);
+      held.stage.backward(microbatch, loss_scale,
+                          data_on<const float>(held.device, grad_output, "backward: grad_output"),
+                          data_on<float>(held.device, grad_input, "backward: grad_input"));
     });
   }
   static meshrun_error* backward_input(meshrun_model_stage* stage, int32_t microbatch,
                                        float loss_scale, const DLTensor* grad_output,
                                        DLTensor* grad_input) {
     return guard([&] {
-      stage_of(stage).backward_input(microbatch, loss_scale, data_of<const float>(grad_output),
-                                     data_of<float>(grad_input));
+      Held& held = held_of(stage);
+      held.stage.backward_input(
+          microbatch, loss_scale,
+          data_on<const float>(held.device, grad_output, "backward_input: grad_output"),
+          data_on<float>(held.device, grad_input, "backward_input: grad_input"));
     });
   }
   static meshrun_error* backward_weight(meshrun_model_stage* stage, int32_t microbatch) {
