@@ -31,6 +31,7 @@
 #include "errors.hpp"
 #include "model/model.hpp"
 #include "plugin/loader.hpp"
+#include "raw_stage_setup.hpp"
 
 namespace {
 
@@ -585,20 +586,9 @@ TEST_CASE("a model refuses a stage on a device it does not compute on", "[confor
     SUCCEED("the model computes on CUDA");
     return;
   }
-  std::vector<const char*> modules;
-  for (const auto& module : model->description().modules) modules.push_back(module.name.c_str());
-  meshrun_model_hooks hooks{};
-  hooks.struct_size = sizeof(hooks);
-  meshrun_model_stage_setup setup{};
-  setup.struct_size = sizeof(setup);
-  setup.num_modules = int64_t(modules.size());
-  setup.modules = modules.data();
-  setup.hooks = &hooks;
-  setup.plan_json = "{}";
-  setup.options_json = "{}";
-  setup.device = DLDevice{kDLCUDA, 0};
+  const RawStageSetup on_gpu(*model, DLDevice{kDLCUDA, 0});
   meshrun_model_stage* stage = nullptr;
-  check_and_release_error(model->api().stage_create(model->handle(), &setup, &stage),
+  check_and_release_error(model->api().stage_create(model->handle(), &on_gpu.setup, &stage),
                           MESHRUN_UNIMPLEMENTED);
   CHECK(stage == nullptr);
 }

@@ -12,6 +12,7 @@
 #include "llama_fixture.hpp"
 #include "model/model.hpp"
 #include "plan/plan.hpp"
+#include "raw_stage_setup.hpp"
 
 namespace {
 
@@ -186,35 +187,24 @@ TEST_CASE("model plugin: a tensor on another device than the stage's is refused,
           "[model]") {
   const meshrun::Plan plan = plan_of(kTiny);
   const Model& model = *plan.model;
-  std::vector<const char*> modules;
-  for (const auto& module : model.description().modules) modules.push_back(module.name.c_str());
-  meshrun_model_hooks hooks{};
-  hooks.struct_size = sizeof(hooks);
-  meshrun_model_stage_setup setup{};
-  setup.struct_size = sizeof(setup);
-  setup.num_modules = int64_t(modules.size());
-  setup.modules = modules.data();
-  setup.hooks = &hooks;
-  setup.plan_json = "{}";
-  setup.options_json = "{}";
-  setup.device = DLDevice{kDLCUDA, 1};
+  const RawStageSetup on_gpu(model, DLDevice{kDLCUDA, 1});
   meshrun_model_stage* stage = nullptr;
-  meshrun_error* error = model.api().stage_create(model.handle(), &setup, &stage);
+  meshrun_error* error = model.api().stage_create(model.handle(), &on_gpu.setup, &stage);
   REQUIRE(error != nullptr);
   CHECK(error->code == MESHRUN_UNIMPLEMENTED);
   CHECK_THAT(std::string(error->message), Contains("device is cuda:1") && Contains("CPU only"));
   meshrun_error_release(error);
 
-  setup.device = DLDevice{kDLCPU, 0};
-  REQUIRE(model.api().stage_create(model.handle(), &setup, &stage) == nullptr);
+  const RawStageSetup on_cpu(model, DLDevice{kDLCPU, 0});
+  REQUIRE(model.api().stage_create(model.handle(), &on_cpu.setup, &stage) == nullptr);
   int64_t input_numel = 0, output_numel = 0;
   REQUIRE(model.api().set_shape(stage, 1, 2, &input_numel, &output_numel) == nullptr);
   int32_t tokens[2] = {1, 2}, targets[2] = {2, 3};
   int64_t shape[2] = {1, 2};
-  DLTensor on_gpu{tokens, {kDLCUDA, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
-  DLTensor on_cpu{targets, {kDLCPU, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
+  DLTensor tokens_on_gpu{tokens, {kDLCUDA, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
+  DLTensor targets_on_cpu{targets, {kDLCPU, 0}, 2, {kDLInt, 32, 1}, shape, nullptr, 0};
   double loss = 0;
-  error = model.api().forward(stage, 0, &on_gpu, &on_cpu, nullptr, nullptr, &loss);
+  error = model.api().forward(stage, 0, &tokens_on_gpu, &targets_on_cpu, nullptr, nullptr, &loss);
   REQUIRE(error != nullptr);
   CHECK(error->code == MESHRUN_INVALID_ARGUMENT);
   CHECK(std::string(error->message) ==
