@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "common/experts.hpp"
 #include "numeric/bfloat16.hpp"
 
 namespace meshrun::models {
@@ -164,6 +165,51 @@ class HostCompute : public Compute {
   void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets, int64_t rows,
                                              int64_t begin, int64_t size, float scale) override {
     kernels::vocab_parallel_cross_entropy_backward(probs, targets, rows, begin, size, scale);
+  }
+
+  void softmax_rows(float* values, int64_t rows, int64_t columns) override {
+    kernels::softmax_rows(values, rows, columns);
+  }
+  void softmax_rows_backward(float* d_values, const float* probs, int64_t rows,
+                             int64_t columns) override {
+    kernels::softmax_rows_backward(d_values, probs, rows, columns);
+  }
+  void moe_route(int32_t* selected, float* weights, const float* probs, int64_t rows,
+                 int64_t experts, int64_t top_k) override {
+    kernels::moe_route(selected, weights, probs, rows, experts, top_k);
+  }
+  void moe_order_slots(int64_t* tokens_per_expert, int64_t* slot_position, const int32_t* selected,
+                       int64_t rows, int64_t experts, int64_t top_k) override {
+    kernels::moe_order_slots(tokens_per_expert, slot_position, selected, rows, experts, top_k);
+  }
+  void moe_dispatch(float* slots, const float* x, const int64_t* slot_position, int64_t rows,
+                    int64_t top_k, int64_t hidden) override {
+    kernels::moe_dispatch(slots, x, slot_position, rows, top_k, hidden);
+  }
+  void moe_combine(float* y, const float* expert_outputs, const float* weights,
+                   const int64_t* slot_position, int64_t rows, int64_t top_k,
+                   int64_t hidden) override {
+    kernels::moe_combine(y, expert_outputs, weights, slot_position, rows, top_k, hidden);
+  }
+  void moe_combine_backward(float* d_slots, float* d_weights, const float* dy,
+                            const float* expert_outputs, const float* weights,
+                            const int64_t* slot_position, int64_t rows, int64_t top_k,
+                            int64_t hidden) override {
+    kernels::moe_combine_backward(d_slots, d_weights, dy, expert_outputs, weights, slot_position,
+                                  rows, top_k, hidden);
+  }
+  void moe_dispatch_backward(float* dx, const float* d_slots, const int64_t* slot_position,
+                             int64_t rows, int64_t top_k, int64_t hidden) override {
+    kernels::moe_dispatch_backward(dx, d_slots, slot_position, rows, top_k, hidden);
+  }
+  void column_sums(double* sums, const float* values, int64_t rows, int64_t columns) override {
+    kernels::column_sums(sums, values, rows, columns);
+  }
+  void moe_router_gradient(float* d_probs, const float* aux_per_token, const float* probs,
+                           const int32_t* selected, const float* weights, const float* d_weights,
+                           int64_t rows, int64_t experts, int64_t top_k) override {
+    kernels::moe_router_gradient(d_probs, aux_per_token, probs, selected, weights, d_weights, rows,
+                                 experts, top_k);
   }
 
   std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {

@@ -13,10 +13,9 @@
 //
 // The kit's layer (kit/composed.cpp) calls its kernels through this, and
 // so do the embedding, attention on one cp rank and the loss (plain and
-// vocabulary-parallel); attention over cp ranks, the mixture and tensor
-// parallelism's embedding lookup still compute on the host, and the
-// buffers are the host's: the GPU's compute has not run inside a model
-// (docs/testing.md).
+// vocabulary-parallel) and a mixture of experts' steps; attention over cp
+// ranks still computes on the host, and the buffers are the host's: the
+// GPU's compute has not run inside a model (docs/testing.md).
 #pragma once
 
 #include <cstdint>
@@ -142,6 +141,40 @@ class Compute {
   virtual void vocab_parallel_cross_entropy_backward(float* probs, const int32_t* targets,
                                                      int64_t rows, int64_t begin, int64_t size,
                                                      float scale) = 0;
+
+  // A mixture of experts' steps (common/experts.hpp, N rows of width H, E
+  // experts, K = top_k): the router's softmax of each row and its backward,
+  // in place; each row's top K experts and their renormalized weights; the
+  // slots' dispatch order, with the tokens each expert gets written to
+  // tokens_per_expert [E] in *host* memory (they size the experts' rows and
+  // the all-to-alls; a GPU's waits for its stream); dispatch and combine
+  // and their backwards; the router probabilities' column sums [E] in
+  // double, also to host memory (the load-balancing loss); and the router
+  // probabilities' gradient, aux_per_token [E] in host memory.
+  virtual void softmax_rows(float* values, int64_t rows, int64_t columns) = 0;
+  virtual void softmax_rows_backward(float* d_values, const float* probs, int64_t rows,
+                                     int64_t columns) = 0;
+  virtual void moe_route(int32_t* selected, float* weights, const float* probs, int64_t rows,
+                         int64_t experts, int64_t top_k) = 0;
+  virtual void moe_order_slots(int64_t* tokens_per_expert, int64_t* slot_position,
+                               const int32_t* selected, int64_t rows, int64_t experts,
+                               int64_t top_k) = 0;
+  virtual void moe_dispatch(float* slots, const float* x, const int64_t* slot_position,
+                            int64_t rows, int64_t top_k, int64_t hidden) = 0;
+  virtual void moe_combine(float* y, const float* expert_outputs, const float* weights,
+                           const int64_t* slot_position, int64_t rows, int64_t top_k,
+                           int64_t hidden) = 0;
+  virtual void moe_combine_backward(float* d_slots, float* d_weights, const float* dy,
+                                    const float* expert_outputs, const float* weights,
+                                    const int64_t* slot_position, int64_t rows, int64_t top_k,
+                                    int64_t hidden) = 0;
+  virtual void moe_dispatch_backward(float* dx, const float* d_slots, const int64_t* slot_position,
+                                     int64_t rows, int64_t top_k, int64_t hidden) = 0;
+  virtual void column_sums(double* sums, const float* values, int64_t rows, int64_t columns) = 0;
+  virtual void moe_router_gradient(float* d_probs, const float* aux_per_token, const float* probs,
+                                   const int32_t* selected, const float* weights,
+                                   const float* d_weights, int64_t rows, int64_t experts,
+                                   int64_t top_k) = 0;
 
   // `table`'s angles where this compute reads them.
   virtual std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) = 0;

@@ -10,8 +10,6 @@
 
 namespace meshrun::models {
 
-using namespace kernels;
-
 namespace {
 
 enum ExpertTensor { kW1, kW3, kW2 };
@@ -20,53 +18,13 @@ const ParameterView& expert_view(const ParameterView* views, int64_t local, int6
   return views[1 + local * kExpertTensors + tensor];
 }
 
-// probs [N, E] = softmax of each row, in place.
-void softmax_rows(float* probs, int64_t rows, int64_t experts) {
-  for (int64_t n = 0; n < rows; ++n) {
-    float* row = probs + n * experts;
-    const float top = *std::max_element(row, row + experts);
-    float sum = 0;
-    for (int64_t e = 0; e < experts; ++e) sum += row[e] = std::exp(row[e] - top);
-    for (int64_t e = 0; e < experts; ++e) row[e] /= sum;
-  }
-}
-
-// The top_k experts of each row by probability (strictly greater wins, so
-// ties go to the lower expert on every rank alike), and their
-// probabilities renormalized to sum to 1.
-void route(MixtureActivations& saved, const MixtureShape& shape) {
-  const int64_t N = shape.rows, E = shape.experts, K = shape.top_k;
-  for (int64_t n = 0; n < N; ++n) {
-    const float* p = saved.probs.data() + n * E;
-    int32_t* picked = saved.selected.data() + n * K;
-    float sum = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t best = -1;
-      for (int32_t e = 0; e < E; ++e) {
-        if (std::find(picked, picked + k, e) != picked + k) continue;
-        if (best < 0 || p[e] > p[best]) best = e;
-      }
-      picked[k] = best;
-      sum += p[best];
-    }
-    for (int64_t k = 0; k < K; ++k) saved.weights[size_t(n * K + k)] = p[picked[k]] / sum;
-  }
-}
-
 // Dispatch order: the slots grouped by expert (so by the experts' ranks),
 // tokens in order within an expert; the counts each rank sends.
-void order_slots(MixtureActivations& saved, const MixtureScratch& scratch) {
+void order_slots(MixtureActivations& saved, MixtureScratch& scratch) {
   const MixtureShape& shape = scratch.shape;
   const int64_t N = shape.rows, E = shape.experts, K = shape.top_k, H = shape.hidden;
-  std::fill(saved.tokens_per_expert.begin(), saved.tokens_per_expert.end(), 0);
-  for (const int32_t e : saved.selected) ++saved.tokens_per_expert[size_t(e)];
-  std::vector<int64_t> next(size_t(E), 0);
-  for (int64_t e = 1; e < E; ++e) {
-    next[size_t(e)] = next[size_t(e - 1)] + saved.tokens_per_expert[size_t(e - 1)];
-  }
-  for (int64_t slot = 0; slot < N * K; ++slot) {
-    saved.slot_position[size_t(slot)] = next[size_t(saved.selected[size_t(slot)])]++;
-  }
+  scratch.compute.moe_order_slots(saved.tokens_per_expert.data(), saved.slot_position.data(),
+                                  saved.selected.data(), N, E, K);
   std::fill(saved.send_counts.begin(), saved.send_counts.end(), 0);
   for (int64_t e = 0; e < E; ++e) {
     saved.send_counts[size_t(e / scratch.local_experts)] += saved.tokens_per_expert[size_t(e)] * H;
@@ -122,13 +80,13 @@ int64_t rows_of_expert(const MixtureActivations& saved, const MixtureScratch& sc
 
 // E / N sum_e tokens_e P_e, P_e the mean router probability of expert e
 // (Hugging Face's load_balancing_loss_func on one layer).
-double load_balancing_loss(const MixtureActivations& saved, const MixtureShape& shape) {
-  const int64_t N = shape.rows, E = shape.experts;
+double load_balancing_loss(const MixtureActivations& saved, MixtureScratch& scratch) {
+  const int64_t N = scratch.shape.rows, E = scratch.shape.experts;
+  std::vector<double> probability_sums(static_cast<size_t>(E));
+  scratch.compute.column_sums(probability_sums.data(), saved.probs.data(), N, E);
   double loss = 0;
   for (int64_t e = 0; e < E; ++e) {
-    double mean_prob = 0;
-    for (int64_t n = 0; n < N; ++n) mean_prob += saved.probs[size_t(n * E + e)];
-    loss += double(saved.tokens_per_expert[size_t(e)]) * mean_prob / double(N);
+    loss += double(saved.tokens_per_expert[size_t(e)]) * probability_sums[size_t(e)] / double(N);
   }
   return loss * double(E) / double(N);
 }
@@ -147,17 +105,19 @@ void experts_forward(const ParameterView* views, MixtureActivations& saved,
     saved.gate_up[size_t(j)] = std::vector<float>(size_t(rows * 2 * I));
     saved.act[size_t(j)] = std::vector<float>(size_t(rows * I));
     if (rows == 0) continue;
+    Compute& compute = scratch.compute;
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
-      std::copy_n(scratch.received.begin() + at, count, in.begin() + own);
+      compute.copy(in.data() + own, scratch.received.data() + at, count);
     });
-    linear_forward(saved.gate_up[size_t(j)].data(), in.data(),
-                   weight_of(expert_view(views, j, kW1)), rows, H, 2 * I);
-    swiglu_forward(saved.act[size_t(j)].data(), saved.gate_up[size_t(j)].data(), rows, I);
+    compute.linear_forward(WeightLayout::out_in, saved.gate_up[size_t(j)].data(), in.data(),
+                           weight_of(expert_view(views, j, kW1)), rows, H, 2 * I);
+    compute.swiglu_forward(saved.act[size_t(j)].data(), saved.gate_up[size_t(j)].data(), rows, I);
     scratch.expert_out.resize(size_t(rows * H));
-    linear_forward(scratch.expert_out.data(), saved.act[size_t(j)].data(),
-                   weight_of(expert_view(views, j, kW2)), rows, I, H);
+    compute.linear_forward(WeightLayout::out_in, scratch.expert_out.data(),
+                           saved.act[size_t(j)].data(), weight_of(expert_view(views, j, kW2)), rows,
+                           I, H);
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
-      std::copy_n(scratch.expert_out.begin() + own, count, scratch.returned.begin() + at);
+      compute.copy(scratch.returned.data() + at, scratch.expert_out.data() + own, count);
     });
   }
 }
@@ -178,65 +138,47 @@ void experts_backward(const ParameterView* views, MixtureActivations& saved,
       for (const ParameterView* view : {&w2, &w3, &w1}) gradients.vector_ready(*view);
       continue;
     }
+    Compute& compute = scratch.compute;
     scratch.expert_out.resize(size_t(rows * H));
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
-      std::copy_n(scratch.received.begin() + at, count, scratch.expert_out.begin() + own);
+      compute.copy(scratch.expert_out.data() + own, scratch.received.data() + at, count);
     });
     scratch.d_act.resize(size_t(rows * I));
     scratch.d_gate_up.resize(size_t(rows * 2 * I));
     scratch.d_expert_in.resize(size_t(rows * H));
-    linear_backward_input(scratch.d_act.data(), scratch.expert_out.data(), weight_of(w2), rows, I,
-                          H);
-    gradients.linear({&w2, &w2, WeightLayout::out_in, rows, I, H}, scratch.expert_out.data(),
-                     saved.act[size_t(j)]);
-    swiglu_backward(scratch.d_gate_up.data(), scratch.d_act.data(), saved.gate_up[size_t(j)].data(),
-                    rows, I);
-    linear_backward_input(scratch.d_expert_in.data(), scratch.d_gate_up.data(), weight_of(w1), rows,
-                          H, 2 * I);
-    gradients.linear({&w1, &w3, WeightLayout::out_in, rows, H, 2 * I}, scratch.d_gate_up.data(),
-                     saved.expert_in[size_t(j)]);
+    compute.linear_backward_input(WeightLayout::out_in, scratch.d_act.data(),
+                                  scratch.expert_out.data(), weight_of(w2), rows, I, H);
+    gradients.linear({&w2, &w2, WeightLayout::out_in, rows, I, H, &compute},
+                     scratch.expert_out.data(), saved.act[size_t(j)]);
+    compute.swiglu_backward(scratch.d_gate_up.data(), scratch.d_act.data(),
+                            saved.gate_up[size_t(j)].data(), rows, I);
+    compute.linear_backward_input(WeightLayout::out_in, scratch.d_expert_in.data(),
+                                  scratch.d_gate_up.data(), weight_of(w1), rows, H, 2 * I);
+    gradients.linear({&w1, &w3, WeightLayout::out_in, rows, H, 2 * I, &compute},
+                     scratch.d_gate_up.data(), saved.expert_in[size_t(j)]);
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
-      std::copy_n(scratch.d_expert_in.begin() + own, count, scratch.returned.begin() + at);
+      compute.copy(scratch.returned.data() + at, scratch.d_expert_in.data() + own, count);
     });
   }
 }
 
-// d_probs from the routing weights' gradients d_w (w_k = p_k / sum_S p):
-// dp_m = (dw_m - sum_k dw_k w_k) / sum_S p for the selected m; and from the
-// load-balancing loss, c d/dp of E / N sum_e tokens_e mean_n p_ne, the
-// token counts taken as constants (as Hugging Face's loss does).
+// d_probs from the routing weights' gradients and from the load-balancing
+// loss, c d/dp of E / N sum_e tokens_e mean_n p_ne, the token counts taken
+// as constants (as Hugging Face's loss does): c E / N^2 tokens_e for every
+// row (common/experts.hpp, moe_router_gradient).
 void router_probability_gradient(const MixtureActivations& saved, MixtureScratch& scratch,
                                  float loss_scale) {
   const MixtureShape& shape = scratch.shape;
   const int64_t N = shape.rows, E = shape.experts, K = shape.top_k;
   const double aux_scale = double(loss_scale) * shape.aux_coef / double(shape.model_layers) *
                            double(E) / (double(N) * double(N));
-  for (int64_t n = 0; n < N; ++n) {
-    float* d = scratch.d_probs.data() + n * E;
-    for (int64_t e = 0; e < E; ++e)
-      d[e] = float(aux_scale * double(saved.tokens_per_expert[size_t(e)]));
-    const float* p = saved.probs.data() + n * E;
-    const float* d_weights = scratch.d_weights.data() + n * K;
-    float sum = 0, weighted = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      sum += p[saved.selected[size_t(n * K + k)]];
-      weighted += d_weights[k] * saved.weights[size_t(n * K + k)];
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      d[saved.selected[size_t(n * K + k)]] += (d_weights[k] - weighted) / sum;
-    }
+  std::vector<float> aux_per_token(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    aux_per_token[size_t(e)] = float(aux_scale * double(saved.tokens_per_expert[size_t(e)]));
   }
-}
-
-// d_logits = p * (d_p - sum_e p_e d_p_e), in place of d_probs.
-void softmax_backward_rows(float* d_probs, const float* probs, int64_t rows, int64_t experts) {
-  for (int64_t n = 0; n < rows; ++n) {
-    float* d = d_probs + n * experts;
-    const float* p = probs + n * experts;
-    float dot = 0;
-    for (int64_t e = 0; e < experts; ++e) dot += d[e] * p[e];
-    for (int64_t e = 0; e < experts; ++e) d[e] = p[e] * (d[e] - dot);
-  }
+  scratch.compute.moe_router_gradient(scratch.d_probs.data(), aux_per_token.data(),
+                                      saved.probs.data(), saved.selected.data(),
+                                      saved.weights.data(), scratch.d_weights.data(), N, E, K);
 }
 
 void add_statistics(const MixtureActivations& saved, const MixtureScratch& scratch) {
@@ -253,8 +195,9 @@ void add_statistics(const MixtureActivations& saved, const MixtureScratch& scrat
 }  // namespace
 
 MixtureScratch::MixtureScratch(const MixtureShape& shape, const ExpertParallel& expert_parallel,
-                               const char* model)
+                               const char* model, Compute& compute)
     : shape(shape),
+      compute(compute),
       ep(expert_parallel.group != nullptr ? *expert_parallel.group : single),
       statistics(expert_parallel.statistics),
       local_experts(shape.experts / ep.size()),
@@ -300,15 +243,13 @@ int64_t MixtureActivations::bytes() const {
 void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const float* x,
                      MixtureActivations& saved, float* y) {
   const MixtureShape& shape = scratch.shape;
-  const int64_t N = shape.rows, H = shape.hidden, K = shape.top_k;
-  linear_forward(saved.probs.data(), x, weight_of(views[0]), N, H, shape.experts);
-  softmax_rows(saved.probs.data(), N, shape.experts);
-  route(saved, shape);
+  const int64_t N = shape.rows, H = shape.hidden, K = shape.top_k, E = shape.experts;
+  Compute& compute = scratch.compute;
+  compute.linear_forward(WeightLayout::out_in, saved.probs.data(), x, weight_of(views[0]), N, H, E);
+  compute.softmax_rows(saved.probs.data(), N, E);
+  compute.moe_route(saved.selected.data(), saved.weights.data(), saved.probs.data(), N, E, K);
   order_slots(saved, scratch);
-  for (int64_t slot = 0; slot < N * K; ++slot) {
-    std::copy_n(x + (slot / K) * H, H,
-                scratch.slots.begin() + saved.slot_position[size_t(slot)] * H);
-  }
+  compute.moe_dispatch(scratch.slots.data(), x, saved.slot_position.data(), N, K, H);
   exchange_counts(saved, scratch);
   scratch.received.resize(size_t(received_floats(saved)));
   scratch.ep.all_to_all(scratch.slots.data(), saved.send_counts, scratch.received.data(),
@@ -316,14 +257,9 @@ void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const 
   experts_forward(views, saved, scratch);
   scratch.ep.all_to_all(scratch.returned.data(), saved.recv_counts, saved.expert_outputs.data(),
                         saved.send_counts);
-  std::fill_n(y, N * H, 0.0f);
-  for (int64_t slot = 0; slot < N * K; ++slot) {
-    const float w = saved.weights[size_t(slot)];
-    const float* expert_y = saved.expert_outputs.data() + saved.slot_position[size_t(slot)] * H;
-    float* row = y + (slot / K) * H;
-    for (int64_t i = 0; i < H; ++i) row[i] += w * expert_y[i];
-  }
-  saved.aux_loss = load_balancing_loss(saved, shape);
+  compute.moe_combine(y, saved.expert_outputs.data(), saved.weights.data(),
+                      saved.slot_position.data(), N, K, H);
+  saved.aux_loss = load_balancing_loss(saved, scratch);
 }
 
 void mixture_backward(MixtureScratch& scratch, const ParameterView* views, const float* dy,
@@ -331,37 +267,24 @@ void mixture_backward(MixtureScratch& scratch, const ParameterView* views, const
                       float* dx, WeightGradients& gradients) {
   const MixtureShape& shape = scratch.shape;
   const int64_t N = shape.rows, H = shape.hidden, K = shape.top_k, E = shape.experts;
-  for (int64_t slot = 0; slot < N * K; ++slot) {
-    const int64_t at = saved.slot_position[size_t(slot)] * H;
-    const float* d_row = dy + (slot / K) * H;
-    const float* expert_y = saved.expert_outputs.data() + at;
-    const float w = saved.weights[size_t(slot)];
-    float dot = 0;
-    for (int64_t i = 0; i < H; ++i) {
-      scratch.d_slots[size_t(at + i)] = w * d_row[i];
-      dot += d_row[i] * expert_y[i];
-    }
-    scratch.d_weights[size_t(slot)] = dot;
-  }
+  Compute& compute = scratch.compute;
+  compute.moe_combine_backward(scratch.d_slots.data(), scratch.d_weights.data(), dy,
+                               saved.expert_outputs.data(), saved.weights.data(),
+                               saved.slot_position.data(), N, K, H);
   scratch.received.resize(size_t(received_floats(saved)));
   scratch.ep.all_to_all(scratch.d_slots.data(), saved.send_counts, scratch.received.data(),
                         saved.recv_counts);
   experts_backward(views, saved, scratch, gradients);
   scratch.ep.all_to_all(scratch.returned.data(), saved.recv_counts, scratch.slots.data(),
                         saved.send_counts);
-  std::fill_n(dx, N * H, 0.0f);
-  for (int64_t slot = 0; slot < N * K; ++slot) {
-    const float* d_slot = scratch.slots.data() + saved.slot_position[size_t(slot)] * H;
-    float* row = dx + (slot / K) * H;
-    for (int64_t i = 0; i < H; ++i) row[i] += d_slot[i];
-  }
+  compute.moe_dispatch_backward(dx, scratch.slots.data(), saved.slot_position.data(), N, K, H);
   router_probability_gradient(saved, scratch, loss_scale);
-  softmax_backward_rows(scratch.d_probs.data(), saved.probs.data(), N, E);
-  linear_backward_input(scratch.d_router_input.data(), scratch.d_probs.data(), weight_of(views[0]),
-                        N, H, E);
-  for (int64_t i = 0; i < N * H; ++i) dx[i] += scratch.d_router_input[size_t(i)];
-  gradients.linear({&views[0], &views[0], WeightLayout::out_in, N, H, E}, scratch.d_probs.data(),
-                   x_kept);
+  compute.softmax_rows_backward(scratch.d_probs.data(), saved.probs.data(), N, E);
+  compute.linear_backward_input(WeightLayout::out_in, scratch.d_router_input.data(),
+                                scratch.d_probs.data(), weight_of(views[0]), N, H, E);
+  compute.accumulate(dx, scratch.d_router_input.data(), N * H);
+  gradients.linear({&views[0], &views[0], WeightLayout::out_in, N, H, E, &compute},
+                   scratch.d_probs.data(), x_kept);
   add_statistics(saved, scratch);
 }
 

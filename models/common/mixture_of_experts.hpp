@@ -40,14 +40,16 @@ struct MixtureShape {
 // router statistics go, and the scratch of dispatch and combine.
 struct MixtureScratch {
   // Throws std::invalid_argument (message beginning with `model`) when the
-  // ep ranks do not divide the experts.
+  // ep ranks do not divide the experts. The mixture computes on `compute`
+  // (which must outlive it); its all-to-alls and counts are the host's.
   MixtureScratch(const MixtureShape& shape, const ExpertParallel& expert_parallel,
-                 const char* model);
+                 const char* model, Compute& compute = host_compute());
   MixtureScratch(const MixtureScratch&) = delete;
   MixtureScratch& operator=(const MixtureScratch&) = delete;
   int64_t views() const { return mixture_views(local_experts); }
 
   MixtureShape shape;
+  Compute& compute;
   SingleExpertRank single;
   ExpertParallelGroup& ep;
   ExpertStatistics* statistics;

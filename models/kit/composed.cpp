@@ -91,7 +91,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
     experts = std::make_unique<models::MixtureScratch>(
         models::MixtureShape{rows(), hidden, c.intermediate_size, c.num_local_experts,
                              c.num_experts_per_tok, c.num_hidden_layers, c.router_aux_loss_coef},
-        ep, Composed::kName);
+        ep, Composed::kName, compute);
   }
   first_view = c.first_views(experts ? experts->local_experts : c.num_local_experts);
 }

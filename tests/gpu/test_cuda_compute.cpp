@@ -7,8 +7,10 @@
 // bias, the element-wise helpers, the norms, the activations, the
 // embedding (whole and a vocabulary shard), rotary (a partial rotary_dim
 // too), attention, and cross-entropy (whole and the vocabulary-parallel
-// steps, with the mean loss each returns), on shapes that leave partial
-// blocks (37 rows, 70 positions). Without a usable GPU it exits 77.
+// steps, with the mean loss each returns) and a mixture of experts' steps
+// (8 experts, top 2: the experts chosen, the slot order and the tokens per
+// expert exactly), on shapes that leave partial blocks (37 rows, 70
+// positions). Without a usable GPU it exits 77.
 //
 // Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu|, as the CUDA layers' test
 // (test_cuda_layers.cpp, where it is justified) for the kernels they share.
@@ -26,6 +28,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -316,6 +319,75 @@ void check_rotation(Compute& gpu) {
   }
 }
 
+// What a mixture's steps compute (common/experts.hpp), on host vectors or
+// device copies: the router's softmax, routing, slot order, dispatch,
+// combine, their backwards, the probabilities' column sums and the router
+// gradient. Run by the host's compute on `host` and the GPU's on `device`.
+struct MixtureRun {
+  static constexpr int64_t kExperts = 8, kTopK = 2, kHidden = 48;
+  std::vector<float> probs = values(kRows * kExperts, 1), weights = values(kRows * kTopK, 2),
+                     slots = values(kRows * kTopK * kHidden, 3), x = values(kRows * kHidden, 4),
+                     y = values(kRows * kHidden, 5), dy = values(kRows * kHidden, 6),
+                     expert_outputs = values(kRows * kTopK * kHidden, 7),
+                     d_slots = values(kRows * kTopK * kHidden, 8),
+                     d_weights = values(kRows * kTopK, 9), dx = values(kRows * kHidden, 10),
+                     d_probs = values(kRows * kExperts, 11), aux = values(kExperts, 12);
+  std::vector<int32_t> selected = std::vector<int32_t>(kRows * kTopK);
+  std::vector<int64_t> slot_position = std::vector<int64_t>(kRows * kTopK);
+  std::vector<int64_t> tokens = std::vector<int64_t>(kExperts);
+  std::vector<double> sums = std::vector<double>(kExperts);
+
+  void on(Compute& compute, float* const* f, int32_t* chosen, int64_t* positions) {
+    compute.softmax_rows(f[0], kRows, kExperts);
+    compute.moe_route(chosen, f[1], f[0], kRows, kExperts, kTopK);
+    compute.moe_order_slots(tokens.data(), positions, chosen, kRows, kExperts, kTopK);
+    compute.moe_dispatch(f[2], f[3], positions, kRows, kTopK, kHidden);
+    compute.moe_combine(f[4], f[6], f[1], positions, kRows, kTopK, kHidden);
+    compute.moe_combine_backward(f[7], f[8], f[5], f[6], f[1], positions, kRows, kTopK, kHidden);
+    compute.moe_dispatch_backward(f[9], f[7], positions, kRows, kTopK, kHidden);
+    compute.column_sums(sums.data(), f[0], kRows, kExperts);
+    compute.moe_router_gradient(f[10], aux.data(), f[0], chosen, f[1], f[8], kRows, kExperts,
+                                kTopK);
+    compute.softmax_rows_backward(f[10], f[0], kRows, kExperts);
+  }
+  std::vector<std::vector<float>*> floats() {
+    return {&probs,          &weights, &slots,     &x,  &y,      &dy,
+            &expert_outputs, &d_slots, &d_weights, &dx, &d_probs};
+  }
+};
+
+void check_experts(Compute& gpu) {
+  MixtureRun host, device;
+  std::vector<float*> host_floats;
+  for (auto* buffer : host.floats()) host_floats.push_back(buffer->data());
+  host.on(meshrun::models::host_compute(), host_floats.data(), host.selected.data(),
+          host.slot_position.data());
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> on_device;
+  std::vector<float*> device_floats;
+  for (auto* buffer : device.floats()) {
+    on_device.push_back(std::make_unique<DeviceBuffer<float>>(*buffer));
+    device_floats.push_back(on_device.back()->get());
+  }
+  DeviceBuffer<int32_t> selected(device.selected);
+  DeviceBuffer<int64_t> slot_position(device.slot_position);
+  device.on(gpu, device_floats.data(), selected.get(), slot_position.get());
+  const std::vector<std::vector<float>*> expected = host.floats();
+  for (size_t k = 0; k < on_device.size(); ++k) {
+    compare("mixture of experts' steps", k, on_device[k]->host(), *expected[k]);
+  }
+  const bool same_order = selected.host() == host.selected &&
+                          slot_position.host() == host.slot_position &&
+                          device.tokens == host.tokens;
+  std::printf(
+      "%s mixture of experts: the experts chosen, the slots' order and the tokens per "
+      "expert exactly\n",
+      same_order ? "PASS" : "FAIL");
+  if (!same_order) ++failures;
+  std::vector<float> sums_gpu(device.sums.begin(), device.sums.end()),
+      sums_cpu(host.sums.begin(), host.sums.end());
+  compare("mixture of experts: the router probabilities' column sums", 0, sums_gpu, sums_cpu);
+}
+
 }  // namespace
 
 int main() {
@@ -332,6 +404,7 @@ int main() {
     check_rotation(*gpu);
     check_attention(*gpu);
     check_cross_entropy(*gpu);
+    check_experts(*gpu);
   }
   cudaStreamDestroy(stream);
   std::printf("%d of the GPU compute's checks failed\n", failures);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/cuda/attention.hpp"
+#include "common/cuda/experts.hpp"
 #include "common/cuda/layers.hpp"
 #include "numeric/cuda/gemm.hpp"
 #include "numeric/gemm.hpp"
@@ -257,6 +258,67 @@ class CudaCompute : public Compute {
           "vocab_parallel_cross_entropy_backward");
   }
 
+  void softmax_rows(float* values, int64_t rows, int64_t columns) override {
+    check(gpu::softmax_rows(values, rows, columns, stream_), "softmax_rows");
+  }
+  void softmax_rows_backward(float* d_values, const float* probs, int64_t rows,
+                             int64_t columns) override {
+    check(gpu::softmax_rows_backward(d_values, probs, rows, columns, stream_),
+          "softmax_rows_backward");
+  }
+  void moe_route(int32_t* selected, float* weights, const float* probs, int64_t rows,
+                 int64_t experts, int64_t top_k) override {
+    check(gpu::moe_route(selected, weights, probs, rows, experts, top_k, stream_), "moe_route");
+  }
+  void moe_order_slots(int64_t* tokens_per_expert, int64_t* slot_position, const int32_t* selected,
+                       int64_t rows, int64_t experts, int64_t top_k) override {
+    int64_t* on_device = tokens_.at_least(size_t(experts));
+    check(gpu::moe_order_slots(on_device, slot_position, selected, rows, experts, top_k, stream_),
+          "moe_order_slots");
+    to_host(tokens_per_expert, on_device, experts, "the tokens per expert");
+  }
+  void moe_dispatch(float* slots, const float* x, const int64_t* slot_position, int64_t rows,
+                    int64_t top_k, int64_t hidden) override {
+    check(gpu::moe_dispatch(slots, x, slot_position, rows, top_k, hidden, stream_), "moe_dispatch");
+  }
+  void moe_combine(float* y, const float* expert_outputs, const float* weights,
+                   const int64_t* slot_position, int64_t rows, int64_t top_k,
+                   int64_t hidden) override {
+    check(gpu::moe_combine(y, expert_outputs, weights, slot_position, rows, top_k, hidden, stream_),
+          "moe_combine");
+  }
+  void moe_combine_backward(float* d_slots, float* d_weights, const float* dy,
+                            const float* expert_outputs, const float* weights,
+                            const int64_t* slot_position, int64_t rows, int64_t top_k,
+                            int64_t hidden) override {
+    check(gpu::moe_combine_backward(d_slots, d_weights, dy, expert_outputs, weights, slot_position,
+                                    rows, top_k, hidden, stream_),
+          "moe_combine_backward");
+  }
+  void moe_dispatch_backward(float* dx, const float* d_slots, const int64_t* slot_position,
+                             int64_t rows, int64_t top_k, int64_t hidden) override {
+    check(gpu::moe_dispatch_backward(dx, d_slots, slot_position, rows, top_k, hidden, stream_),
+          "moe_dispatch_backward");
+  }
+  void column_sums(double* sums, const float* values, int64_t rows, int64_t columns) override {
+    double* on_device = sums_.at_least(size_t(columns));
+    check(gpu::column_sums(on_device, values, rows, columns, stream_), "column_sums");
+    to_host(sums, on_device, columns, "the column sums");
+  }
+  void moe_router_gradient(float* d_probs, const float* aux_per_token, const float* probs,
+                           const int32_t* selected, const float* weights, const float* d_weights,
+                           int64_t rows, int64_t experts, int64_t top_k) override {
+    // From pageable host memory, cudaMemcpyAsync returns once it has staged
+    // the values, so the caller may reuse aux_per_token when this returns.
+    float* aux = aux_.at_least(size_t(experts));
+    check(cudaMemcpyAsync(aux, aux_per_token, size_t(experts) * sizeof(float),
+                          cudaMemcpyHostToDevice, stream_),
+          "the load-balancing gradient to the device");
+    check(gpu::moe_router_gradient(d_probs, aux, probs, selected, weights, d_weights, rows, experts,
+                                   top_k, stream_),
+          "moe_router_gradient");
+  }
+
   std::unique_ptr<Rotation> rotation(const kernels::RotaryTable<float>& table) override {
     return std::make_unique<CudaRotation>(table, stream_);
   }
@@ -296,13 +358,20 @@ class CudaCompute : public Compute {
   // CPU's cross-entropy sums them, once the stream has computed them.
   double mean_of(const float* row_loss, int64_t rows) {
     std::vector<float> losses(static_cast<size_t>(rows));
-    check(cudaMemcpyAsync(losses.data(), row_loss, losses.size() * sizeof(float),
-                          cudaMemcpyDeviceToHost, stream_),
-          "the loss to the host");
-    check(cudaStreamSynchronize(stream_), "the loss");
+    to_host(losses.data(), row_loss, rows, "the loss");
     double total = 0;
     for (const float loss : losses) total += double(loss);
     return total / double(rows);
+  }
+
+  // count elements from the device to the host, once the stream has
+  // computed them.
+  template <typename Element>
+  void to_host(Element* host, const Element* device, int64_t count, const char* what) {
+    check(cudaMemcpyAsync(host, device, size_t(count) * sizeof(Element), cudaMemcpyDeviceToHost,
+                          stream_),
+          what);
+    check(cudaStreamSynchronize(stream_), what);
   }
 
   // `values` rounded to bfloat16 into `bits` (the stream orders its reuse).
@@ -315,7 +384,9 @@ class CudaCompute : public Compute {
   cudaStream_t stream_;
   gpu::GemmContext gemms_;
   DeviceArray<uint16_t> a_bits_, b_bits_;
-  DeviceArray<float> row_loss_;
+  DeviceArray<float> row_loss_, aux_;
+  DeviceArray<int64_t> tokens_;
+  DeviceArray<double> sums_;
 };
 
 }  // namespace

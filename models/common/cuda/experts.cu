@@ -115,7 +115,95 @@ __global__ void combine_backward_kernel(float* d_slots, float* d_weights, const 
   }
 }
 
+// One thread per row, over its columns in order: the CPU twin's sums, term
+// for term (a router has few experts).
+__global__ void softmax_rows_kernel(float* values, int64_t rows, int64_t columns) {
+  for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < rows;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    float* row = values + n * columns;
+    float top = row[0];
+    for (int64_t e = 1; e < columns; ++e) top = fmaxf(top, row[e]);
+    float sum = 0;
+    for (int64_t e = 0; e < columns; ++e) sum += row[e] = expf(row[e] - top);
+    for (int64_t e = 0; e < columns; ++e) row[e] /= sum;
+  }
+}
+
+__global__ void softmax_rows_backward_kernel(float* d_values, const float* probs, int64_t rows,
+                                             int64_t columns) {
+  for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < rows;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    float* d = d_values + n * columns;
+    const float* p = probs + n * columns;
+    float dot = 0;
+    for (int64_t e = 0; e < columns; ++e) dot += d[e] * p[e];
+    for (int64_t e = 0; e < columns; ++e) d[e] = p[e] * (d[e] - dot);
+  }
+}
+
+// One thread per column, in double, in row order (the CPU twin's order).
+__global__ void column_sums_kernel(double* sums, const float* values, int64_t rows,
+                                   int64_t columns) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < columns;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    double sum = 0;
+    for (int64_t n = 0; n < rows; ++n) sum += values[n * columns + e];
+    sums[e] = sum;
+  }
+}
+
+__global__ void router_gradient_kernel(float* d_probs, const float* aux_per_token,
+                                       const float* probs, const int32_t* selected,
+                                       const float* weights, const float* d_weights, int64_t rows,
+                                       int64_t experts, int64_t top_k) {
+  for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < rows;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    float* d = d_probs + n * experts;
+    for (int64_t e = 0; e < experts; ++e) d[e] = aux_per_token[e];
+    const float* p = probs + n * experts;
+    float sum = 0, weighted = 0;
+    for (int64_t k = 0; k < top_k; ++k) {
+      sum += p[selected[n * top_k + k]];
+      weighted += d_weights[n * top_k + k] * weights[n * top_k + k];
+    }
+    for (int64_t k = 0; k < top_k; ++k) {
+      d[selected[n * top_k + k]] += (d_weights[n * top_k + k] - weighted) / sum;
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t softmax_rows(float* values, int64_t rows, int64_t columns, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  softmax_rows_kernel<<<blocks_for(rows), kBlock, 0, stream>>>(values, rows, columns);
+  return cudaGetLastError();
+}
+
+cudaError_t softmax_rows_backward(float* d_values, const float* probs, int64_t rows,
+                                  int64_t columns, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  softmax_rows_backward_kernel<<<blocks_for(rows), kBlock, 0, stream>>>(d_values, probs, rows,
+                                                                        columns);
+  return cudaGetLastError();
+}
+
+cudaError_t column_sums(double* sums, const float* values, int64_t rows, int64_t columns,
+                        cudaStream_t stream) {
+  if (columns == 0) return cudaSuccess;
+  column_sums_kernel<<<blocks_for(columns), kBlock, 0, stream>>>(sums, values, rows, columns);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_router_gradient(float* d_probs, const float* aux_per_token, const float* probs,
+                                const int32_t* selected, const float* weights,
+                                const float* d_weights, int64_t rows, int64_t experts,
+                                int64_t top_k, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  router_gradient_kernel<<<blocks_for(rows), kBlock, 0, stream>>>(
+      d_probs, aux_per_token, probs, selected, weights, d_weights, rows, experts, top_k);
+  return cudaGetLastError();
+}
 
 cudaError_t moe_route(int32_t* selected, float* weights, const float* probs, int64_t rows,
                       int64_t experts, int64_t top_k, cudaStream_t stream) {

@@ -16,6 +16,25 @@
 
 namespace meshrun::kernels::cuda {
 
+// values [rows, columns] = the softmax of each row, in place; its backward
+// d = p (d - p . d), in place of the gradient. One thread per row.
+cudaError_t softmax_rows(float* values, int64_t rows, int64_t columns, cudaStream_t stream);
+cudaError_t softmax_rows_backward(float* d_values, const float* probs, int64_t rows,
+                                  int64_t columns, cudaStream_t stream);
+
+// sums[e] = the sum over rows of values[n, e], in double, in row order (the
+// load-balancing loss's mean router probabilities).
+cudaError_t column_sums(double* sums, const float* values, int64_t rows, int64_t columns,
+                        cudaStream_t stream);
+
+// The router probabilities' gradient d_probs [N, E] from the routing
+// weights' gradients d_weights and the load-balancing loss's per-token
+// gradient aux_per_token [E] (common/experts.hpp, moe_router_gradient).
+cudaError_t moe_router_gradient(float* d_probs, const float* aux_per_token, const float* probs,
+                                const int32_t* selected, const float* weights,
+                                const float* d_weights, int64_t rows, int64_t experts,
+                                int64_t top_k, cudaStream_t stream);
+
 // selected[n K + k] = row n's k-th expert by probability (probs [N, E], a
 // softmax; strictly greater wins, so ties go to the lower expert), and
 // weights[n K + k] its probability over the sum of the K chosen.
