@@ -56,8 +56,22 @@ class DeviceArray {
  private:
   void resize(size_t count) {
     release();
-    check(cudaMalloc(reinterpret_cast<void**>(&data_), count * sizeof(Element)), "cudaMalloc");
+    const size_t bytes = count * sizeof(Element);
+    const cudaError_t status = cudaMalloc(reinterpret_cast<void**>(&data_), bytes);
+    if (status == cudaErrorMemoryAllocation) throw_out_of_memory(bytes);
+    check(status, "cudaMalloc");
     count_ = count;
+  }
+  [[noreturn]] static void throw_out_of_memory(size_t bytes) {
+    cudaGetLastError();
+    int device = 0;
+    size_t free = 0, total = 0;
+    cudaGetDevice(&device);
+    cudaMemGetInfo(&free, &total);
+    throw std::runtime_error("cuda compute: out of memory on CUDA device " +
+                             std::to_string(device) + ": " + std::to_string(bytes) +
+                             " bytes asked for, " + std::to_string(free) + " of " +
+                             std::to_string(total) + " free");
   }
   void release() {
     if (data_ != nullptr) cudaFree(data_);
