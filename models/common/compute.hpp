@@ -5,7 +5,10 @@
 // either, and the CPU's is the GPU's oracle (tests/gpu/test_cuda_compute.cpp
 // runs every call on both). Pointers are of the compute's device; a GPU's
 // calls are enqueued on its stream in call order and return without
-// waiting.
+// waiting, except those that hand a value to the host (the loss, the
+// tokens per expert, column sums), which wait for it. The host's calls
+// throw nothing; a GPU's throw std::runtime_error naming the call and the
+// CUDA or cuBLAS error (an out-of-memory naming the device and the bytes).
 //
 // The GEMMs follow the matmul precision of the process (numeric/gemm.hpp):
 // under bfloat16 each operand is rounded to bfloat16 and the products
@@ -20,7 +23,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "common/layers.hpp"
 
@@ -45,6 +47,9 @@ class Rotation {
                         int64_t row_stride) const = 0;
 };
 
+// The kernels of one device. The host's is stateless (scratch is the
+// caller's: attention_scratch), so it serves threads at once; a GPU's holds
+// its stream, GEMM handle and small scratch, one per stage.
 class Compute {
  public:
   virtual ~Compute() = default;
