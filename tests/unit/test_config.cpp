@@ -14,6 +14,7 @@
 #include "errors.hpp"
 #include "mesh/device.hpp"
 #include "temp_folder.hpp"
+#include "train/run.hpp"
 
 namespace {
 
@@ -676,6 +677,22 @@ TEST_CASE("config rule: the comm backend follows dist_env's device", "[config][r
                   "comm.backend", "\"mpi\" moves host memory", "cfg.toml:4:1");
   expect_rejected(failure_of("[comm]\nbackend = \"nccl\"\n"), "comm.backend",
                   "set dist_env.backend = \"nccl\" to train on GPUs", "cfg.toml:2:1");
+}
+
+// Until the trainer keeps its buffers on the GPU, a CUDA run is refused
+// before any rank starts (after the check that a GPU is there).
+TEST_CASE("device: the trainer refuses a CUDA run, its buffers being host memory", "[device]") {
+  CHECK_NOTHROW(meshrun::train::require_host_training(parse("")));
+  try {
+    meshrun::train::require_host_training(parse("[dist_env]\nbackend = \"nccl\"\n"));
+    FAIL("accepted");
+  } catch (const meshrun::Error& error) {
+    CHECK(error.is_input_error());
+    CHECK(error.key() == "dist_env.backend");
+    CHECK_THAT(error.what(), StartsWith("cfg.toml:2:1: dist_env.backend: \"nccl\" trains on CUDA "
+                                        "GPUs, and the trainer keeps the parameters"));
+    CHECK_THAT(error.what(), Contains("not implemented yet"));
+  }
 }
 
 // This machine's GPUs are whatever they are; the refusal is checked on

@@ -10,7 +10,6 @@
 #include "errors.hpp"
 #include "gemm_peak/gemm_peak.hpp"
 #include "launch/launch.hpp"
-#include "mesh/device.hpp"
 #include "plan/plan.hpp"
 #include "train/run.hpp"
 
@@ -57,7 +56,6 @@ int run_train(const Args& args) {
     const PluginLoader loader = PluginLoader::from_environment();
     train::check_training_input(config,
                                 make_plan(config, expected_world_size(nproc, options), loader));
-    require_usable_devices(config, cuda_devices());
     if (!launch::detect_launcher() && started_from_node_zero(parsed)) return 0;
 
     if (auto status = relaunch_if_needed(nproc, "train", args, options)) return *status;

@@ -12,6 +12,7 @@
 
 #include "comm/comm.hpp"
 #include "launch/launch.hpp"
+#include "mesh/device.hpp"
 #include "state/input_error.hpp"
 #include "strategy/strategy.hpp"
 #include "train/experts.hpp"
@@ -312,6 +313,19 @@ void check_training_input(const Config& config, const Plan& plan) {
   const ModelDescription& description = plan.model->description();
   if (!config.model.checkpoint.empty()) read_consolidated(config, description);
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
+  if (config.dist_env.on_cuda()) {
+    require_usable_devices(config, cuda_devices());
+    require_host_training(config);
+  }
+}
+
+void require_host_training(const Config& config) {
+  if (!config.dist_env.on_cuda()) return;
+  throw config_error(config, "dist_env.backend",
+                     "\"nccl\" trains on CUDA GPUs, and the trainer keeps the parameters, "
+                     "gradients, optimizer state and the tensors it hands the model in host "
+                     "memory: training on GPUs is not implemented yet; set it to \"gloo\" or "
+                     "\"mpi\" to train on the CPU");
 }
 
 int train_rank(const Config& config, const std::optional<std::string>& output_dir,

@@ -16,8 +16,17 @@ namespace meshrun::train {
 // Everything about the input that can fail without starting ranks: the data
 // file and its size against data.seq_len, the batch sizes against the
 // data-parallel size of `plan`, whether the strategy can train, the model,
-// and the checkpoints to start from. Throws input errors naming the key.
+// the checkpoints to start from, and for a CUDA run whether this machine
+// has a GPU (mesh/device.hpp) and whether the trainer can train there.
+// Throws input errors naming the key.
 void check_training_input(const Config& config, const Plan& plan);
+
+// Throws an input error at dist_env.backend for a CUDA run: the trainer
+// keeps parameters, gradients, optimizer state and every tensor it hands a
+// model stage in host memory, which a model computing on a GPU and the
+// NCCL backend cannot use. Not yet implemented: docs/testing.md says which
+// GPU parts exist.
+void require_host_training(const Config& config);
 
 // One rank: joins the world through config.comm.backend, builds the mesh,
 // the model and the strategy, and trains into `output_dir` (when absent,
