@@ -65,7 +65,7 @@ class HostCompute : public Compute {
     kernels::residual_forward(out, x, delta, count);
   }
   void accumulate(float* sum, const float* addend, int64_t count) override {
-    for (int64_t i = 0; i < count; ++i) sum[i] += addend[i];
+    kernels::residual_forward(sum, sum, addend, count);
   }
   void copy(float* to, const float* from, int64_t count) override {
     std::copy(from, from + count, to);
@@ -110,24 +110,11 @@ class HostCompute : public Compute {
 
   void embedding_forward(float* out, const int32_t* indices, const float* table, int64_t rows,
                          int64_t dim, int64_t begin, int64_t size) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = out + r * dim;
-      const int64_t table_row = indices[r] - begin;
-      if (table_row >= 0 && table_row < size) {
-        std::copy_n(table + table_row * dim, dim, row);
-      } else {
-        std::fill_n(row, dim, 0.0f);
-      }
-    }
+    kernels::embedding_forward(out, indices, table, rows, dim, begin, size);
   }
   void embedding_backward(float* d_table, const int32_t* indices, const float* d_out, int64_t rows,
                           int64_t dim, int64_t begin, int64_t size) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t table_row = indices[r] - begin;
-      if (table_row < 0 || table_row >= size) continue;
-      float* d_row = d_table + table_row * dim;
-      for (int64_t i = 0; i < dim; ++i) d_row[i] += d_out[r * dim + i];
-    }
+    kernels::embedding_backward(d_table, indices, d_out, rows, dim, begin, size);
   }
 
   // The scores of one query block, and their gradient.

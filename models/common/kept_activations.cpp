@@ -69,8 +69,8 @@ void round_to_bfloat16(const LowPrecisionBuffers& buffers) {
   }
 }
 
-void round_kept(bool bfloat16, std::vector<float>& buffer) {
-  if (bfloat16) kernels::round_to_bfloat16(buffer.data(), buffer.data(), int64_t(buffer.size()));
+void round_kept(bool bfloat16, std::vector<float>& buffer, Compute& compute) {
+  if (bfloat16) compute.round_to_bfloat16(buffer.data(), int64_t(buffer.size()));
 }
 
 int64_t bytes_of_copies(const BfloatCopies& copies) {

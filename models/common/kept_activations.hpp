@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/compute.hpp"
+
 namespace meshrun::models {
 
 // Buffers of one kind of activations (a layer's, the head's), in
@@ -55,10 +57,10 @@ void release(const LowPrecisionBuffers& buffers);
 // leaves for the backward.
 void round_to_bfloat16(const LowPrecisionBuffers& buffers);
 
-// `buffer` rounded to bfloat16 in place when `bfloat16` (a pass's
-// bfloat16_activations): a layer's forward rounds so a kept buffer that an
-// element-wise op reads after it (common/stage.hpp).
-void round_kept(bool bfloat16, std::vector<float>& buffer);
+// `buffer` rounded to bfloat16 in place on `compute` when `bfloat16` (a
+// pass's bfloat16_activations): a layer's forward rounds so a kept buffer
+// that an element-wise op reads after it (common/stage.hpp).
+void round_kept(bool bfloat16, std::vector<float>& buffer, Compute& compute = host_compute());
 
 // Bytes of `copies`.
 int64_t bytes_of_copies(const BfloatCopies& copies);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -24,22 +25,34 @@
 namespace meshrun::kernels {
 
 // ---------------------------------------------------------------------------
-// Embedding: out[r, :] = table[tokens[r], :]
+// Embedding: out[r, :] = table[tokens[r], :]. The table may be the rows
+// [begin, begin + size) of the vocabulary (a vocabulary-parallel rank's
+// shard): a token outside gets a zero row forward and adds nothing
+// backward. By default the table is all of it.
+
+inline constexpr int64_t kWholeTable = std::numeric_limits<int64_t>::max();
 
 template <typename Real>
 void embedding_forward(Real* out, const int32_t* tokens, const Real* table, int64_t rows,
-                       int64_t dim) {
+                       int64_t dim, int64_t begin = 0, int64_t size = kWholeTable) {
   for (int64_t r = 0; r < rows; ++r) {
-    std::copy_n(table + tokens[r] * dim, dim, out + r * dim);
+    const int64_t table_row = tokens[r] - begin;
+    if (table_row >= 0 && table_row < size) {
+      std::copy_n(table + table_row * dim, dim, out + r * dim);
+    } else {
+      std::fill_n(out + r * dim, dim, Real(0));
+    }
   }
 }
 
-// d_table[tokens[r], :] += d_out[r, :]
+// d_table[tokens[r] - begin, :] += d_out[r, :] for the tokens the table holds
 template <typename Real>
 void embedding_backward(Real* d_table, const int32_t* tokens, const Real* d_out, int64_t rows,
-                        int64_t dim) {
+                        int64_t dim, int64_t begin = 0, int64_t size = kWholeTable) {
   for (int64_t r = 0; r < rows; ++r) {
-    Real* d_row = d_table + tokens[r] * dim;
+    const int64_t table_row = tokens[r] - begin;
+    if (table_row < 0 || table_row >= size) continue;
+    Real* d_row = d_table + table_row * dim;
     for (int64_t i = 0; i < dim; ++i) d_row[i] += d_out[r * dim + i];
   }
 }
@@ -616,20 +629,6 @@ double cross_entropy_forward(Real* logits, const int32_t* targets, int64_t rows,
   return total / double(rows);
 }
 
-// The gradient of scale * L: dz_rv = scale * (p_rv - [v == target_r]) / N,
-// in place over the probabilities. scale is d(objective)/dL: 1 for one
-// batch, 1/m for one of m microbatches whose mean losses are averaged.
-template <typename Real>
-void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, int64_t vocab,
-                            Real scale) {
-  const Real factor = scale / Real(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    Real* p = probs + r * vocab;
-    p[targets[r]] -= Real(1);
-    for (int64_t v = 0; v < vocab; ++v) p[v] *= factor;
-  }
-}
-
 // Vocabulary-parallel cross-entropy (common/tensor_parallel.hpp): the local
 // steps of a tp rank holding logit columns [begin, begin + size) of each
 // row; the caller all-reduces over tp between them, the maxima (max), then
@@ -687,6 +686,16 @@ void vocab_parallel_cross_entropy_backward(Real* probs, const int32_t* targets, 
     if (targets[r] >= begin && targets[r] < begin + size) p[targets[r] - begin] -= Real(1);
     for (int64_t v = 0; v < size; ++v) p[v] *= factor;
   }
+}
+
+// The gradient of scale * L: dz_rv = scale * (p_rv - [v == target_r]) / N,
+// in place over the probabilities. scale is d(objective)/dL: 1 for one
+// batch, 1/m for one of m microbatches whose mean losses are averaged. The
+// whole vocabulary is one rank's columns.
+template <typename Real>
+void cross_entropy_backward(Real* probs, const int32_t* targets, int64_t rows, int64_t vocab,
+                            Real scale) {
+  vocab_parallel_cross_entropy_backward(probs, targets, rows, 0, vocab, scale);
 }
 
 }  // namespace meshrun::kernels

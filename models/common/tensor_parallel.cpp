@@ -1,7 +1,6 @@
 #include "common/tensor_parallel.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>

@@ -195,14 +195,6 @@ void norm_of_rows(float* y, float* mean, float* rstd, const float* x, const Para
   }
 }
 
-// `buffer` rounded to bfloat16 when the pass keeps its activations so
-// (common/stage.hpp, bfloat16_activations).
-void round_kept(Pass& pass, std::vector<float>& buffer) {
-  if (pass.bfloat16_activations) {
-    pass.compute.round_to_bfloat16(buffer.data(), int64_t(buffer.size()));
-  }
-}
-
 // A norm on the stream's rows into y; with sequence parallelism, when an
 // attention or MLP reads it, first into the pass's rows and gathered.
 void norm_forward(Pass& pass, float* y, OpActivations& kept, const float* x,
@@ -306,7 +298,7 @@ void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivation
   pass.compute.linear_forward(p.layout, kept.hidden.data(), in, weight_of(p.in_weight()), N, H,
                               width);
   if (p.op.bias_in) pass.compute.bias_forward(kept.hidden.data(), p.in_bias().data, N, width);
-  round_kept(pass, kept.hidden);
+  models::round_kept(pass.bfloat16_activations, kept.hidden, pass.compute);
   activation_forward(kept, p.op, pass);
   output_projection(pass, p, Block::mlp, kept.act.data(), I, y);
 }
@@ -529,7 +521,9 @@ void Composed::layer_forward(Pass& pass, const ParameterView* layer, const float
     }
     // A norm may read it next, and selective checkpointing recomputes the
     // norm from what is kept.
-    if (op.keeps_output && !is_norm(op.op)) round_kept(pass, saved.tensors[size_t(op.output)]);
+    if (op.keeps_output && !is_norm(op.op)) {
+      models::round_kept(pass.bfloat16_activations, saved.tensors[size_t(op.output)], pass.compute);
+    }
   }
 }
 
