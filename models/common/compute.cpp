@@ -1,6 +1,9 @@
 #include "common/compute.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 
 #include "common/experts.hpp"
 #include "numeric/bfloat16.hpp"
@@ -29,6 +32,32 @@ class HostRotation : public Rotation {
 
 class HostCompute : public Compute {
  public:
+  void* allocate(int64_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* memory = std::calloc(size_t(bytes), 1);
+    if (memory == nullptr) throw std::bad_alloc();
+    return memory;
+  }
+  void release(void* memory) noexcept override { std::free(memory); }
+  void copy_bytes(void* to, const void* from, int64_t bytes) override {
+    if (bytes > 0) std::memmove(to, from, size_t(bytes));
+  }
+  void zero_bytes(void* memory, int64_t bytes) override {
+    if (bytes > 0) std::memset(memory, 0, size_t(bytes));
+  }
+  void copy_from_host(void* to, const void* host, int64_t bytes) override {
+    copy_bytes(to, host, bytes);
+  }
+  void copy_to_host(void* host, const void* from, int64_t bytes) override {
+    copy_bytes(host, from, bytes);
+  }
+  void to_bfloat16(uint16_t* bits, const float* values, int64_t count) override {
+    kernels::to_bfloat16(values, bits, count);
+  }
+  void from_bfloat16(float* values, const uint16_t* bits, int64_t count) override {
+    kernels::from_bfloat16(bits, values, count);
+  }
+
   void linear_forward(WeightLayout layout, float* y, const float* x, const Weight<float>& weight,
                       int64_t rows, int64_t in, int64_t out) override {
     if (layout == WeightLayout::out_in) {
@@ -67,10 +96,6 @@ class HostCompute : public Compute {
   void accumulate(float* sum, const float* addend, int64_t count) override {
     kernels::residual_forward(sum, sum, addend, count);
   }
-  void copy(float* to, const float* from, int64_t count) override {
-    std::copy(from, from + count, to);
-  }
-  void zero(float* values, int64_t count) override { std::fill(values, values + count, 0.0f); }
   void round_to_bfloat16(float* values, int64_t count) override {
     kernels::round_to_bfloat16(values, values, count);
   }

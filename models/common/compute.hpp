@@ -16,9 +16,10 @@
 //
 // The kit's layer (kit/composed.cpp) calls its kernels through this, and
 // so do the embedding, attention on one cp rank and the loss (plain and
-// vocabulary-parallel) and a mixture of experts' steps; attention over cp
-// ranks still computes on the host, and the buffers are the host's: the
-// GPU's compute has not run inside a model (docs/testing.md).
+// vocabulary-parallel) and a mixture of experts' steps; a stage's buffers
+// are this memory (common/buffer.hpp). Attention over cp ranks still
+// computes on the host, and the GPU's compute has not run inside a model
+// (docs/testing.md).
 #pragma once
 
 #include <cstdint>
@@ -54,6 +55,26 @@ class Compute {
  public:
   virtual ~Compute() = default;
 
+  // Memory of the compute's device (what common/buffer.hpp holds):
+  // allocate gives `bytes` zeroed (a GPU's zeroing enqueued on its stream)
+  // and throws std::bad_alloc (the host's) or std::runtime_error naming
+  // the device, the bytes asked for and what is free (a GPU's); release
+  // gives it back (a GPU's once the stream is done with it) and throws
+  // nothing. 0 bytes gives null.
+  virtual void* allocate(int64_t bytes) = 0;
+  virtual void release(void* memory) noexcept = 0;
+  // Copies of `bytes` and zeroing: within the compute's memory; from host memory into
+  // it (the host's values read before it returns); into host memory (a
+  // GPU's waits for its stream, so the values are there on return).
+  virtual void copy_bytes(void* to, const void* from, int64_t bytes) = 0;
+  virtual void zero_bytes(void* memory, int64_t bytes) = 0;
+  virtual void copy_from_host(void* to, const void* host, int64_t bytes) = 0;
+  virtual void copy_to_host(void* host, const void* from, int64_t bytes) = 0;
+  // bfloat16 bits of each value (nearest even), and their widening back:
+  // how kept activations are stored (common/kept_activations.hpp).
+  virtual void to_bfloat16(uint16_t* bits, const float* values, int64_t count) = 0;
+  virtual void from_bfloat16(float* values, const uint16_t* bits, int64_t count) = 0;
+
   // A linear without bias over `rows` rows, the weight as `layout` stores
   // it (its bfloat16 copy read where a bfloat16 matmul can):
   //   forward:        y [rows, out] = x [rows, in] W
@@ -75,8 +96,10 @@ class Compute {
   // to = from; values = 0.
   virtual void add(float* out, const float* x, const float* delta, int64_t count) = 0;
   virtual void accumulate(float* sum, const float* addend, int64_t count) = 0;
-  virtual void copy(float* to, const float* from, int64_t count) = 0;
-  virtual void zero(float* values, int64_t count) = 0;
+  void copy(float* to, const float* from, int64_t count) {
+    copy_bytes(to, from, count * int64_t(sizeof(float)));
+  }
+  void zero(float* values, int64_t count) { zero_bytes(values, count * int64_t(sizeof(float))); }
   // Each value rounded to bfloat16 (nearest even), in place: what keeping
   // it in bfloat16 leaves (common/kept_activations.hpp).
   virtual void round_to_bfloat16(float* values, int64_t count) = 0;

@@ -232,7 +232,7 @@ SequenceAttention::SequenceAttention(const AttentionShape& shape, const ContextP
   sequence_ = {size, rank, shape.seq_len * size};
   positions_ = sequence_.positions();
   if (size == 1) {
-    scratch_.resize(size_t(compute.attention_scratch(shape)));
+    scratch_ = Buffer<float>(size_t(compute.attention_scratch(shape)), compute);
     return;
   }
   require(shape.heads % u == 0 && shape.kv_heads % u == 0, family,

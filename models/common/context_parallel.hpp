@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/buffer.hpp"
 #include "common/compute.hpp"
 #include "common/layers.hpp"
 
@@ -140,7 +141,7 @@ class SequenceAttention {
   SequenceShard sequence_;
   int64_t ring_index_ = 0, ulysses_index_ = 0;
   std::vector<int64_t> positions_;
-  std::vector<float> scratch_;  // the compute's, on one rank
+  Buffer<float> scratch_;  // the compute's, on one rank
   std::vector<float> scores_, d_scores_;
   // Gathered qkv, output (the softmax's running sum in forward), its
   // gradient and the query gradient; the row maxima and sums.

@@ -1,12 +1,10 @@
 #include "common/expert_parallel.hpp"
 
-#include <algorithm>
-
 namespace meshrun::models {
 
 void SingleExpertRank::all_to_all(const float* send, const std::vector<int64_t>& send_counts,
                                   float* recv, const std::vector<int64_t>& /*recv_counts*/) {
-  std::copy_n(send, send_counts.at(0), recv);
+  compute_.copy(recv, send, send_counts.at(0));
 }
 
 }  // namespace meshrun::models

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/compute.hpp"
+
 namespace meshrun::models {
 
 // The ranks experts are spread over.
@@ -24,13 +26,18 @@ class ExpertParallelGroup {
                           const std::vector<int64_t>& recv_counts) = 0;
 };
 
-// The group of one rank: every expert is local.
+// The group of one rank: every expert is local; its all-to-all is a copy
+// on `compute` (which must outlive it).
 class SingleExpertRank : public ExpertParallelGroup {
  public:
+  explicit SingleExpertRank(Compute& compute = host_compute()) : compute_(compute) {}
   int64_t size() const override { return 1; }
   int64_t rank() const override { return 0; }
   void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                   const std::vector<int64_t>& recv_counts) override;
+
+ private:
+  Compute& compute_;
 };
 
 // What a stage's MoE layers add up over its forwards: the micro-batches'

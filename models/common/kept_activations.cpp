@@ -1,7 +1,8 @@
 #include "common/kept_activations.hpp"
 
+#include <algorithm>
+
 #include "common/support.hpp"
-#include "numeric/bfloat16.hpp"
 
 namespace meshrun::models {
 
@@ -11,30 +12,33 @@ namespace {
 // mixture's experts', sized by each forward's routing) is allocated anew,
 // so it holds what this forward routed, not the most any forward did.
 template <typename Element>
-void size_exactly(std::vector<Element>& buffer, size_t size) {
-  if (buffer.size() != size) buffer = std::vector<Element>(size);
+void size_exactly(Buffer<Element>& buffer, size_t size, Compute& compute) {
+  if (buffer.size() != size) buffer = Buffer<Element>(size, compute);
 }
 
 }  // namespace
 
-KeptInBfloat16::KeptInBfloat16(std::vector<size_t> sizes)
-    : working_(sizes.size()), sizes_(std::move(sizes)) {}
+KeptInBfloat16::KeptInBfloat16(std::vector<size_t> sizes, Compute& compute)
+    : compute_(compute), sizes_(std::move(sizes)) {
+  for (size_t k = 0; k < sizes_.size(); ++k) working_.emplace_back(compute);
+}
 
 void KeptInBfloat16::lend(const LowPrecisionBuffers& buffers) {
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     buffers[k]->swap(working_[k]);
-    size_exactly(*buffers[k], sizes_[k]);
+    size_exactly(*buffers[k], sizes_[k], compute_);
   }
 }
 
 void KeptInBfloat16::keep(const LowPrecisionBuffers& buffers, BfloatCopies& copies) {
-  copies.resize(buffers.size());
+  copies.resize(std::min(copies.size(), buffers.size()));
+  while (copies.size() < buffers.size()) copies.emplace_back(compute_);
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
-    const std::vector<float>& values = *buffers[k];
-    size_exactly(copies[k], values.size());
-    kernels::to_bfloat16(values.data(), copies[k].data(), int64_t(values.size()));
+    const Buffer<float>& values = *buffers[k];
+    size_exactly(copies[k], values.size(), compute_);
+    compute_.to_bfloat16(copies[k].data(), values.data(), int64_t(values.size()));
   }
   take_back(buffers);
 }
@@ -43,8 +47,8 @@ void KeptInBfloat16::restore(const LowPrecisionBuffers& buffers, const BfloatCop
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     buffers[k]->swap(working_[k]);
-    size_exactly(*buffers[k], copies[k].size());
-    kernels::from_bfloat16(copies[k].data(), buffers[k]->data(), int64_t(copies[k].size()));
+    size_exactly(*buffers[k], copies[k].size(), compute_);
+    compute_.from_bfloat16(buffers[k]->data(), copies[k].data(), int64_t(copies[k].size()));
   }
 }
 
@@ -56,20 +60,20 @@ void KeptInBfloat16::take_back(const LowPrecisionBuffers& buffers) {
 }
 
 void release(const LowPrecisionBuffers& buffers) {
-  for (std::vector<float>* buffer : buffers) {
-    if (buffer != nullptr) std::vector<float>().swap(*buffer);
+  for (Buffer<float>* buffer : buffers) {
+    if (buffer != nullptr) *buffer = Buffer<float>(buffer->compute());
   }
 }
 
 void round_to_bfloat16(const LowPrecisionBuffers& buffers) {
-  for (std::vector<float>* buffer : buffers) {
+  for (Buffer<float>* buffer : buffers) {
     if (buffer != nullptr) {
-      kernels::round_to_bfloat16(buffer->data(), buffer->data(), int64_t(buffer->size()));
+      buffer->compute().round_to_bfloat16(buffer->data(), int64_t(buffer->size()));
     }
   }
 }
 
-void round_kept(bool bfloat16, std::vector<float>& buffer, Compute& compute) {
+void round_kept(bool bfloat16, Buffer<float>& buffer, Compute& compute) {
   if (bfloat16) compute.round_to_bfloat16(buffer.data(), int64_t(buffer.size()));
 }
 

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/buffer.hpp"
 #include "common/compute.hpp"
 
 namespace meshrun::models {
@@ -21,17 +22,18 @@ namespace meshrun::models {
 // Buffers of one kind of activations (a layer's, the head's), in
 // low_precision()'s order; null where a layer keeps none (what selective
 // checkpointing recomputes).
-using LowPrecisionBuffers = std::vector<std::vector<float>*>;
-// Their bfloat16 copies, in the same order.
-using BfloatCopies = std::vector<std::vector<uint16_t>>;
+using LowPrecisionBuffers = std::vector<Buffer<float>*>;
+// Their bfloat16 copies, in the same order, in their compute's memory.
+using BfloatCopies = std::vector<Buffer<uint16_t>>;
 
 // The float32 working buffers of one kind of activations, lent to one
-// forward or backward at a time.
+// forward or backward at a time, in `compute`'s memory (which computes the
+// roundings and widenings).
 class KeptInBfloat16 {
  public:
   // `sizes`: the floats each buffer holds when the activations are built
   // (a buffer a forward sizes itself, as a mixture's experts', may say 0).
-  explicit KeptInBfloat16(std::vector<size_t> sizes);
+  KeptInBfloat16(std::vector<size_t> sizes, Compute& compute);
 
   // Before a forward: each buffer gets a working buffer of its size.
   void lend(const LowPrecisionBuffers& buffers);
@@ -46,21 +48,22 @@ class KeptInBfloat16 {
   void take_back(const LowPrecisionBuffers& buffers);
 
  private:
-  std::vector<std::vector<float>> working_;
+  Compute& compute_;
+  std::vector<Buffer<float>> working_;
   std::vector<size_t> sizes_;
 };
 
 // Each buffer emptied, its memory freed (null ones skipped).
 void release(const LowPrecisionBuffers& buffers);
 
-// Each buffer rounded to bfloat16 in place: what keeping it in bfloat16
-// leaves for the backward.
+// Each buffer rounded to bfloat16 in place (by its compute): what keeping
+// it in bfloat16 leaves for the backward.
 void round_to_bfloat16(const LowPrecisionBuffers& buffers);
 
 // `buffer` rounded to bfloat16 in place on `compute` when `bfloat16` (a
 // pass's bfloat16_activations): a layer's forward rounds so a kept buffer
 // that an element-wise op reads after it (common/stage.hpp).
-void round_kept(bool bfloat16, std::vector<float>& buffer, Compute& compute = host_compute());
+void round_kept(bool bfloat16, Buffer<float>& buffer, Compute& compute = host_compute());
 
 // Bytes of `copies`.
 int64_t bytes_of_copies(const BfloatCopies& copies);

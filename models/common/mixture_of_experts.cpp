@@ -32,13 +32,15 @@ void order_slots(MixtureActivations& saved, MixtureScratch& scratch) {
 }
 
 // Each rank tells each other how many rows it sends to each of their
-// experts (the receivers' rows_from), then the rows go.
+// experts (the receivers' rows_from), then the rows go. The counts are host
+// memory: one rank keeps its own (its group's all-to-all copies in the
+// compute's memory).
 void exchange_counts(MixtureActivations& saved, MixtureScratch& scratch) {
   const int64_t ranks = scratch.ep.size(), El = scratch.local_experts, H = scratch.shape.hidden;
   std::vector<float> mine(saved.tokens_per_expert.begin(), saved.tokens_per_expert.end());
-  std::vector<float> theirs(size_t(ranks * El));
+  std::vector<float> theirs = mine;
   const std::vector<int64_t> each(size_t(ranks), El);
-  scratch.ep.all_to_all(mine.data(), each, theirs.data(), each);
+  if (ranks > 1) scratch.ep.all_to_all(mine.data(), each, theirs.data(), each);
   std::fill(saved.recv_counts.begin(), saved.recv_counts.end(), 0);
   for (int64_t i = 0; i < ranks * El; ++i) {
     saved.rows_from[size_t(i)] = int64_t(theirs[size_t(i)]);
@@ -101,11 +103,11 @@ void experts_forward(const ParameterView* views, MixtureActivations& saved,
     // keep the most rows any earlier forward routed to the expert.
     const int64_t rows = rows_of_expert(saved, scratch, j);
     auto& in = saved.expert_in[size_t(j)];
-    in = std::vector<float>(size_t(rows * H));
-    saved.gate_up[size_t(j)] = std::vector<float>(size_t(rows * 2 * I));
-    saved.act[size_t(j)] = std::vector<float>(size_t(rows * I));
-    if (rows == 0) continue;
     Compute& compute = scratch.compute;
+    in = Buffer<float>(size_t(rows * H), compute);
+    saved.gate_up[size_t(j)] = Buffer<float>(size_t(rows * 2 * I), compute);
+    saved.act[size_t(j)] = Buffer<float>(size_t(rows * I), compute);
+    if (rows == 0) continue;
     for_expert_rows(saved, scratch, j, [&](int64_t at, int64_t own, int64_t count) {
       compute.copy(in.data() + own, scratch.received.data() + at, count);
     });
@@ -201,11 +203,11 @@ MixtureScratch::MixtureScratch(const MixtureShape& shape, const ExpertParallel& 
       ep(expert_parallel.group != nullptr ? *expert_parallel.group : single),
       statistics(expert_parallel.statistics),
       local_experts(shape.experts / ep.size()),
-      slots(size_t(shape.rows * shape.top_k * shape.hidden)),
-      d_slots(size_t(shape.rows * shape.top_k * shape.hidden)),
-      d_weights(size_t(shape.rows * shape.top_k)),
-      d_probs(size_t(shape.rows * shape.experts)),
-      d_router_input(size_t(shape.rows * shape.hidden)) {
+      slots(size_t(shape.rows * shape.top_k * shape.hidden), compute),
+      d_slots(size_t(shape.rows * shape.top_k * shape.hidden), compute),
+      d_weights(size_t(shape.rows * shape.top_k), compute),
+      d_probs(size_t(shape.rows * shape.experts), compute),
+      d_router_input(size_t(shape.rows * shape.hidden), compute) {
   require(shape.experts % ep.size() == 0, model,
           "expert parallelism spreads " + std::to_string(shape.experts) + " experts over " +
               std::to_string(ep.size()) + " ep ranks, which do not divide them");
@@ -214,24 +216,28 @@ MixtureScratch::MixtureScratch(const MixtureShape& shape, const ExpertParallel& 
 LowPrecisionBuffers low_precision(MixtureActivations& saved) {
   LowPrecisionBuffers buffers{&saved.expert_outputs};
   for (auto* experts : {&saved.expert_in, &saved.gate_up, &saved.act}) {
-    for (std::vector<float>& buffer : *experts) buffers.push_back(&buffer);
+    for (Buffer<float>& buffer : *experts) buffers.push_back(&buffer);
   }
   return buffers;
 }
 
 MixtureActivations::MixtureActivations(const MixtureScratch& scratch)
-    : probs(size_t(scratch.shape.rows * scratch.shape.experts)),
-      selected(size_t(scratch.shape.rows * scratch.shape.top_k)),
-      weights(size_t(scratch.shape.rows * scratch.shape.top_k)),
-      slot_position(size_t(scratch.shape.rows * scratch.shape.top_k)),
+    : probs(size_t(scratch.shape.rows * scratch.shape.experts), scratch.compute),
+      selected(size_t(scratch.shape.rows * scratch.shape.top_k), scratch.compute),
+      weights(size_t(scratch.shape.rows * scratch.shape.top_k), scratch.compute),
+      slot_position(size_t(scratch.shape.rows * scratch.shape.top_k), scratch.compute),
       tokens_per_expert(size_t(scratch.shape.experts)),
       send_counts(size_t(scratch.ep.size())),
       recv_counts(size_t(scratch.ep.size())),
       rows_from(size_t(scratch.ep.size() * scratch.local_experts)),
-      expert_outputs(size_t(scratch.shape.rows * scratch.shape.top_k * scratch.shape.hidden)),
-      expert_in(size_t(scratch.local_experts)),
-      gate_up(size_t(scratch.local_experts)),
-      act(size_t(scratch.local_experts)) {}
+      expert_outputs(size_t(scratch.shape.rows * scratch.shape.top_k * scratch.shape.hidden),
+                     scratch.compute) {
+  for (int64_t j = 0; j < scratch.local_experts; ++j) {
+    expert_in.emplace_back(scratch.compute);
+    gate_up.emplace_back(scratch.compute);
+    act.emplace_back(scratch.compute);
+  }
+}
 
 int64_t MixtureActivations::bytes() const {
   int64_t total = bytes_of(probs, selected, weights, slot_position, tokens_per_expert, send_counts,
@@ -263,8 +269,8 @@ void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const 
 }
 
 void mixture_backward(MixtureScratch& scratch, const ParameterView* views, const float* dy,
-                      float loss_scale, MixtureActivations& saved, std::vector<float>& x_kept,
-                      float* dx, WeightGradients& gradients) {
+                      float loss_scale, MixtureActivations& saved, Buffer<float>& x_kept, float* dx,
+                      WeightGradients& gradients) {
   const MixtureShape& shape = scratch.shape;
   const int64_t N = shape.rows, H = shape.hidden, K = shape.top_k, E = shape.experts;
   Compute& compute = scratch.compute;

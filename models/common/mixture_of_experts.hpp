@@ -50,35 +50,37 @@ struct MixtureScratch {
 
   MixtureShape shape;
   Compute& compute;
-  SingleExpertRank single;
+  SingleExpertRank single{compute};
   ExpertParallelGroup& ep;
   ExpertStatistics* statistics;
   int64_t local_experts;
   // [N * top_k, H]: rows in dispatch order (sent, or their gradients).
-  std::vector<float> slots, d_slots;
+  Buffer<float> slots, d_slots;
   // Rows as the experts receive them, and what they send back.
-  std::vector<float> received, returned;
-  std::vector<float> d_weights;                // the routing weights' gradients [N, top_k]
-  std::vector<float> d_probs, d_router_input;  // [N, E], [N, H]
-  std::vector<float> expert_out, d_expert_in, d_act, d_gate_up;  // one expert's rows
+  Buffer<float> received{compute}, returned{compute};
+  Buffer<float> d_weights;                // the routing weights' gradients [N, top_k]
+  Buffer<float> d_probs, d_router_input;  // [N, E], [N, H]
+  // one expert's rows
+  Buffer<float> expert_out{compute}, d_expert_in{compute}, d_act{compute}, d_gate_up{compute};
 };
 
-// What a mixture's forward keeps for its backward.
+// What a mixture's forward keeps for its backward: the routing's counts in
+// host memory, the rest in the compute's.
 struct MixtureActivations {
   explicit MixtureActivations(const MixtureScratch& scratch);
   int64_t bytes() const;
 
-  std::vector<float> probs;            // the router's softmax [N, E]
-  std::vector<int32_t> selected;       // the experts picked [N, top_k], in descending probability
-  std::vector<float> weights;          // their renormalized probabilities [N, top_k]
-  std::vector<int64_t> slot_position;  // of token n's k-th slot in dispatch order [N * top_k]
+  Buffer<float> probs;            // the router's softmax [N, E]
+  Buffer<int32_t> selected;       // the experts picked [N, top_k], in descending probability
+  Buffer<float> weights;          // their renormalized probabilities [N, top_k]
+  Buffer<int64_t> slot_position;  // of token n's k-th slot in dispatch order [N * top_k]
   std::vector<int64_t> tokens_per_expert;  // this rank's slots routed to each expert [E]
   // Floats sent to / received from each ep rank, and rows each source rank
   // sent to each local expert [ep * local_experts].
   std::vector<int64_t> send_counts, recv_counts, rows_from;
-  std::vector<float> expert_outputs;  // the experts' outputs in dispatch order [N * top_k, H]
+  Buffer<float> expert_outputs;  // the experts' outputs in dispatch order [N * top_k, H]
   // Per local expert: its input rows, w1 and w3's output, silu(w1 x) * w3 x.
-  std::vector<std::vector<float>> expert_in, gate_up, act;
+  std::vector<Buffer<float>> expert_in, gate_up, act;
   double aux_loss = 0;  // this layer's load-balancing loss
 };
 
@@ -97,8 +99,8 @@ void mixture_forward(MixtureScratch& scratch, const ParameterView* views, const 
 // `gradients` (the router's reads x_kept, x's values, which it may move
 // away). Adds the layer's load-balancing loss and tokens to the statistics.
 void mixture_backward(MixtureScratch& scratch, const ParameterView* views, const float* dy,
-                      float loss_scale, MixtureActivations& saved, std::vector<float>& x_kept,
-                      float* dx, WeightGradients& gradients);
+                      float loss_scale, MixtureActivations& saved, Buffer<float>& x_kept, float* dx,
+                      WeightGradients& gradients);
 
 // Throws std::invalid_argument("<model>: ...") unless each expert's w1 and
 // w3 lie one after another in the host's storage.

@@ -12,7 +12,7 @@ void accumulate_weight_gradient(const LinearWeight& weight, const float* dy, con
 }
 
 void ImmediateWeightGradients::linear(const LinearWeight& weight, const float* dy,
-                                      std::vector<float>& x) {
+                                      Buffer<float>& x) {
   accumulate_weight_gradient(weight, dy, x.data());
   for (const ParameterView* view = weight.last; view >= weight.first; --view) ready(*view);
 }
@@ -25,10 +25,9 @@ double lm_head_loss_forward(float* logits, const float* x, const ParameterView& 
   return vocab_parallel_cross_entropy_forward(logits, targets, rows, vocab, tp, compute);
 }
 
-void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
-                           std::vector<float>& x, const int32_t* targets, float loss_scale,
-                           int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           WeightGradients& gradients, Compute& compute) {
+void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head, Buffer<float>& x,
+                           const int32_t* targets, float loss_scale, int64_t rows, int64_t hidden,
+                           const VocabShard& vocab, WeightGradients& gradients, Compute& compute) {
   vocab_parallel_cross_entropy_backward(logits, targets, rows, vocab, loss_scale, compute);
   compute.linear_backward_input(WeightLayout::out_in, dx, logits, weight_of(lm_head), rows, hidden,
                                 vocab.size);

@@ -76,6 +76,9 @@
 //   kExperts: its layers are mixtures of experts: Pass takes the stage's
 //     ExpertParallel (common/expert_parallel.hpp) last, and has loss_scale,
 //     set before each backward (the layers' auxiliary losses need it)
+//   kAnyCompute: it computes on any Compute (common/compute.hpp), not only
+//     the host's: Pass takes the ExpertParallel and the stage's compute last,
+//     and holds its buffers in the compute's memory (common/buffer.hpp)
 #pragma once
 
 #include <cstdint>
@@ -86,6 +89,7 @@
 #include <string>
 #include <vector>
 
+#include "common/buffer.hpp"
 #include "common/compute.hpp"
 #include "common/context_parallel.hpp"
 #include "common/expert_parallel.hpp"
@@ -157,7 +161,7 @@ class WeightGradients {
   // The weight gradient of a linear: dy [rows, out] is scratch, valid during
   // the call; this is x's last use in the backward, so the receiver may move
   // it away.
-  virtual void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) = 0;
+  virtual void linear(const LinearWeight& weight, const float* dy, Buffer<float>& x) = 0;
   // The gradient of a vector parameter (a norm's weight or bias, a linear's
   // bias), computed along the input gradient as it is cheap, is final.
   virtual void vector_ready(const ParameterView& view) = 0;
@@ -167,7 +171,7 @@ class WeightGradients {
 // gradient through ready(), last view first.
 class ImmediateWeightGradients : public WeightGradients {
  public:
-  void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) override;
+  void linear(const LinearWeight& weight, const float* dy, Buffer<float>& x) override;
   void vector_ready(const ParameterView& view) override { ready(view); }
 
  protected:
@@ -188,10 +192,10 @@ double lm_head_loss_forward(float* logits, const float* x, const ParameterView& 
 // caller sums over tp (all-reduce, or reduce-scatter with sequence
 // parallelism); lm_head's weight gradient goes to `gradients`, which may
 // take x.
-void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head,
-                           std::vector<float>& x, const int32_t* targets, float loss_scale,
-                           int64_t rows, int64_t hidden, const VocabShard& vocab,
-                           WeightGradients& gradients, Compute& compute = host_compute());
+void lm_head_loss_backward(float* dx, float* logits, const ParameterView& lm_head, Buffer<float>& x,
+                           const int32_t* targets, float loss_scale, int64_t rows, int64_t hidden,
+                           const VocabShard& vocab, WeightGradients& gradients,
+                           Compute& compute = host_compute());
 
 // Throws std::invalid_argument(family + ": " + message) unless condition.
 void require(bool condition, const char* family, const std::string& message);
@@ -217,10 +221,17 @@ class TransformerStage {
   // With `bfloat16_activations` (a run whose matmuls compute in bfloat16)
   // the layers and the head keep their activations in bfloat16
   // (common/kept_activations.hpp).
+  // `compute` (which must outlive the stage) computes the layers and holds
+  // the stage's activations, its scratch and what it keeps between calls;
+  // the pointers handed to the stage (tokens and targets aside, which are
+  // host memory) and the parameter views the hooks bind are of its memory.
+  // A family computes on the host's only unless it has kAnyCompute (throws
+  // std::invalid_argument).
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
                    const Checkpointing& checkpointing = {}, TensorParallelGroup* tp = nullptr,
                    const Placements& placements = {}, const ContextParallel& cp = {},
-                   const ExpertParallel& ep = {}, bool bfloat16_activations = false);
+                   const ExpertParallel& ep = {}, bool bfloat16_activations = false,
+                   Compute& compute = host_compute());
   ~TransformerStage();
   TransformerStage(const TransformerStage&) = delete;
   TransformerStage& operator=(const TransformerStage&) = delete;
@@ -272,6 +283,7 @@ class TransformerStage {
   int64_t activation_bytes() const;
 
  private:
+  static constexpr bool kAnyCompute = requires { Family::kAnyCompute; };
   struct Microbatch;
   struct Scratch;
   class AnnouncedGradients;
@@ -299,7 +311,7 @@ class TransformerStage {
   template <class Compute>
   void in_unit(int64_t unit, bool backward, Compute&& compute);
   // This rank's rows of `full` [batch, seq_len] tokens, checked, in `local`.
-  void take_rows(const int32_t* full, std::vector<int32_t>& local, const char* what) const;
+  void take_rows(const int32_t* full, Buffer<int32_t>& local, const char* what) const;
   std::string microbatch_name(int32_t mb) const;
   Microbatch& forwarded(int32_t mb, const char* action);
   // Stage layer i's activations: the microbatch's own, or the scratch of a
@@ -330,6 +342,7 @@ class TransformerStage {
   Config config_;
   StageLayout layout_;
   StageHooks& hooks_;
+  Compute& compute_;
   SingleRank single_rank_;
   TensorParallelGroup& tp_;
   bool sequence_parallel_;

@@ -20,7 +20,7 @@ namespace stage_detail {
 // with copies of its dy and its x.
 struct PendingLinear {
   LinearWeight weight;
-  std::vector<float> dy, x;
+  Buffer<float> dy, x;
 };
 
 }  // namespace stage_detail
@@ -50,9 +50,10 @@ class TransformerStage<Family>::DeferredGradients : public WeightGradients {
  public:
   DeferredGradients(std::vector<stage_detail::PendingLinear>& pending, StageHooks& hooks)
       : pending_(pending), hooks_(hooks) {}
-  void linear(const LinearWeight& weight, const float* dy, std::vector<float>& x) override {
-    pending_.push_back(
-        {weight, std::vector<float>(dy, dy + weight.rows * weight.out), std::move(x)});
+  void linear(const LinearWeight& weight, const float* dy, Buffer<float>& x) override {
+    Buffer<float> kept_dy(size_t(weight.rows * weight.out), *weight.compute);
+    weight.compute->copy(kept_dy.data(), dy, weight.rows * weight.out);
+    pending_.push_back({weight, std::move(kept_dy), std::move(x)});
   }
   void vector_ready(const ParameterView& view) override { hooks_.gradient_ready(view.index); }
 
@@ -79,11 +80,13 @@ struct TransformerStage<Family>::Microbatch {
   // computes them: their values are in `copies` and `head_copies`.
   struct Saved {
     Saved(const Pass& pass, const StageLayout& layout,
-          const std::vector<std::optional<Recomputation>>& checkpointed, bool bfloat16)
-        : tokens(layout.embedding ? pass.rows() : 0),
-          targets(layout.head ? pass.rows() : 0),
-          residual((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) *
-                   pass.stream_numel()),
+          const std::vector<std::optional<Recomputation>>& checkpointed, bool bfloat16,
+          Compute& compute)
+        : tokens(layout.embedding ? size_t(pass.rows()) : 0, compute),
+          targets(layout.head ? size_t(pass.rows()) : 0, compute),
+          residual(size_t((layout.end_layer - layout.first_layer + (layout.head ? 1 : 0)) *
+                          pass.stream_numel()),
+                   compute),
           layers(checkpointed.size()),
           copies(checkpointed.size()),
           hidden(pass.stream_numel()) {
@@ -107,8 +110,8 @@ struct TransformerStage<Family>::Microbatch {
       return slot * hidden < int64_t(residual.size()) ? residual.data() + slot * hidden : output;
     }
 
-    std::vector<int32_t> tokens, targets;
-    std::vector<float> residual;
+    Buffer<int32_t> tokens, targets;
+    Buffer<float> residual;
     std::vector<std::optional<LayerActivations>> layers;
     std::vector<BfloatCopies> copies;  // per layer
     std::optional<HeadActivations> head;
@@ -138,11 +141,12 @@ struct TransformerStage<Family>::Microbatch {
 // backward always computes them again.
 template <class Family>
 struct TransformerStage<Family>::Scratch {
-  Scratch(const typename Family::Pass& pass, bool full, bool selective, bool bfloat16)
-      : bfloat16(bfloat16) {
+  Scratch(const typename Family::Pass& pass, bool full, bool selective, bool bfloat16,
+          Compute& compute)
+      : bfloat16(bfloat16), output(compute) {
     if (selective) {
       typename Family::LayerActivations all(pass);
-      for (std::vector<float>* buffer : Family::elementwise(all)) {
+      for (Buffer<float>* buffer : Family::elementwise(all)) {
         elementwise_sizes.push_back(buffer->size());
         elementwise.push_back(std::move(*buffer));
       }
@@ -155,7 +159,7 @@ struct TransformerStage<Family>::Scratch {
   }
   int64_t bytes() const {
     int64_t total = (layer ? layer->bytes() : 0) + bytes_of(output);
-    for (const std::vector<float>& buffer : elementwise) total += bytes_of(buffer);
+    for (const Buffer<float>& buffer : elementwise) total += bytes_of(buffer);
     return total;
   }
   bool holds(const Microbatch& state, int64_t i) const {
@@ -173,8 +177,8 @@ struct TransformerStage<Family>::Scratch {
   bool bfloat16;
   std::optional<typename Family::LayerActivations> layer;  // with a fully recomputed layer
   int64_t layer_bytes = 0;                                 // while it holds all its buffers
-  std::vector<float> output;
-  std::vector<std::vector<float>> elementwise;
+  Buffer<float> output;
+  std::vector<Buffer<float>> elementwise;
   std::vector<size_t> elementwise_sizes;
   // Whose forward activations the scratch holds, as stage layer
   // holder_layer; null once a backward has used or changed them.
@@ -187,15 +191,18 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
                                            const Checkpointing& checkpointing,
                                            TensorParallelGroup* tp, const Placements& placements,
                                            const ContextParallel& cp, const ExpertParallel& ep,
-                                           bool bfloat16_activations)
+                                           bool bfloat16_activations, Compute& compute)
     : config_(std::move(config)),
       layout_(layout),
       hooks_(hooks),
+      compute_(compute),
       tp_(tp != nullptr ? *tp : single_rank_),
       sequence_parallel_(tp_.size() > 1 && placements.sequence_parallel),
       cp_(cp),
       ep_(ep),
       bfloat16_activations_(bfloat16_activations) {
+  require(kAnyCompute || &compute_ == &host_compute(), Family::kName,
+          "the model computes on the host's memory only");
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -343,11 +350,13 @@ void TransformerStage<Family>::in_unit(int64_t unit, bool backward, Compute&& co
 }
 
 template <class Family>
-void TransformerStage<Family>::take_rows(const int32_t* full, std::vector<int32_t>& local,
+void TransformerStage<Family>::take_rows(const int32_t* full, Buffer<int32_t>& local,
                                          const char* what) const {
   check_tokens(full, batch_ * seq_len_, config_.vocab_size, what);
   const int64_t rank = cp_.group != nullptr ? cp_.group->rank() : 0;
-  SequenceShard{cp_.size(), rank, seq_len_}.select(full, local.data(), batch_);
+  std::vector<int32_t> rows(local.size());
+  SequenceShard{cp_.size(), rank, seq_len_}.select(full, rows.data(), batch_);
+  compute_.copy_from_host(local.data(), rows.data(), int64_t(rows.size() * sizeof(int32_t)));
 }
 
 template <class Family>
@@ -373,7 +382,10 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
   require(cp_.size() == 1 || seq_len % (2 * cp_.size()) == 0, Family::kName,
           "context parallelism cuts each sequence into 2 x cp = " + std::to_string(2 * cp_.size()) +
               " chunks, which do not divide seq_len " + std::to_string(seq_len));
-  if constexpr (requires { Family::kExperts; }) {
+  if constexpr (kAnyCompute) {
+    pass_ = std::make_unique<typename Family::Pass>(
+        config_, batch, seq_len / cp_.size(), tp_, sequence_parallel_, blocks_, cp_, ep_, compute_);
+  } else if constexpr (requires { Family::kExperts; }) {
     pass_ = std::make_unique<typename Family::Pass>(config_, batch, seq_len / cp_.size(), tp_,
                                                     sequence_parallel_, blocks_, cp_, ep_);
   } else {
@@ -384,23 +396,24 @@ void TransformerStage<Family>::set_shape(int64_t batch, int64_t seq_len) {
     return std::find(checkpointed_.begin(), checkpointed_.end(), mode) != checkpointed_.end();
   };
   if (any(Recomputation::full) || any(Recomputation::selective)) {
-    scratch_ = std::make_unique<Scratch>(*pass_, any(Recomputation::full),
-                                         any(Recomputation::selective), bfloat16_activations_);
+    scratch_ =
+        std::make_unique<Scratch>(*pass_, any(Recomputation::full), any(Recomputation::selective),
+                                  bfloat16_activations_, compute_);
   }
   pass_->bfloat16_activations = bfloat16_activations_;
   if (bfloat16_activations_) {
     const auto sizes = [](const LowPrecisionBuffers& buffers) {
       std::vector<size_t> floats;
-      for (const std::vector<float>* buffer : buffers) floats.push_back(buffer->size());
+      for (const Buffer<float>* buffer : buffers) floats.push_back(buffer->size());
       return floats;
     };
     if (layer_count() > 0) {
       typename Family::LayerActivations layer(*pass_);
-      kept_layer_.emplace(sizes(Family::low_precision(layer)));
+      kept_layer_.emplace(sizes(Family::low_precision(layer)), compute_);
     }
     if (layout_.head) {
       typename Family::HeadActivations head(*pass_);
-      kept_head_.emplace(sizes(Family::low_precision(head)));
+      kept_head_.emplace(sizes(Family::low_precision(head)), compute_);
     }
   }
   batch_ = batch;
@@ -446,7 +459,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
                                 saved.stream(0, output));
     });
   } else {
-    std::copy_n(input, stream, saved.stream(0, output));
+    compute_.copy(saved.stream(0, output), input, stream);
   }
   for (int64_t i = 0; i < layer_count(); ++i) {
     const int64_t layer = layout_.first_layer + i;
@@ -501,9 +514,9 @@ namespace stage_detail {
 // `buffers` with those among `elementwise` (or those not among them, when
 // `recomputed`) null.
 inline LowPrecisionBuffers selected(LowPrecisionBuffers buffers,
-                                    const std::vector<std::vector<float>*>& elementwise,
+                                    const std::vector<Buffer<float>*>& elementwise,
                                     bool recomputed) {
-  for (std::vector<float>*& buffer : buffers) {
+  for (Buffer<float>*& buffer : buffers) {
     const bool among =
         std::find(elementwise.begin(), elementwise.end(), buffer) != elementwise.end();
     if (among != recomputed) buffer = nullptr;
@@ -611,7 +624,7 @@ TransformerStage<Family>::take_state() {
   }
   auto state = std::make_unique<Microbatch>();
   state->saved = std::make_unique<typename Microbatch::Saved>(*pass_, layout_, checkpointed_,
-                                                              bfloat16_activations_);
+                                                              bfloat16_activations_, compute_);
   return state;
 }
 
@@ -723,7 +736,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
     });
     if (!rounded.empty()) kept_head_->take_back(rounded);
   } else {
-    std::copy_n(grad_output, stream, pass.d_residual.begin());
+    compute_.copy(pass.d_residual.data(), grad_output, stream);
   }
   for (int64_t i = layers - 1; i >= 0; --i) {
     const int64_t layer = layout_.first_layer + i;
@@ -737,7 +750,7 @@ void TransformerStage<Family>::backward_pass(Microbatch& state, float loss_scale
       announce_embedding(weights_deferred);
     });
   } else {
-    std::copy_n(pass.d_residual.begin(), stream, grad_input);
+    compute_.copy(grad_input, pass.d_residual.data(), stream);
   }
 }
 

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+
 #include <string>
 #include <vector>
+#include "common/buffer.hpp"
 
 #include "common/layers.hpp"
 #include "common/stage.hpp"
@@ -137,7 +139,7 @@ double vocab_parallel_cross_entropy_forward(float* logits, const int32_t* target
                                             const VocabShard& shard, TensorParallelGroup& tp,
                                             Compute& compute) {
   if (tp.size() == 1) return compute.cross_entropy_forward(logits, targets, rows, shard.size);
-  std::vector<float> row_max(static_cast<size_t>(rows)), sums(static_cast<size_t>(2 * rows));
+  Buffer<float> row_max(size_t(rows), compute), sums(size_t(2 * rows), compute);
   compute.vocab_parallel_row_max(row_max.data(), logits, rows, shard.size);
   tp.all_reduce_max(row_max.data(), rows);
   compute.vocab_parallel_exponentials(logits, sums.data(), row_max.data(), targets, rows,

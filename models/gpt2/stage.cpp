@@ -35,8 +35,9 @@ void row_parallel_forward(float* y, const float* x, const ParameterView* conv, i
 
 // The bias's gradient at once, the weight's (x^T dy) to `gradients`, which
 // may take x.
-void conv1d_parameter_gradients(const float* dy, const ParameterView* conv, std::vector<float>& x,
-                                int64_t rows, int64_t in, int64_t out, WeightGradients& gradients) {
+void conv1d_parameter_gradients(const float* dy, const ParameterView* conv,
+                                models::Buffer<float>& x, int64_t rows, int64_t in, int64_t out,
+                                WeightGradients& gradients) {
   bias_backward(conv[1].grad, dy, rows, out);
   gradients.vector_ready(conv[1]);
   gradients.linear({&conv[0], &conv[0], WeightLayout::in_out, rows, in, out}, dy, x);
@@ -45,7 +46,7 @@ void conv1d_parameter_gradients(const float* dy, const ParameterView* conv, std:
 // The row-parallel c_proj: dx = dy W^T, complete on each rank; then the
 // parameters' gradients.
 void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
-                          std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
+                          models::Buffer<float>& x, int64_t rows, int64_t in, int64_t out,
                           WeightGradients& gradients) {
   conv1d_backward_input(dx, dy, weight_of(conv[0]), rows, in, out);
   conv1d_parameter_gradients(dy, conv, x, rows, in, out, gradients);
@@ -55,7 +56,7 @@ void conv1d_bias_backward(float* dx, const float* dy, const ParameterView* conv,
 // sum over `group` starts at once and runs while the parameters' gradients
 // are computed (asynchronous tensor parallelism); the caller waits for it.
 void column_parallel_backward(float* dx, const float* dy, const ParameterView* conv,
-                              std::vector<float>& x, int64_t rows, int64_t in, int64_t out,
+                              models::Buffer<float>& x, int64_t rows, int64_t in, int64_t out,
                               models::TensorParallelGroup& group, WeightGradients& gradients) {
   conv1d_backward_input(dx, dy, weight_of(conv[0]), rows, in, out);
   if (group.size() > 1) group.start_all_reduce_sum(dx, rows * in);
@@ -245,7 +246,7 @@ void Gpt2::head_backward(Pass& pass, const ParameterView* head, const ParameterV
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
                                 targets, loss_scale, N, E, pass.head_vocab, gradients);
   models::reduce_partial_sums(pass.group(Block::head), pass.d_norm.data(), N * E);
-  std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
+  std::fill_n(pass.d_residual.data(), pass.d_residual.size(), 0.0f);
   layernorm_backward_ready(pass.d_residual.data(), pass.d_norm.data(), x, head,
                            saved.final_mean.data(), saved.final_rstd.data(), N, E, gradients);
 }

@@ -70,11 +70,11 @@ struct BlockPass {
   double eps;
   std::vector<int32_t> positions;  // [N]: row b * T + t's in its sequence
   // A c_proj's output before its residual add; the position embeddings.
-  std::vector<float> projection;
+  models::Buffer<float> projection;
   // The residual stream's gradient [N, E], from a block's output to its input.
-  std::vector<float> d_residual;
+  models::Buffer<float> d_residual;
   models::SequenceAttention attend;  // over the cp ranks, with its scratch
-  std::vector<float> d_norm, d_qkv, d_attention, d_mlp;
+  models::Buffer<float> d_norm, d_qkv, d_attention, d_mlp;
   bool bfloat16_activations = false;  // common/stage.hpp
 };
 
@@ -83,14 +83,14 @@ struct BlockActivations {
   explicit BlockActivations(const BlockPass& pass);
   int64_t bytes() const;
 
-  std::vector<float> ln1, mean1, rstd1;  // ln_1(x) [N, E], its mean and 1/std [N]
-  std::vector<float> qkv;                // c_attn output [N, 3E]
-  std::vector<float> lse;                // attention's log-sum-exps [batch, heads, T]
-  std::vector<float> attention;          // attention output [N, E]
-  std::vector<float> h;                  // x + attn.c_proj(attention) [N, E]
-  std::vector<float> ln2, mean2, rstd2;  // ln_2(h) [N, E], [N], [N]
-  std::vector<float> fc;                 // c_fc output [N, I]
-  std::vector<float> act;                // gelu_new(fc) [N, I]
+  models::Buffer<float> ln1, mean1, rstd1;  // ln_1(x) [N, E], its mean and 1/std [N]
+  models::Buffer<float> qkv;                // c_attn output [N, 3E]
+  models::Buffer<float> lse;                // attention's log-sum-exps [batch, heads, T]
+  models::Buffer<float> attention;          // attention output [N, E]
+  models::Buffer<float> h;                  // x + attn.c_proj(attention) [N, E]
+  models::Buffer<float> ln2, mean2, rstd2;  // ln_2(h) [N, E], [N], [N]
+  models::Buffer<float> fc;                 // c_fc output [N, I]
+  models::Buffer<float> act;                // gelu_new(fc) [N, I]
 };
 
 // What the head's forward keeps.
@@ -98,8 +98,8 @@ struct HeadActivations {
   explicit HeadActivations(const BlockPass& pass);
   int64_t bytes() const;
 
-  std::vector<float> final_norm, final_mean, final_rstd;  // [N, E], [N], [N]
-  std::vector<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
+  models::Buffer<float> final_norm, final_mean, final_rstd;  // [N, E], [N], [N]
+  models::Buffer<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
 };
 
 // The GPT-2 family of models::TransformerStage.
@@ -145,7 +145,7 @@ struct Gpt2 {
   static void layer_backward(Pass& pass, const ParameterView* block, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
   // The LayerNorms and gelu_new: what selective checkpointing recomputes.
-  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+  static std::vector<models::Buffer<float>*> elementwise(LayerActivations& saved) {
     return {&saved.ln1,   &saved.mean1, &saved.rstd1, &saved.ln2,
             &saved.mean2, &saved.rstd2, &saved.act};
   }

@@ -33,8 +33,10 @@ std::vector<int64_t> rotary_positions(const Composition& c,
 
 Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
            bool sequence_parallel, const models::ParallelBlocks& blocks,
-           const models::ContextParallel& cp, const models::ExpertParallel& ep)
+           const models::ContextParallel& cp, const models::ExpertParallel& ep,
+           models::Compute& compute)
     : composition(c),
+      compute(compute),
       tp(tp),
       replicated(tp),
       blocks(blocks),
@@ -48,12 +50,11 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
       attend(attention, cp, Composed::kName, compute),
       rotary(attention.head_dim, rotary_positions(c, attend), c.rope_theta, c.rotary_dim()),
       rotation(compute.rotation(rotary)),
-      transient(c.tensors.size()),
-      d_qkv(rows() * attention.qkv_dim()),
-      d_attention(rows() * attention.q_dim()),
-      d_hidden(rows() * 2 * intermediate),
-      d_act(rows() * intermediate),
-      d_norm(rows() * hidden) {
+      d_qkv(size_t(rows() * attention.qkv_dim()), compute),
+      d_attention(size_t(rows() * attention.q_dim()), compute),
+      d_hidden(size_t(rows() * 2 * intermediate), compute),
+      d_act(size_t(rows() * intermediate), compute),
+      d_norm(size_t(rows() * hidden), compute) {
   models::require(!sequence_parallel || c.sequence_parallel_refusal.empty(), Composed::kName,
                   "sequence parallelism: " + c.sequence_parallel_refusal);
   models::require(!sequence_parallel || rows() % tp.size() == 0, Composed::kName,
@@ -68,10 +69,11 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
                         std::to_string(c.max_position_embeddings) + " (" + c.position_weight() +
                         " has a row per position)");
     const std::vector<int64_t>& in_sequence = attend.positions();
-    positions.resize(size_t(rows()));
-    for (int64_t r = 0; r < rows(); ++r) {
-      positions[size_t(r)] = int32_t(in_sequence[size_t(r % seq_len)]);
-    }
+    std::vector<int32_t> of_rows(static_cast<size_t>(rows()));
+    for (int64_t r = 0; r < rows(); ++r)
+      of_rows[size_t(r)] = int32_t(in_sequence[size_t(r % seq_len)]);
+    positions.resize(of_rows.size());
+    compute.copy_from_host(positions.data(), of_rows.data(), bytes_of(of_rows));
     projection.resize(size_t(rows() * hidden));
   }
   d_residual.resize(size_t(stream_numel()));
@@ -82,6 +84,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
     d_norm_weight.resize(size_t(hidden));
     d_norm_bias.resize(size_t(hidden));
   }
+  for (size_t t = 0; t < c.tensors.size(); ++t) transient.emplace_back(compute);
   for (const LayerOp& op : c.ops) {
     if (!op.keeps_output) {
       transient[size_t(op.output)].resize(size_t(stream_numel()));
@@ -96,25 +99,24 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
   first_view = c.first_views(experts ? experts->local_experts : c.num_local_experts);
 }
 
-std::vector<float> Pass::take() {
-  if (spare.empty()) return std::vector<float>(size_t(stream_numel()));
-  std::vector<float> buffer = std::move(spare.back());
+Floats Pass::take() {
+  if (spare.empty()) return Floats(size_t(stream_numel()), compute);
+  Floats buffer = std::move(spare.back());
   spare.pop_back();
   return buffer;
 }
 
-std::vector<float> Pass::take_zeroed() {
-  std::vector<float> buffer = take();
+Floats Pass::take_zeroed() {
+  Floats buffer = take();
   compute.zero(buffer.data(), int64_t(buffer.size()));
   return buffer;
 }
 
-void Pass::give(std::vector<float>&& buffer) { spare.push_back(std::move(buffer)); }
+void Pass::give(Floats&& buffer) { spare.push_back(std::move(buffer)); }
 
-LayerActivations::LayerActivations(const Pass& pass)
-    : composition(&pass.composition),
-      tensors(pass.composition.tensors.size()),
-      ops(pass.composition.ops.size()) {
+LayerActivations::LayerActivations(const Pass& pass) : composition(&pass.composition) {
+  for (size_t t = 0; t < pass.composition.tensors.size(); ++t) tensors.emplace_back(pass.compute);
+  for (size_t i = 0; i < pass.composition.ops.size(); ++i) ops.emplace_back(pass.compute);
   const auto N = size_t(pass.rows()), I = size_t(pass.intermediate);
   const auto n = size_t(pass.stream_rows());
   const kernels::AttentionShape& shape = pass.attention;
@@ -149,10 +151,11 @@ int64_t LayerActivations::bytes() const {
 }
 
 HeadActivations::HeadActivations(const Pass& pass)
-    : norm(size_t(pass.rows() * pass.hidden)),
-      rstd(size_t(pass.stream_rows())),
-      mean(pass.composition.final_norm == Op::layernorm ? size_t(pass.stream_rows()) : 0),
-      logits(size_t(pass.rows() * pass.head_vocab.size)) {}
+    : norm(size_t(pass.rows() * pass.hidden), pass.compute),
+      rstd(size_t(pass.stream_rows()), pass.compute),
+      mean(pass.composition.final_norm == Op::layernorm ? size_t(pass.stream_rows()) : 0,
+           pass.compute),
+      logits(size_t(pass.rows() * pass.head_vocab.size), pass.compute) {}
 
 int64_t HeadActivations::bytes() const { return bytes_of(norm, rstd, mean, logits); }
 
@@ -253,7 +256,7 @@ struct Tensors {
   float* operator[](int tensor) const {
     if (tensor == 0) return const_cast<float*>(x);
     if (tensor + 1 == int(saved.tensors.size())) return out;
-    std::vector<float>& kept = saved.tensors[size_t(tensor)];
+    Floats& kept = saved.tensors[size_t(tensor)];
     return kept.empty() ? pass.transient[size_t(tensor)].data() : kept.data();
   }
 };
@@ -307,11 +310,11 @@ void mlp_forward(Pass& pass, const Projections& p, const float* in, OpActivation
 // empty until something flows into it.
 struct Gradients {
   Pass& pass;
-  std::vector<std::vector<float>> of;
+  std::vector<Floats> of;
 
   // Adds `buffer` into tensor t's gradient, taking the buffer when it has none.
-  void add(int t, std::vector<float>&& buffer) {
-    std::vector<float>& g = of[size_t(t)];
+  void add(int t, Floats&& buffer) {
+    Floats& g = of[size_t(t)];
     if (g.empty()) {
       g = std::move(buffer);
       return;
@@ -319,12 +322,12 @@ struct Gradients {
     pass.compute.accumulate(g.data(), buffer.data(), int64_t(g.size()));
     pass.give(std::move(buffer));
   }
-  void add_copy(int t, const std::vector<float>& values) {
-    std::vector<float> copy = pass.take();
+  void add_copy(int t, const Floats& values) {
+    Floats copy = pass.take();
     pass.compute.copy(copy.data(), values.data(), int64_t(values.size()));
     add(t, std::move(copy));
   }
-  std::vector<float>& accumulating(int t) {
+  Floats& accumulating(int t) {
     if (of[size_t(t)].empty()) of[size_t(t)] = pass.take_zeroed();
     return of[size_t(t)];
   }
@@ -333,8 +336,7 @@ struct Gradients {
 // The input of an op's fused projection (or router), as the weight
 // gradient receives it (which may move it away): the kept tensor itself
 // when this op is its last reader in the backward, else a copy in `own`.
-std::vector<float>& weight_gradient_input(const LayerOp& op, const Tensors& tensors,
-                                          std::vector<float>& own) {
+Floats& weight_gradient_input(const LayerOp& op, const Tensors& tensors, Floats& own) {
   if (op.input != 0 && op.last_input_reader) return tensors.saved.tensors[size_t(op.input)];
   const Pass& pass = tensors.pass;
   const int64_t numel = op.input == 0 ? pass.stream_numel()
@@ -347,7 +349,7 @@ std::vector<float>& weight_gradient_input(const LayerOp& op, const Tensors& tens
 // The gradient of an attention's or MLP's output [rows, hidden], from its
 // stream's gradient: gathered from the ranks' rows with sequence
 // parallelism.
-const float* block_output_gradient(Pass& pass, const std::vector<float>& dy) {
+const float* block_output_gradient(Pass& pass, const Floats& dy) {
   if (!pass.sequence_parallel) return dy.data();
   models::gather_rows(pass.tp, dy.data(), pass.d_gathered.data(), pass.stream_rows(), pass.hidden);
   return pass.d_gathered.data();
@@ -361,7 +363,7 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
                                int64_t width, const Tensors& tensors, Gradients& grads,
                                WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden;
-  std::vector<float> d_input = pass.take();
+  Floats d_input = pass.take();
   float* full = pass.sequence_parallel ? pass.projection.data() : d_input.data();
   pass.compute.linear_backward_input(p.layout, full, dy, weight_of(p.in_weight()), N, H, width);
   TensorParallelGroup& group = pass.group(block);
@@ -370,8 +372,8 @@ void projection_input_backward(Pass& pass, const Projections& p, Block block, fl
   } else if (group.size() > 1) {
     group.start_all_reduce_sum(full, N * H);
   }
-  std::vector<float> own;
-  std::vector<float>& x = weight_gradient_input(p.op, tensors, own);
+  Floats own(pass.compute);
+  Floats& x = weight_gradient_input(p.op, tensors, own);
   gradients.linear(
       {&p.in_weight(), &p.in_weight() + p.inputs - 1, p.layout, N, H, width, &pass.compute}, dy, x);
   group.wait_started();
@@ -392,9 +394,8 @@ void input_bias_backward(Pass& pass, const Projections& p, const float* dy, int6
   for (int64_t k = p.inputs - 1; k >= 0; --k) gradients.vector_ready((&p.in_bias())[k]);
 }
 
-void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy,
-                        OpActivations& kept, const Tensors& tensors, Gradients& grads,
-                        WeightGradients& gradients) {
+void attention_backward(Pass& pass, const Projections& p, Floats& dy, OpActivations& kept,
+                        const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
   const AttentionShape& shape = pass.attention;
   const int64_t N = pass.rows(), H = pass.hidden, Q = shape.q_dim();
   const float* d_out = block_output_gradient(pass, dy);
@@ -416,7 +417,7 @@ void attention_backward(Pass& pass, const Projections& p, std::vector<float>& dy
 
 // d_act = dy down^T; through the activation into d_hidden; then as the
 // attention's input projection.
-void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpActivations& kept,
+void mlp_backward(Pass& pass, const Projections& p, Floats& dy, OpActivations& kept,
                   const Tensors& tensors, Gradients& grads, WeightGradients& gradients) {
   const int64_t N = pass.rows(), H = pass.hidden, I = pass.intermediate;
   const float* d_out = block_output_gradient(pass, dy);
@@ -437,12 +438,12 @@ void mlp_backward(Pass& pass, const Projections& p, std::vector<float>& dy, OpAc
 
 // The mixture's input gradient from dy, into the gradient of its input;
 // the router's weight gradient reads the input's kept values.
-void moe_backward(Pass& pass, const ParameterView* views, const LayerOp& op, std::vector<float>& dy,
+void moe_backward(Pass& pass, const ParameterView* views, const LayerOp& op, Floats& dy,
                   OpActivations& kept, const Tensors& tensors, Gradients& grads,
                   WeightGradients& gradients) {
-  std::vector<float> d_input = pass.take();
-  std::vector<float> own;
-  std::vector<float>& x = weight_gradient_input(op, tensors, own);
+  Floats d_input = pass.take();
+  Floats own(pass.compute);
+  Floats& x = weight_gradient_input(op, tensors, own);
   models::mixture_backward(*pass.experts, views, dy.data(), pass.loss_scale, *kept.experts, x,
                            d_input.data(), gradients);
   grads.add(op.input, std::move(d_input));
@@ -532,11 +533,12 @@ void Composed::layer_backward(Pass& pass, const ParameterView* layer, const floa
                               LayerActivations& saved, WeightGradients& gradients) {
   const Tensors tensors{pass, saved, x, nullptr};
   const std::vector<LayerOp>& ops = pass.composition.ops;
-  Gradients grads{pass, std::vector<std::vector<float>>(saved.tensors.size())};
+  Gradients grads{pass, {}};
+  for (size_t t = 0; t < saved.tensors.size(); ++t) grads.of.emplace_back(pass.compute);
   grads.of.back() = std::move(pass.d_residual);
   for (size_t i = ops.size(); i-- > 0;) {
     const LayerOp& op = ops[i];
-    std::vector<float> dy = std::move(grads.of[size_t(op.output)]);
+    Floats dy = std::move(grads.of[size_t(op.output)]);
     if (is_norm(op.op)) {
       const OpActivations& kept = saved.ops[i];
       norm_weights_backward(pass, op.op, views_of(pass, layer, op),
@@ -560,8 +562,8 @@ void Composed::layer_backward(Pass& pass, const ParameterView* layer, const floa
   pass.d_residual = std::move(grads.of.front());
 }
 
-std::vector<std::vector<float>*> Composed::elementwise(LayerActivations& saved) {
-  std::vector<std::vector<float>*> buffers;
+std::vector<Floats*> Composed::elementwise(LayerActivations& saved) {
+  std::vector<Floats*> buffers;
   const std::vector<LayerOp>& ops = saved.composition->ops;
   for (size_t i = 0; i < ops.size(); ++i) {
     const LayerOp& op = ops[i];
@@ -632,7 +634,7 @@ void Composed::head_backward(Pass& pass, const ParameterView* head, const Parame
                              HeadActivations& saved, WeightGradients& gradients) {
   const Composition& c = pass.composition;
   const int64_t N = pass.rows(), H = pass.hidden, V = pass.head_vocab.size;
-  std::vector<float>& d_norm = pass.d_norm;
+  Floats& d_norm = pass.d_norm;
   if (!c.lm_head_bias) {
     models::lm_head_loss_backward(d_norm.data(), saved.logits.data(), lm_head, saved.norm, targets,
                                   loss_scale, N, H, pass.head_vocab, gradients, pass.compute);

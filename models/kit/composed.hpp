@@ -24,6 +24,7 @@ namespace meshrun::kit {
 using models::Block;
 using models::TensorParallelGroup;
 using models::WeightGradients;
+using Floats = models::Buffer<float>;
 
 // What every layer of a pass at one (batch, seq_len) shares: the sizes
 // (of one tp rank for a parallel block), the rotary table, scratch, and the
@@ -31,7 +32,8 @@ using models::WeightGradients;
 struct Pass {
   Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelGroup& tp,
        bool sequence_parallel, const models::ParallelBlocks& blocks,
-       const models::ContextParallel& cp, const models::ExpertParallel& ep);
+       const models::ContextParallel& cp, const models::ExpertParallel& ep,
+       models::Compute& compute);
   int64_t rows() const { return attention.batch * attention.seq_len; }
   // With sequence parallelism the residual stream between the attention
   // and MLP blocks (every tensor but their inputs) holds the rank's rows
@@ -44,13 +46,13 @@ struct Pass {
   }
   TensorParallelGroup& group(Block block) { return blocks.group(block, tp, replicated); }
   // A [rows, hidden] buffer, of undefined contents or zeroed; and back.
-  std::vector<float> take();
-  std::vector<float> take_zeroed();
-  void give(std::vector<float>&& buffer);
+  Floats take();
+  Floats take_zeroed();
+  void give(Floats&& buffer);
 
   const Composition& composition;
-  // Where the layer's kernels run (common/compute.hpp): the host's.
-  models::Compute& compute = models::host_compute();
+  // Where the layer's kernels run and its buffers are (common/compute.hpp).
+  models::Compute& compute;
   TensorParallelGroup& tp;
   models::ReplicatedOver replicated;
   models::ParallelBlocks blocks;
@@ -63,21 +65,22 @@ struct Pass {
   // compute reads them), or the learned position table's rows [rows].
   kernels::RotaryTable<float> rotary;
   std::unique_ptr<models::Rotation> rotation;
-  std::vector<int32_t> positions;
+  models::Buffer<int32_t> positions{compute};
   // Per tensor, the outputs no backward reads (an ADD's addends, and the
   // layer's output as selective recomputation writes it): scratch.
-  std::vector<std::vector<float>> transient;
+  std::vector<Floats> transient;
   // The residual stream's gradient [rows, hidden], as the stage hands it.
-  std::vector<float> d_residual;
-  std::vector<float> d_qkv, d_attention, d_hidden, d_act;
-  std::vector<float> d_norm;  // the final norm's output gradient [rows, hidden]
+  Floats d_residual{compute};
+  Floats d_qkv, d_attention, d_hidden, d_act;
+  Floats d_norm;  // the final norm's output gradient [rows, hidden]
   // Sequence parallelism's scratch: a norm's rows before they are gathered,
   // a row-parallel output before it is reduce-scattered and a projection's
   // input gradient before it is [rows, hidden]; a gathered gradient
   // [rows, hidden]; a norm's weight and bias gradients before their sum
   // over tp [hidden].
-  std::vector<float> stream, projection, d_gathered, d_norm_weight, d_norm_bias;
-  std::vector<std::vector<float>> spare;  // take()'s buffers
+  Floats stream{compute}, projection{compute}, d_gathered{compute}, d_norm_weight{compute},
+      d_norm_bias{compute};
+  std::vector<Floats> spare;  // take()'s buffers
   // The mixtures' (MOE_MLP ops'), when the layer has one; the first view of
   // each op among the layer's views the rank holds.
   std::unique_ptr<models::MixtureScratch> experts;
@@ -90,7 +93,15 @@ struct Pass {
 // (and mean); attention's q/k/v after rotary, log-sum-exps and output; an
 // MLP's input projection and activation; a mixture's routing and experts'.
 struct OpActivations {
-  std::vector<float> rstd, mean, qkv, lse, attention, hidden, act;
+  explicit OpActivations(models::Compute& compute)
+      : rstd(compute),
+        mean(compute),
+        qkv(compute),
+        lse(compute),
+        attention(compute),
+        hidden(compute),
+        act(compute) {}
+  Floats rstd, mean, qkv, lse, attention, hidden, act;
   std::optional<models::MixtureActivations> experts;
 };
 
@@ -99,7 +110,7 @@ struct LayerActivations {
   int64_t bytes() const;
 
   const Composition* composition;
-  std::vector<std::vector<float>> tensors;  // the kept outputs [rows, hidden], by tensor
+  std::vector<Floats> tensors;  // the kept outputs [rows, hidden], by tensor
   std::vector<OpActivations> ops;
 };
 
@@ -109,8 +120,8 @@ struct HeadActivations {
 
   // [N, H] (gathered with sequence parallelism), [n], [n] (LayerNorm) with
   // n the stream's rows
-  std::vector<float> norm, rstd, mean;
-  std::vector<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
+  Floats norm, rstd, mean;
+  Floats logits;  // softmax after forward, the loss gradient in backward [N, V]
 };
 
 struct Composed {
@@ -124,6 +135,8 @@ struct Composed {
   // A composition may have MOE_MLP ops: a stage hands the pass its ep
   // group and reports router statistics (none without a mixture).
   static constexpr bool kExperts = true;
+  // It computes on any device's compute, its buffers in that memory.
+  static constexpr bool kAnyCompute = true;
 
   static void check_config(const Config& /*config*/) {}
   static int64_t num_layers(const Config& config) { return config.num_hidden_layers; }
@@ -155,7 +168,7 @@ struct Composed {
   static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
   // The norms' outputs and statistics and the MLPs' activations.
-  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved);
+  static std::vector<Floats*> elementwise(LayerActivations& saved);
   // What a bfloat16 run keeps in bfloat16: all but the norms' statistics,
   // the log-sum-exps, the router's and the loss's probabilities.
   static models::LowPrecisionBuffers low_precision(LayerActivations& saved);

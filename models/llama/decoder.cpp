@@ -86,11 +86,11 @@ void block_input_norm_backward(DecoderPass& pass, TensorParallelGroup& group,
                      H);
     return;
   }
-  std::fill(pass.d_norm_weight.begin(), pass.d_norm_weight.end(), 0.0f);
+  std::fill_n(pass.d_norm_weight.data(), pass.d_norm_weight.size(), 0.0f);
   rmsnorm_backward(pass.d_residual.data(), pass.d_norm_weight.data(), pass.stream.data(), x,
                    norm.data, rstd, n, H);
   pass.tp.all_reduce_sum(pass.d_norm_weight.data(), H);
-  for (int64_t i = 0; i < H; ++i) norm.grad[i] += pass.d_norm_weight[size_t(i)];
+  for (int64_t i = 0; i < H; ++i) norm.grad[i] += pass.d_norm_weight.data()[i];
 }
 
 }  // namespace
@@ -289,7 +289,7 @@ void Llama::head_backward(Pass& pass, const ParameterView* head, const Parameter
   models::lm_head_loss_backward(pass.d_norm.data(), saved.logits.data(), lm_head, saved.final_norm,
                                 targets, loss_scale, pass.rows(), pass.hidden, pass.head_vocab,
                                 gradients);
-  std::fill(pass.d_residual.begin(), pass.d_residual.end(), 0.0f);
+  std::fill_n(pass.d_residual.data(), pass.d_residual.size(), 0.0f);
   start_input_gradient_sum(pass, pass.group(Block::head));
   block_input_norm_backward(pass, pass.group(Block::head), *head, x, saved.final_rstd.data());
   gradients.vector_ready(*head);

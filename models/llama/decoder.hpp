@@ -56,15 +56,15 @@ struct DecoderPass {
   double eps;
   models::SequenceAttention attend;   // over the cp ranks, with its scratch
   RotaryTable<float> rotary;          // of the rows' positions in their sequence
-  std::vector<float> projection;      // o_proj / down_proj output before its residual add
+  models::Buffer<float> projection;   // o_proj / down_proj output before its residual add
   bool bfloat16_activations = false;  // common/stage.hpp
   // The residual stream's gradient [N, H], from a layer's output to its input.
-  std::vector<float> d_residual;
-  std::vector<float> d_norm, d_qkv, d_attention, d_gate_up, d_mlp;
+  models::Buffer<float> d_residual;
+  models::Buffer<float> d_norm, d_qkv, d_attention, d_gate_up, d_mlp;
   // Sequence parallelism's scratch: the rank's rows of a norm's output or
   // of a reduce-scattered sum [n, H], a gathered gradient [N, H], and a
   // norm weight's gradient before its sum over tp [H].
-  std::vector<float> stream, d_gathered, d_norm_weight;
+  models::Buffer<float> stream, d_gathered, d_norm_weight;
 };
 
 // What a decoder layer's attention half keeps for its backward.
@@ -72,11 +72,11 @@ struct AttentionActivations {
   explicit AttentionActivations(const DecoderPass& pass);
   int64_t bytes() const;
 
-  std::vector<float> norm1, rstd1;  // rmsnorm(x) [N, H], its 1/rms [N]
-  std::vector<float> qkv;           // after rotary [N, q+2kv]
-  std::vector<float> lse;           // attention's log-sum-exps [batch, heads, T]
-  std::vector<float> attention;     // attention output [N, q]
-  std::vector<float> h;             // x + o_proj(attention) [N, H]
+  models::Buffer<float> norm1, rstd1;  // rmsnorm(x) [N, H], its 1/rms [N]
+  models::Buffer<float> qkv;           // after rotary [N, q+2kv]
+  models::Buffer<float> lse;           // attention's log-sum-exps [batch, heads, T]
+  models::Buffer<float> attention;     // attention output [N, q]
+  models::Buffer<float> h;             // x + o_proj(attention) [N, H]
 };
 
 // What one decoder layer's forward keeps for its backward.
@@ -84,9 +84,9 @@ struct LayerActivations : AttentionActivations {
   explicit LayerActivations(const DecoderPass& pass);
   int64_t bytes() const;
 
-  std::vector<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
-  std::vector<float> gate_up;       // [N, 2I]
-  std::vector<float> mlp;           // silu(gate) * up [N, I]
+  models::Buffer<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
+  models::Buffer<float> gate_up;       // [N, 2I]
+  models::Buffer<float> mlp;           // silu(gate) * up [N, I]
 };
 
 // The attention half of a decoder layer, which a layer's first views
@@ -110,8 +110,8 @@ struct HeadActivations {
   explicit HeadActivations(const DecoderPass& pass);
   int64_t bytes() const;
 
-  std::vector<float> final_norm, final_rstd;  // [N, H], [N]
-  std::vector<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
+  models::Buffer<float> final_norm, final_rstd;  // [N, H], [N]
+  models::Buffer<float> logits;  // softmax after forward, the loss gradient in backward [N, V]
 };
 
 // The Llama family of models::TransformerStage.
@@ -161,7 +161,7 @@ struct Llama {
   static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
   // The norms and swiglu: what selective checkpointing recomputes.
-  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+  static std::vector<models::Buffer<float>*> elementwise(LayerActivations& saved) {
     return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2, &saved.mlp};
   }
   // What a bfloat16 run keeps in bfloat16: all but the norms' 1/rms, the

@@ -33,8 +33,8 @@ struct MoePass : llama::DecoderPass {
           const models::ExpertParallel& ep);
 
   models::MixtureScratch experts;
-  std::vector<float> moe_out;  // the mixture's output [N, H], before its residual add
-  float loss_scale = 1.0f;     // d objective / d loss of the backward running now
+  models::Buffer<float> moe_out;  // the mixture's output [N, H], before its residual add
+  float loss_scale = 1.0f;        // d objective / d loss of the backward running now
 };
 
 // What one layer's forward keeps for its backward.
@@ -42,7 +42,7 @@ struct MoeActivations : llama::AttentionActivations {
   explicit MoeActivations(const MoePass& pass);
   int64_t bytes() const;
 
-  std::vector<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
+  models::Buffer<float> norm2, rstd2;  // rmsnorm(h) [N, H], [N]
   models::MixtureActivations experts;
 };
 
@@ -92,7 +92,7 @@ struct Mixtral {
   static void layer_backward(Pass& pass, const ParameterView* layer, const float* x,
                              LayerActivations& saved, WeightGradients& gradients);
   // The norms: what selective checkpointing recomputes.
-  static std::vector<std::vector<float>*> elementwise(LayerActivations& saved) {
+  static std::vector<models::Buffer<float>*> elementwise(LayerActivations& saved) {
     return {&saved.norm1, &saved.rstd1, &saved.norm2, &saved.rstd2};
   }
   // What a bfloat16 run keeps in bfloat16: all but the norms' 1/rms, the
@@ -100,7 +100,7 @@ struct Mixtral {
   static models::LowPrecisionBuffers low_precision(LayerActivations& saved) {
     models::LowPrecisionBuffers buffers{&saved.norm1, &saved.qkv, &saved.attention, &saved.h,
                                         &saved.norm2};
-    for (std::vector<float>* buffer : models::low_precision(saved.experts)) {
+    for (models::Buffer<float>* buffer : models::low_precision(saved.experts)) {
       buffers.push_back(buffer);
     }
     return buffers;

@@ -20,7 +20,7 @@ namespace {
 using meshrun::Communicator;
 using meshrun::Strategy;
 
-const std::string kTestDir = MESHRUN_TEST_PLUGIN_DIR;
+const std::string kViewsPluginDir = MESHRUN_TEST_PLUGIN_DIR;
 
 meshrun_error* solo_rank(const meshrun_communicator* /*communicator*/, int64_t* out) {
   *out = 0;
@@ -69,15 +69,16 @@ class BrokenStrategy {
       : communicator_(std::make_shared<meshrun::PluginLibrary>(nullptr, &kSoloPlugin, "solo"),
                       reinterpret_cast<meshrun_communicator*>(&handle_), "dp") {
     meshrun::StrategyUnits units{&communicator_, &communicator_, 2, 0, {0, 1, 0}, {2, 3, 4}};
-    strategy_ = std::make_unique<Strategy>(
-        meshrun::PluginLoader({kTestDir}).load(meshrun::PluginKind::strategy, "broken_views"),
-        communicator_,
-        meshrun::StrategyBuffers{weights_.data(),
-                                 gradients_.data(),
-                                 kNumel,
-                                 {0, 6, 15, 19},
-                                 {"a.weight", "b.weight", "c.weight"}},
-        "{\"break\": \"" + mode + "\"}", &units);
+    strategy_ =
+        std::make_unique<Strategy>(meshrun::PluginLoader({kViewsPluginDir})
+                                       .load(meshrun::PluginKind::strategy, "broken_views"),
+                                   communicator_,
+                                   meshrun::StrategyBuffers{weights_.data(),
+                                                            gradients_.data(),
+                                                            kNumel,
+                                                            {0, 6, 15, 19},
+                                                            {"a.weight", "b.weight", "c.weight"}},
+                                   "{\"break\": \"" + mode + "\"}", &units);
   }
   Strategy& operator*() { return *strategy_; }
   Strategy* operator->() { return strategy_.get(); }

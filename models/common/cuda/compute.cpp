@@ -35,6 +35,18 @@ void check(cublasStatus_t status, const char* call) {
   }
 }
 
+// An allocation of `bytes` failed: says where and how much was free.
+[[noreturn]] void throw_out_of_memory(size_t bytes) {
+  cudaGetLastError();
+  int device = 0;
+  size_t free = 0, total = 0;
+  cudaGetDevice(&device);
+  cudaMemGetInfo(&free, &total);
+  throw std::runtime_error("cuda compute: out of memory on CUDA device " + std::to_string(device) +
+                           ": " + std::to_string(bytes) + " bytes asked for, " +
+                           std::to_string(free) + " of " + std::to_string(total) + " free");
+}
+
 // Device memory of `count` elements, freed with it.
 template <typename Element>
 class DeviceArray {
@@ -61,17 +73,6 @@ class DeviceArray {
     if (status == cudaErrorMemoryAllocation) throw_out_of_memory(bytes);
     check(status, "cudaMalloc");
     count_ = count;
-  }
-  [[noreturn]] static void throw_out_of_memory(size_t bytes) {
-    cudaGetLastError();
-    int device = 0;
-    size_t free = 0, total = 0;
-    cudaGetDevice(&device);
-    cudaMemGetInfo(&free, &total);
-    throw std::runtime_error("cuda compute: out of memory on CUDA device " +
-                             std::to_string(device) + ": " + std::to_string(bytes) +
-                             " bytes asked for, " + std::to_string(free) + " of " +
-                             std::to_string(total) + " free");
   }
   void release() {
     if (data_ != nullptr) cudaFree(data_);
@@ -125,6 +126,49 @@ class CudaCompute : public Compute {
     }
   }
 
+  // Stream-ordered, so memory a call released serves the next allocation
+  // once the calls before it are done, without a host wait.
+  void* allocate(int64_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* memory = nullptr;
+    const cudaError_t status = cudaMallocAsync(&memory, size_t(bytes), stream_);
+    if (status == cudaErrorMemoryAllocation) throw_out_of_memory(size_t(bytes));
+    check(status, "cudaMallocAsync");
+    check(cudaMemsetAsync(memory, 0, size_t(bytes), stream_), "allocate's zeroing");
+    return memory;
+  }
+  void release(void* memory) noexcept override {
+    if (memory != nullptr) cudaFreeAsync(memory, stream_);
+  }
+  void copy_bytes(void* to, const void* from, int64_t bytes) override {
+    if (bytes == 0) return;
+    check(cudaMemcpyAsync(to, from, size_t(bytes), cudaMemcpyDeviceToDevice, stream_),
+          "copy_bytes");
+  }
+  void zero_bytes(void* memory, int64_t bytes) override {
+    if (bytes == 0) return;
+    check(cudaMemsetAsync(memory, 0, size_t(bytes), stream_), "zero_bytes");
+  }
+  // Synchronous from pageable memory: the host's buffer may go once it returns.
+  void copy_from_host(void* to, const void* host, int64_t bytes) override {
+    if (bytes == 0) return;
+    check(cudaMemcpyAsync(to, host, size_t(bytes), cudaMemcpyHostToDevice, stream_),
+          "copy_from_host");
+    check(cudaStreamSynchronize(stream_), "copy_from_host");
+  }
+  void copy_to_host(void* host, const void* from, int64_t bytes) override {
+    if (bytes == 0) return;
+    check(cudaMemcpyAsync(host, from, size_t(bytes), cudaMemcpyDeviceToHost, stream_),
+          "copy_to_host");
+    check(cudaStreamSynchronize(stream_), "copy_to_host");
+  }
+  void to_bfloat16(uint16_t* bits, const float* values, int64_t count) override {
+    check(gpu::to_bfloat16(bits, values, count, stream_), "to_bfloat16");
+  }
+  void from_bfloat16(float* values, const uint16_t* bits, int64_t count) override {
+    check(gpu::from_bfloat16(values, bits, count, stream_), "from_bfloat16");
+  }
+
   // The CPU's GEMM calls of the two layouts (common/layers.hpp), row-major.
   void linear_forward(WeightLayout layout, float* y, const float* x, const Weight<float>& weight,
                       int64_t rows, int64_t in, int64_t out) override {
@@ -163,14 +207,6 @@ class CudaCompute : public Compute {
   }
   void accumulate(float* sum, const float* addend, int64_t count) override {
     check(gpu::add(sum, sum, addend, count, stream_), "accumulate");
-  }
-  void copy(float* to, const float* from, int64_t count) override {
-    check(
-        cudaMemcpyAsync(to, from, size_t(count) * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
-        "copy");
-  }
-  void zero(float* values, int64_t count) override {
-    check(cudaMemsetAsync(values, 0, size_t(count) * sizeof(float), stream_), "zero");
   }
   void round_to_bfloat16(float* values, int64_t count) override {
     check(gpu::round_to_bfloat16(values, count, stream_), "round_to_bfloat16");

@@ -237,6 +237,20 @@ __global__ void round_to_bfloat16_kernel(float* values, int64_t count) {
   }
 }
 
+__global__ void to_bfloat16_kernel(uint16_t* bits, const float* values, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    bits[i] = __bfloat16_as_ushort(__float2bfloat16_rn(values[i]));
+  }
+}
+
+__global__ void from_bfloat16_kernel(float* values, const uint16_t* bits, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    values[i] = __bfloat162float(__ushort_as_bfloat16(bits[i]));
+  }
+}
+
 // y = x/2 (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
 __device__ float gelu_argument(float x) {
   return float(kSqrt2OverPi) * (x + 0.044715f * x * x * x);
@@ -438,6 +452,18 @@ cudaError_t add(float* out, const float* x, const float* delta, int64_t count,
 cudaError_t round_to_bfloat16(float* values, int64_t count, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   round_to_bfloat16_kernel<<<element_blocks(count), kBlock, 0, stream>>>(values, count);
+  return cudaGetLastError();
+}
+
+cudaError_t to_bfloat16(uint16_t* bits, const float* values, int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  to_bfloat16_kernel<<<element_blocks(count), kBlock, 0, stream>>>(bits, values, count);
+  return cudaGetLastError();
+}
+
+cudaError_t from_bfloat16(float* values, const uint16_t* bits, int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  from_bfloat16_kernel<<<element_blocks(count), kBlock, 0, stream>>>(values, bits, count);
   return cudaGetLastError();
 }
 

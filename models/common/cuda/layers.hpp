@@ -60,6 +60,10 @@ cudaError_t add(float* out, const float* x, const float* delta, int64_t count, c
 // Each value rounded to bfloat16 (nearest even), in place, as
 // numeric/bfloat16.hpp's round_to_bfloat16.
 cudaError_t round_to_bfloat16(float* values, int64_t count, cudaStream_t stream);
+// The bfloat16 bits of each value (nearest even), and their widening back:
+// numeric/bfloat16.hpp's to_bfloat16 and from_bfloat16.
+cudaError_t to_bfloat16(uint16_t* bits, const float* values, int64_t count, cudaStream_t stream);
+cudaError_t from_bfloat16(float* values, const uint16_t* bits, int64_t count, cudaStream_t stream);
 
 // out = silu(gate) * up over rows of [gate | up]; and its gradients.
 cudaError_t swiglu_forward(float* out, const float* gate_up, int64_t rows, int64_t dim,
