@@ -6,8 +6,8 @@
 
 #include <string>
 #include <vector>
-#include "common/buffer.hpp"
 
+#include "common/buffer.hpp"
 #include "common/layers.hpp"
 #include "common/stage.hpp"
 

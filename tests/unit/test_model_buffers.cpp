@@ -6,23 +6,24 @@
 // gradients bit for bit (the same kernels run, in the same order).
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "common/buffer.hpp"
+#include "compute_stage.hpp"
 #include "fenced_compute.hpp"
-#include "kit/composed.hpp"
-#include "kit_compositions.hpp"
 #include "llama/decoder.hpp"
 #include "stage_fixture.hpp"
 
 namespace model_buffers_test {
 
+using compute_stage::composition;
+using compute_stage::kLayers;
+using compute_stage::random_weights;
+using compute_stage::Values;
 using fenced::FencedCompute;
 using meshrun::kit::Composed;
 using meshrun::kit::Composition;
@@ -31,103 +32,17 @@ using meshrun::models::Checkpointing;
 using meshrun::models::ParameterView;
 using meshrun::models::Recomputation;
 using meshrun::models::StageLayout;
-using Stage = meshrun::models::TransformerStage<Composed>;
+using FencedStage = compute_stage::ComputeStage;
 using HostStage = stage_fixture::OwnedStage<Composed>;
-using Gradients = std::map<std::string, std::vector<float>>;
+using Stage = compute_stage::Stage;
 
 using kit_test::kBatch;
 using kit_test::kSeqLen;
 using kit_test::kVocab;
-constexpr int64_t kLayers = 2;
-
-// A Qwen2-like layer (Llama's with attention biases), a Phi-like one (a
-// parallel block, partial rotary, lm_head's bias), a GPT-2-like one
-// (LayerNorm, Conv1D, learned positions), a Mixtral-like mixture of experts.
-Composition composition(const std::string& family) {
-  if (family == "qwen2") return kit_test::qwen2_like(kLayers);
-  if (family == "phi") return kit_test::phi_like(kLayers);
-  if (family == "gpt2") return kit_test::gpt2_like(kLayers);
-  return kit_test::mixtral_like(kLayers, 0.02);
-}
-
-// Values far enough from 0 that every term of the backward shows.
-std::map<std::string, std::vector<float>> random_weights(const Composition& c, uint32_t seed) {
-  std::mt19937 engine(seed);
-  std::normal_distribution<float> normal(0.0f, 0.4f);
-  std::map<std::string, std::vector<float>> weights;
-  for (const ParameterView& view : Composed::parameters(c)) {
-    std::vector<float>& values = weights[view.name];
-    values.resize(size_t(view.numel));
-    const bool norm_weight = view.shape.size() == 1 && view.name.ends_with("weight");
-    for (float& value : values) value = (norm_weight ? 1.0f : 0.0f) + normal(engine);
-  }
-  return weights;
-}
-
-// Hooks that do nothing but bind views to the parameters they were given.
-class BindingHooks : public meshrun::models::StageHooks {
- public:
-  void pre_forward(int64_t /*unit*/, float* /*hidden*/, int64_t /*numel*/) override {}
-  void post_forward(int64_t /*unit*/, float* /*hidden*/, int64_t /*numel*/) override {}
-  void pre_backward(int64_t /*unit*/) override {}
-  void post_backward(int64_t /*unit*/) override {}
-  void gradient_ready(int64_t /*parameter*/) override {}
-  void bind(ParameterView& view, bool backward) override {
-    const auto owned = std::find_if(views_.begin(), views_.end(),
-                                    [&](const ParameterView& v) { return v.index == view.index; });
-    view.data = owned->data;
-    view.grad = backward ? owned->grad : nullptr;
-  }
-
- protected:
-  std::vector<ParameterView> views_;
-};
-
-// A stage whose parameters and gradients, like its activations, are the
-// fenced compute's memory.
-class FencedStage : public BindingHooks {
- public:
-  FencedStage(const Composition& c, const StageLayout& layout, const Checkpointing& checkpointing,
-              bool bfloat16, FencedCompute& compute,
-              const std::map<std::string, std::vector<float>>& weights)
-      : compute_(compute),
-        stage_(std::make_unique<Stage>(c, layout, *this, checkpointing, nullptr,
-                                       meshrun::models::Placements{},
-                                       meshrun::models::ContextParallel{},
-                                       meshrun::models::ExpertParallel{}, bfloat16, compute)) {
-    views_ = stage_->parameters();
-    int64_t total = 0;
-    for (const ParameterView& view : views_) total += view.numel;
-    params_ = Buffer<float>(size_t(total), compute);
-    grads_ = Buffer<float>(size_t(total), compute);
-    int64_t offset = 0;
-    for (ParameterView& view : views_) {
-      view.data = params_.data() + offset;
-      view.grad = grads_.data() + offset;
-      compute.copy_from_host(view.data, weights.at(view.name).data(), view.numel * 4);
-      offset += view.numel;
-    }
-  }
-  Stage& stage() { return *stage_; }
-  Gradients gradients() const {
-    Gradients all;
-    for (const ParameterView& view : views_) {
-      std::vector<float>& values = all[view.name];
-      values.resize(size_t(view.numel));
-      compute_.copy_to_host(values.data(), view.grad, view.numel * 4);
-    }
-    return all;
-  }
-
- private:
-  FencedCompute& compute_;
-  std::unique_ptr<Stage> stage_;
-  Buffer<float> params_, grads_;
-};
 
 std::unique_ptr<HostStage> host_stage(const Composition& c, const StageLayout& layout,
                                       const Checkpointing& checkpointing, bool bfloat16,
-                                      const std::map<std::string, std::vector<float>>& weights) {
+                                      const Values& weights) {
   auto stage = std::make_unique<HostStage>(c, layout, checkpointing, bfloat16);
   for (ParameterView& view : stage->parameters()) {
     std::copy_n(weights.at(view.name).data(), view.numel, view.data);
@@ -135,29 +50,12 @@ std::unique_ptr<HostStage> host_stage(const Composition& c, const StageLayout& l
   return stage;
 }
 
-Gradients host_gradients(const HostStage& stage) {
-  Gradients all;
+Values host_gradients(const HostStage& stage) {
+  Values all;
   for (const ParameterView& view : stage.parameters()) {
     all[view.name].assign(view.grad, view.grad + view.numel);
   }
   return all;
-}
-
-// Two micro-batches in flight, the second's backward split into its input
-// and weight passes as a zero-bubble schedule runs them.
-template <class Owned>
-std::vector<double> two_microbatches(Owned& owned, const std::vector<stage_fixture::Batch>& data) {
-  Stage& stage = owned.stage();
-  stage.set_shape(kBatch, kSeqLen);
-  std::vector<double> losses;
-  for (int32_t mb = 0; mb < 2; ++mb) {
-    losses.push_back(stage.forward(mb, data[size_t(mb)].tokens.data(),
-                                   data[size_t(mb)].targets.data(), nullptr, nullptr));
-  }
-  stage.backward(0, 0.5f, nullptr, nullptr);
-  stage.backward_input(1, 0.5f, nullptr, nullptr);
-  stage.backward_weight(1);
-  return losses;
 }
 
 TEST_CASE("model buffers: a kit stage computes in its compute's memory only, as on the host",
@@ -173,15 +71,17 @@ TEST_CASE("model buffers: a kit stage computes in its compute's memory only, as 
     checkpointing = {{0, Recomputation::selective}, {1, Recomputation::full}};
   }
   const StageLayout whole{0, kLayers, true, true};
-  const std::vector<stage_fixture::Batch> data{
-      stage_fixture::random_batch(kVocab, kBatch, kSeqLen, 1),
-      stage_fixture::random_batch(kVocab, kBatch, kSeqLen, 2)};
+  const std::vector<compute_stage::Tokens> data{
+      compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 1),
+      compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 2)};
 
   const auto host = host_stage(c, whole, checkpointing, bfloat16, weights);
-  const std::vector<double> host_losses = two_microbatches(*host, data);
+  const std::vector<double> host_losses =
+      compute_stage::two_microbatches(host->stage(), data, kBatch, kSeqLen);
   FencedCompute compute;
   FencedStage fenced(c, whole, checkpointing, bfloat16, compute, weights);
-  const std::vector<double> fenced_losses = two_microbatches(fenced, data);
+  const std::vector<double> fenced_losses =
+      compute_stage::two_microbatches(fenced.stage(), data, kBatch, kSeqLen);
 
   CHECK(fenced_losses == host_losses);
   CHECK(fenced.gradients() == host_gradients(*host));
@@ -193,7 +93,7 @@ TEST_CASE("model buffers: pipeline stages hand hidden states over in the compute
           "[kit][device]") {
   const Composition c = composition("qwen2");
   const auto weights = random_weights(c, 3);
-  const stage_fixture::Batch batch = stage_fixture::random_batch(kVocab, kBatch, kSeqLen, 5);
+  const compute_stage::Tokens batch = compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 5);
   const StageLayout first{0, 1, true, false}, last{1, kLayers, false, true};
 
   const auto host_first = host_stage(c, first, {}, false, weights);
@@ -240,7 +140,7 @@ TEST_CASE("model buffers: the fenced compute refuses memory it did not allocate"
 
 TEST_CASE("model buffers: a hand-written family computes on the host's compute only", "[device]") {
   FencedCompute compute;
-  BindingHooks hooks;
+  compute_stage::BindingHooks hooks;
   meshrun::llama::LlamaConfig config;
   CHECK_THROWS_WITH(meshrun::models::TransformerStage<meshrun::llama::Llama>(
                         config, {0, config.num_hidden_layers, true, true}, hooks, {}, nullptr, {},

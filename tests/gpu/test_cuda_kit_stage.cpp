@@ -1,0 +1,134 @@
+// A kit model's stage on the GPU against the same stage on the host: Qwen2-,
+// Phi-, GPT-2- and Mixtral-like layers (every op kind, bias and weight
+// layout, learned positions, a mixture of experts with its load-balancing
+// loss), with and without recomputation (selective and full), float32 and
+// bfloat16 (bfloat16 matmuls, activations kept in bfloat16), two
+// micro-batches in flight and a split backward: its parameters, gradients,
+// activations and scratch all in device memory (tests/unit/compute_stage.hpp;
+// on the CPU tests/unit/test_model_buffers.cpp proves the stage touches them
+// through its compute only). The losses, every gradient and the activation
+// bytes are compared. Without a usable GPU it exits 77.
+//
+// Tolerance, float32: |gpu - cpu| <= 1e-4 + 1e-3 |cpu|. Each GPU kernel
+// agrees with its CPU twin within 1e-5 + 1e-4 |cpu| (test_cuda_compute.cpp:
+// the same roundings, sums in another order); a two-layer forward and
+// backward chains about thirty of them, and with weights of spread 0.4 on
+// width 8 nothing amplifies a difference by more than a few times, so ten
+// times the kernels' bound leaves margin and still catches a wrong term,
+// which moves a gradient by O(itself). bfloat16: 2e-3 + 3e-2 |cpu|: a value
+// that lands on the other side of a bfloat16 rounding on one device (the
+// GEMMs' sums in another order) differs there by one bfloat16 ulp, 2^-8 =
+// 3.9e-3 of itself, and that difference flows on through the backward;
+// the bound allows a few such ulps. The experts chosen must not differ:
+// these weights route away from ties (a flip would show as a gradient
+// mismatch, deterministically for the fixed seed).
+//
+// This test has compiled but never run on a GPU (docs/testing.md).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/cuda/compute.hpp"
+#include "compute_stage.hpp"
+#include "device_buffer.hpp"
+#include "numeric/gemm.hpp"
+#include "usable_devices.hpp"
+
+namespace {
+
+using compute_stage::ComputeStage;
+using compute_stage::Values;
+using meshrun::models::Checkpointing;
+using meshrun::models::Compute;
+using meshrun::models::Recomputation;
+
+int failures = 0;
+
+struct Bound {
+  double absolute, relative;
+};
+
+// Whether every gpu value is within `bound` of its cpu one; prints the
+// largest difference.
+bool close(const std::string& what, const std::vector<double>& gpu, const std::vector<double>& cpu,
+           Bound bound) {
+  double worst = 0;
+  bool within = gpu.size() == cpu.size();
+  for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
+    const double error = std::abs(gpu[i] - cpu[i]);
+    worst = std::max(worst, error);
+    within = within && error <= bound.absolute + bound.relative * std::abs(cpu[i]);
+  }
+  if (!within) std::printf("  %s: largest difference %.3g\n", what.c_str(), worst);
+  return within;
+}
+
+std::vector<double> widened(const std::vector<float>& values) {
+  return {values.begin(), values.end()};
+}
+
+// One configuration's stage on the host and on `gpu`, from the same
+// weights and tokens.
+void check_stage(Compute& gpu, const std::string& family, bool recompute, bool bfloat16) {
+  namespace kernels = meshrun::kernels;
+  const kernels::MatmulPrecisionScope precision(bfloat16 ? kernels::MatmulPrecision::bfloat16
+                                                         : kernels::MatmulPrecision::float32);
+  const auto c = compute_stage::composition(family);
+  const Values weights = compute_stage::random_weights(c, 7);
+  Checkpointing checkpointing;
+  if (recompute) checkpointing = {{0, Recomputation::selective}, {1, Recomputation::full}};
+  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
+  const std::vector<compute_stage::Tokens> data{
+      compute_stage::random_tokens(kit_test::kVocab, kit_test::kBatch * kit_test::kSeqLen, 1),
+      compute_stage::random_tokens(kit_test::kVocab, kit_test::kBatch * kit_test::kSeqLen, 2)};
+  const auto run = [&](Compute& compute, std::vector<double>& losses, Values& gradients,
+                       int64_t& bytes) {
+    ComputeStage stage(c, whole, checkpointing, bfloat16, compute, weights);
+    losses =
+        compute_stage::two_microbatches(stage.stage(), data, kit_test::kBatch, kit_test::kSeqLen);
+    gradients = stage.gradients();
+    bytes = stage.stage().activation_bytes();
+  };
+  std::vector<double> cpu_losses, gpu_losses;
+  Values cpu_gradients, gpu_gradients;
+  int64_t cpu_bytes = 0, gpu_bytes = 0;
+  run(meshrun::models::host_compute(), cpu_losses, cpu_gradients, cpu_bytes);
+  run(gpu, gpu_losses, gpu_gradients, gpu_bytes);
+
+  const Bound bound = bfloat16 ? Bound{2e-3, 3e-2} : Bound{1e-4, 1e-3};
+  const std::string name =
+      family + (recompute ? ", recomputed" : "") + (bfloat16 ? ", bfloat16" : ", float32");
+  bool same = close(name + ": losses", gpu_losses, cpu_losses, bound);
+  for (const auto& [parameter, expected] : cpu_gradients) {
+    same = close(name + ": gradient of " + parameter, widened(gpu_gradients.at(parameter)),
+                 widened(expected), bound) &&
+           same;
+  }
+  same = same && gpu_bytes == cpu_bytes;
+  std::printf("%s kit stage on the GPU as on the host: %s (losses %.7f, %.7f on the host)\n",
+              same ? "PASS" : "FAIL", name.c_str(), gpu_losses[0], cpu_losses[0]);
+  if (!same) ++failures;
+}
+
+}  // namespace
+
+int main() {
+  if (!usable_cuda_devices()) return kSkip;
+  cudaStream_t stream = nullptr;
+  require(cudaStreamCreate(&stream), "cudaStreamCreate");
+  {
+    const auto gpu = meshrun::models::make_cuda_compute(0, stream);
+    for (const char* family : {"qwen2", "phi", "gpt2", "mixtral"}) {
+      for (const bool recompute : {false, true}) {
+        for (const bool bfloat16 : {false, true}) check_stage(*gpu, family, recompute, bfloat16);
+      }
+    }
+  }
+  cudaStreamDestroy(stream);
+  std::printf("%d of the kit stage's GPU checks failed\n", failures);
+  return failures == 0 ? 0 : 1;
+}
