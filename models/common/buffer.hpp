@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <utility>
 
 #include "common/compute.hpp"
@@ -20,7 +21,9 @@ class Buffer {
  public:
   using value_type = Element;
 
-  // Empty, of the host's compute.
+  // Empty, of no compute yet: assigning or swapping gives it one, and
+  // growing it before throws std::logic_error (a buffer whose memory was
+  // never said is a bug this finds on the host already).
   Buffer() = default;
   // Empty, of `compute`.
   explicit Buffer(Compute& compute) : compute_(&compute) {}
@@ -28,7 +31,9 @@ class Buffer {
   explicit Buffer(size_t count, Compute& compute = host_compute()) : compute_(&compute) {
     resize(count);
   }
-  ~Buffer() { compute_->release(data_); }
+  ~Buffer() {
+    if (compute_ != nullptr) compute_->release(data_);
+  }
   // Takes other's storage and compute; other is left empty, of its compute.
   Buffer(Buffer&& other) noexcept
       : compute_(other.compute_),
@@ -48,13 +53,17 @@ class Buffer {
   size_t size() const { return size_; }
   size_t capacity() const { return capacity_; }
   bool empty() const { return size_ == 0; }
-  Compute& compute() const { return *compute_; }
+  // Throws std::logic_error for a buffer of no compute.
+  Compute& compute() const {
+    if (compute_ == nullptr) throw std::logic_error("models::Buffer: a buffer of no compute");
+    return *compute_;
+  }
 
   // `count` elements: the first min(size(), count) values kept, the rest
   // zero; beyond the capacity, new memory of at least twice the size.
   void resize(size_t count) {
     if (count > capacity_) {
-      Buffer grown(*compute_);
+      Buffer grown(compute());
       grown.capacity_ = std::max(count, 2 * size_);
       grown.data_ = static_cast<Element*>(compute_->allocate(bytes(grown.capacity_)));
       compute_->copy_bytes(grown.data_, data_, bytes(size_));
@@ -75,7 +84,7 @@ class Buffer {
  private:
   static int64_t bytes(size_t count) { return int64_t(count * sizeof(Element)); }
 
-  Compute* compute_ = &host_compute();
+  Compute* compute_ = nullptr;
   Element* data_ = nullptr;
   size_t size_ = 0, capacity_ = 0;
 };

@@ -343,7 +343,7 @@ class TransformerStage {
   StageLayout layout_;
   StageHooks& hooks_;
   Compute& compute_;
-  SingleRank single_rank_;
+  SingleRank single_rank_{compute_};
   TensorParallelGroup& tp_;
   bool sequence_parallel_;
   ContextParallel cp_;

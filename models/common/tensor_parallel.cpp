@@ -1,6 +1,5 @@
 #include "common/tensor_parallel.hpp"
 
-#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -24,7 +23,7 @@ VocabShard vocab_shard(int64_t vocab, const TensorParallelGroup& tp, const Paral
 }
 
 void ReplicatedOver::reduce_scatter_sum(const float* send, float* recv, int64_t count) {
-  std::copy_n(send + rank() * count, count, recv);
+  compute_.copy(recv, send + rank() * count, count);
 }
 
 void require_divisible(std::initializer_list<SplitExtent> extents, int64_t tp) {
@@ -94,11 +93,11 @@ std::vector<BlockSpec> ParallelModules::specs(bool tied_lm_head) const {
 }
 
 void SingleRank::all_gather(const float* send, float* recv, int64_t count) {
-  std::copy_n(send, count, recv);
+  compute_.copy(recv, send, count);
 }
 
 void SingleRank::reduce_scatter_sum(const float* send, float* recv, int64_t count) {
-  std::copy_n(send, count, recv);
+  compute_.copy(recv, send, count);
 }
 
 void gather_rows(TensorParallelGroup& tp, const float* local, float* full, int64_t rows,

@@ -65,24 +65,31 @@ class TensorParallelGroup {
   virtual void wait_started() {}
 };
 
-// The group of one rank: no tensor parallelism.
+// The group of one rank: no tensor parallelism; its gather and
+// reduce-scatter are copies on `compute` (which must outlive it).
 class SingleRank : public TensorParallelGroup {
  public:
+  explicit SingleRank(Compute& compute = host_compute()) : compute_(compute) {}
   int64_t size() const override { return 1; }
   int64_t rank() const override { return 0; }
   void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
   void all_reduce_max(float* /*data*/, int64_t /*count*/) override {}
   void all_gather(const float* send, float* recv, int64_t count) override;
   void reduce_scatter_sum(const float* send, float* recv, int64_t count) override;
+
+ private:
+  Compute& compute_;
 };
 
 // The group a replicated block computes over: every rank holds the whole
 // result, so a sum over ranks is complete already (no-op), a
 // reduce-scatter keeps the rank's part, and a gather is tp's own. Sizes and
-// ranks are tp's, so sequence-parallel rows stay split as elsewhere.
+// ranks are tp's, so sequence-parallel rows stay split as elsewhere. Its
+// copies are `compute`'s (which must outlive it).
 class ReplicatedOver : public TensorParallelGroup {
  public:
-  explicit ReplicatedOver(TensorParallelGroup& tp) : tp_(tp) {}
+  explicit ReplicatedOver(TensorParallelGroup& tp, Compute& compute = host_compute())
+      : tp_(tp), compute_(compute) {}
   int64_t size() const override { return tp_.size(); }
   int64_t rank() const override { return tp_.rank(); }
   void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
@@ -98,6 +105,7 @@ class ReplicatedOver : public TensorParallelGroup {
 
  private:
   TensorParallelGroup& tp_;
+  Compute& compute_;
 };
 
 // The blocks a family computes over tp or replicates as a whole

@@ -38,7 +38,7 @@ Pass::Pass(const Composition& c, int64_t batch, int64_t seq_len, TensorParallelG
     : composition(c),
       compute(compute),
       tp(tp),
-      replicated(tp),
+      replicated(tp, compute),
       blocks(blocks),
       sequence_parallel(sequence_parallel),
       attention{batch, seq_len, blocks.local(Block::attention, c.num_attention_heads, tp),
