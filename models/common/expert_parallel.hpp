@@ -21,7 +21,8 @@ class ExpertParallelGroup {
   virtual int64_t rank() const = 0;
   // Every rank sends send_counts[r] floats to rank r, the blocks one after
   // another in `send` in rank order, and receives recv_counts[r] floats
-  // from rank r into `recv`, likewise. Returns when both are done.
+  // from rank r into `recv`, likewise; both in the stage's compute's
+  // memory. Returns when both are done.
   virtual void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                           const std::vector<int64_t>& recv_counts) = 0;
 };

@@ -47,14 +47,16 @@ class HostHooks : public StageHooks {
   plugin::ModelHooks hooks_;
 };
 
-// A communicator of the stage (meshrun_model_stage_setup.tp or .cp) through
-// the comm backend's table; one rank without it. A failed operation (a peer
-// gone past the timeout) throws the backend's error object, which the stage
-// hands back to the host unchanged.
+// A communicator of the stage (meshrun_model_stage_setup.tp, .cp or .ep)
+// through the comm backend's table; one rank without it. The tensors it
+// hands the backend are on `device` (the stage's, or the host's for what
+// the stage keeps in host memory). A failed operation (a peer gone past
+// the timeout) throws the backend's error object, which the stage hands
+// back to the host unchanged.
 class HostCommunicator {
  public:
-  HostCommunicator(const meshrun_comm_api* api, meshrun_communicator* comm)
-      : api_(api), comm_(comm) {
+  HostCommunicator(const meshrun_comm_api* api, meshrun_communicator* comm, DLDevice device)
+      : api_(api), comm_(comm), device_(device) {
     if (api_ == nullptr || comm_ == nullptr) return;
     check(api_->rank(comm_, &rank_));
     check(api_->size(comm_, &size_));
@@ -64,38 +66,38 @@ class HostCommunicator {
   // A float32 vector as DLPack describes it; the backend reads the
   // description when the operation starts.
   struct Tensor {
-    Tensor(const float* data, int64_t count)
+    Tensor(const float* data, int64_t count, DLDevice device)
         : shape{count},
-          tensor{const_cast<float*>(data), {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0} {}
+          tensor{const_cast<float*>(data), device, 1, {kDLFloat, 32, 1}, shape, nullptr, 0} {}
     int64_t shape[1];
     DLTensor tensor;
   };
   meshrun_request* start_all_reduce(float* data, int64_t count, int32_t op) {
-    Tensor tensor(data, count);
+    Tensor tensor(data, count, device_);
     meshrun_request* request = nullptr;
     check(api_->all_reduce(comm_, &tensor.tensor, &tensor.tensor, op, &request));
     return request;
   }
   meshrun_request* start_all_gather(const float* send, float* recv, int64_t count) {
-    Tensor in(send, count), out(recv, count * size_);
+    Tensor in(send, count, device_), out(recv, count * size_, device_);
     meshrun_request* request = nullptr;
     check(api_->all_gather(comm_, &in.tensor, &out.tensor, &request));
     return request;
   }
   meshrun_request* start_reduce_scatter(const float* send, float* recv, int64_t count) {
-    Tensor in(send, count * size_), out(recv, count);
+    Tensor in(send, count * size_, device_), out(recv, count, device_);
     meshrun_request* request = nullptr;
     check(api_->reduce_scatter(comm_, &in.tensor, &out.tensor, MESHRUN_REDUCE_SUM, &request));
     return request;
   }
   meshrun_request* start_send(const float* data, int64_t count, int64_t peer, int64_t tag) {
-    Tensor tensor(data, count);
+    Tensor tensor(data, count, device_);
     meshrun_request* request = nullptr;
     check(api_->send(comm_, &tensor.tensor, peer, tag, &request));
     return request;
   }
   meshrun_request* start_recv(float* data, int64_t count, int64_t peer, int64_t tag) {
-    Tensor tensor(data, count);
+    Tensor tensor(data, count, device_);
     meshrun_request* request = nullptr;
     check(api_->recv(comm_, &tensor.tensor, peer, tag, &request));
     return request;
@@ -110,7 +112,7 @@ class HostCommunicator {
     int64_t sent = 0, received = 0;
     for (const int64_t count : send_counts) sent += count;
     for (const int64_t count : recv_counts) received += count;
-    Tensor in(send, sent), out(recv, received);
+    Tensor in(send, sent, device_), out(recv, received, device_);
     meshrun_request* request = nullptr;
     check(api_->all_to_all(comm_, &in.tensor, send_counts.data(), &out.tensor, recv_counts.data(),
                            &request));
@@ -135,6 +137,7 @@ class HostCommunicator {
 
   const meshrun_comm_api* api_;
   meshrun_communicator* comm_;
+  DLDevice device_;
   int64_t rank_ = 0, size_ = 1;
 };
 
@@ -143,7 +146,7 @@ class HostTensorParallelGroup : public TensorParallelGroup {
  public:
   // `async`: start_* return before their collective completes.
   HostTensorParallelGroup(const meshrun_model_stage_setup& setup, bool async)
-      : comm_(setup.comm, setup.tp), async_(async) {}
+      : comm_(setup.comm, setup.tp, plugin::stage_device(setup)), async_(async) {}
   int64_t size() const override { return comm_.size(); }
   int64_t rank() const override { return comm_.rank(); }
   void all_reduce_sum(float* data, int64_t count) override {
@@ -174,11 +177,12 @@ class HostTensorParallelGroup : public TensorParallelGroup {
   std::vector<meshrun_request*> started_;  // by start_*, until wait_started
 };
 
-// The stage's cp group.
+// The stage's cp group, over host memory: ring and Ulysses attention and
+// the loss's sum compute there (common/context_parallel.hpp).
 class HostContextParallelGroup : public ContextParallelGroup {
  public:
   explicit HostContextParallelGroup(const meshrun_model_stage_setup& setup)
-      : comm_(setup.comm, setup.cp) {}
+      : comm_(setup.comm, setup.cp, DLDevice{kDLCPU, 0}) {}
   int64_t size() const override { return comm_.size(); }
   int64_t rank() const override { return comm_.rank(); }
   void all_reduce_sum(float* data, int64_t count) override {
@@ -201,7 +205,7 @@ class HostContextParallelGroup : public ContextParallelGroup {
 class HostExpertParallelGroup : public ExpertParallelGroup {
  public:
   explicit HostExpertParallelGroup(const meshrun_model_stage_setup& setup)
-      : comm_(setup.comm, setup.ep) {}
+      : comm_(setup.comm, setup.ep, plugin::stage_device(setup)) {}
   int64_t size() const override { return comm_.size(); }
   int64_t rank() const override { return comm_.rank(); }
   void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,

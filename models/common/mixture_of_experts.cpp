@@ -31,16 +31,26 @@ void order_slots(MixtureActivations& saved, MixtureScratch& scratch) {
   }
 }
 
+// The counts `mine` [ranks * El] through the ep group's all-to-all, which
+// moves the compute's memory: each rank gets El from each.
+std::vector<float> all_to_all_counts(const std::vector<float>& mine, MixtureScratch& scratch) {
+  const auto bytes = int64_t(mine.size() * sizeof(float));
+  Buffer<float> sent(mine.size(), scratch.compute), received(mine.size(), scratch.compute);
+  scratch.compute.copy_from_host(sent.data(), mine.data(), bytes);
+  const std::vector<int64_t> each(size_t(scratch.ep.size()), scratch.local_experts);
+  scratch.ep.all_to_all(sent.data(), each, received.data(), each);
+  std::vector<float> theirs(mine.size());
+  scratch.compute.copy_to_host(theirs.data(), received.data(), bytes);
+  return theirs;
+}
+
 // Each rank tells each other how many rows it sends to each of their
 // experts (the receivers' rows_from), then the rows go. The counts are host
-// memory: one rank keeps its own (its group's all-to-all copies in the
-// compute's memory).
+// memory; one rank keeps its own.
 void exchange_counts(MixtureActivations& saved, MixtureScratch& scratch) {
   const int64_t ranks = scratch.ep.size(), El = scratch.local_experts, H = scratch.shape.hidden;
-  std::vector<float> mine(saved.tokens_per_expert.begin(), saved.tokens_per_expert.end());
-  std::vector<float> theirs = mine;
-  const std::vector<int64_t> each(size_t(ranks), El);
-  if (ranks > 1) scratch.ep.all_to_all(mine.data(), each, theirs.data(), each);
+  const std::vector<float> mine(saved.tokens_per_expert.begin(), saved.tokens_per_expert.end());
+  const std::vector<float> theirs = ranks > 1 ? all_to_all_counts(mine, scratch) : mine;
   std::fill(saved.recv_counts.begin(), saved.recv_counts.end(), 0);
   for (int64_t i = 0; i < ranks * El; ++i) {
     saved.rows_from[size_t(i)] = int64_t(theirs[size_t(i)]);

@@ -40,7 +40,8 @@
 
 namespace meshrun::models {
 
-// The ranks a stage's tensor-parallel layers span.
+// The ranks a stage's tensor-parallel layers span. The data of every call
+// is the stage's compute's memory.
 class TensorParallelGroup {
  public:
   virtual ~TensorParallelGroup() = default;
