@@ -1,7 +1,5 @@
 #include "common/kept_activations.hpp"
 
-#include <algorithm>
-
 #include "common/support.hpp"
 
 namespace meshrun::models {
@@ -19,9 +17,7 @@ void size_exactly(Buffer<Element>& buffer, size_t size, Compute& compute) {
 }  // namespace
 
 KeptInBfloat16::KeptInBfloat16(std::vector<size_t> sizes, Compute& compute)
-    : compute_(compute), sizes_(std::move(sizes)) {
-  for (size_t k = 0; k < sizes_.size(); ++k) working_.emplace_back(compute);
-}
+    : compute_(compute), working_(sizes.size()), sizes_(std::move(sizes)) {}
 
 void KeptInBfloat16::lend(const LowPrecisionBuffers& buffers) {
   for (size_t k = 0; k < buffers.size(); ++k) {
@@ -32,8 +28,7 @@ void KeptInBfloat16::lend(const LowPrecisionBuffers& buffers) {
 }
 
 void KeptInBfloat16::keep(const LowPrecisionBuffers& buffers, BfloatCopies& copies) {
-  copies.resize(std::min(copies.size(), buffers.size()));
-  while (copies.size() < buffers.size()) copies.emplace_back(compute_);
+  copies.resize(buffers.size());
   for (size_t k = 0; k < buffers.size(); ++k) {
     if (buffers[k] == nullptr) continue;
     const Buffer<float>& values = *buffers[k];

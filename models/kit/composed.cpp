@@ -533,8 +533,7 @@ void Composed::layer_backward(Pass& pass, const ParameterView* layer, const floa
                               LayerActivations& saved, WeightGradients& gradients) {
   const Tensors tensors{pass, saved, x, nullptr};
   const std::vector<LayerOp>& ops = pass.composition.ops;
-  Gradients grads{pass, {}};
-  for (size_t t = 0; t < saved.tensors.size(); ++t) grads.of.emplace_back(pass.compute);
+  Gradients grads{pass, std::vector<Floats>(saved.tensors.size())};
   grads.of.back() = std::move(pass.d_residual);
   for (size_t i = ops.size(); i-- > 0;) {
     const LayerOp& op = ops[i];

@@ -4,9 +4,7 @@
 // compute whose memory faults when the host touches it outside its calls
 // (fenced_compute.hpp), against the host's compute: the same losses and
 // gradients bit for bit (the same kernels run, in the same order).
-#include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,47 +14,24 @@
 #include "compute_stage.hpp"
 #include "fenced_compute.hpp"
 #include "llama/decoder.hpp"
-#include "stage_fixture.hpp"
 
 namespace model_buffers_test {
 
 using compute_stage::composition;
+using compute_stage::ComputeStage;
 using compute_stage::kLayers;
 using compute_stage::random_weights;
-using compute_stage::Values;
+using compute_stage::Stage;
 using fenced::FencedCompute;
-using meshrun::kit::Composed;
 using meshrun::kit::Composition;
 using meshrun::models::Buffer;
 using meshrun::models::Checkpointing;
-using meshrun::models::ParameterView;
 using meshrun::models::Recomputation;
 using meshrun::models::StageLayout;
-using FencedStage = compute_stage::ComputeStage;
-using HostStage = stage_fixture::OwnedStage<Composed>;
-using Stage = compute_stage::Stage;
 
 using kit_test::kBatch;
 using kit_test::kSeqLen;
 using kit_test::kVocab;
-
-std::unique_ptr<HostStage> host_stage(const Composition& c, const StageLayout& layout,
-                                      const Checkpointing& checkpointing, bool bfloat16,
-                                      const Values& weights) {
-  auto stage = std::make_unique<HostStage>(c, layout, checkpointing, bfloat16);
-  for (ParameterView& view : stage->parameters()) {
-    std::copy_n(weights.at(view.name).data(), view.numel, view.data);
-  }
-  return stage;
-}
-
-Values host_gradients(const HostStage& stage) {
-  Values all;
-  for (const ParameterView& view : stage.parameters()) {
-    all[view.name].assign(view.grad, view.grad + view.numel);
-  }
-  return all;
-}
 
 TEST_CASE("model buffers: a kit stage computes in its compute's memory only, as on the host",
           "[kit][device]") {
@@ -75,18 +50,18 @@ TEST_CASE("model buffers: a kit stage computes in its compute's memory only, as 
       compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 1),
       compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 2)};
 
-  const auto host = host_stage(c, whole, checkpointing, bfloat16, weights);
+  ComputeStage host(c, whole, checkpointing, bfloat16, meshrun::models::host_compute(), weights);
   const std::vector<double> host_losses =
-      compute_stage::two_microbatches(host->stage(), data, kBatch, kSeqLen);
+      compute_stage::two_microbatches(host.stage(), data, kBatch, kSeqLen);
   FencedCompute compute;
-  FencedStage fenced(c, whole, checkpointing, bfloat16, compute, weights);
+  ComputeStage fenced(c, whole, checkpointing, bfloat16, compute, weights);
   const std::vector<double> fenced_losses =
       compute_stage::two_microbatches(fenced.stage(), data, kBatch, kSeqLen);
 
   CHECK(fenced_losses == host_losses);
-  CHECK(fenced.gradients() == host_gradients(*host));
+  CHECK(fenced.gradients() == host.gradients());
   CHECK(compute.calls() > 100);
-  CHECK(fenced.stage().activation_bytes() == host->stage().activation_bytes());
+  CHECK(fenced.stage().activation_bytes() == host.stage().activation_bytes());
 }
 
 TEST_CASE("model buffers: pipeline stages hand hidden states over in the compute's memory",
@@ -96,22 +71,22 @@ TEST_CASE("model buffers: pipeline stages hand hidden states over in the compute
   const compute_stage::Tokens batch = compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 5);
   const StageLayout first{0, 1, true, false}, last{1, kLayers, false, true};
 
-  const auto host_first = host_stage(c, first, {}, false, weights);
-  const auto host_last = host_stage(c, last, {}, false, weights);
+  ComputeStage host_first(c, first, {}, false, meshrun::models::host_compute(), weights);
+  ComputeStage host_last(c, last, {}, false, meshrun::models::host_compute(), weights);
   FencedCompute compute;
-  FencedStage fenced_first(c, first, {}, false, compute, weights);
-  FencedStage fenced_last(c, last, {}, false, compute, weights);
+  ComputeStage fenced_first(c, first, {}, false, compute, weights);
+  ComputeStage fenced_last(c, last, {}, false, compute, weights);
   for (Stage* stage :
-       {&host_first->stage(), &host_last->stage(), &fenced_first.stage(), &fenced_last.stage()}) {
+       {&host_first.stage(), &host_last.stage(), &fenced_first.stage(), &fenced_last.stage()}) {
     stage->set_shape(kBatch, kSeqLen);
   }
-  const auto numel = size_t(host_first->stage().output_numel());
+  const auto numel = size_t(host_first.stage().output_numel());
   std::vector<float> hidden(numel), d_hidden(numel);
-  host_first->stage().forward(0, batch.tokens.data(), nullptr, nullptr, hidden.data());
+  host_first.stage().forward(0, batch.tokens.data(), nullptr, nullptr, hidden.data());
   const double host_loss =
-      host_last->stage().forward(0, nullptr, batch.targets.data(), hidden.data(), nullptr);
-  host_last->stage().backward(0, 1.0f, nullptr, d_hidden.data());
-  host_first->stage().backward(0, 1.0f, d_hidden.data(), nullptr);
+      host_last.stage().forward(0, nullptr, batch.targets.data(), hidden.data(), nullptr);
+  host_last.stage().backward(0, 1.0f, nullptr, d_hidden.data());
+  host_first.stage().backward(0, 1.0f, d_hidden.data(), nullptr);
 
   Buffer<float> boundary(numel, compute), d_boundary(numel, compute);
   fenced_first.stage().forward(0, batch.tokens.data(), nullptr, nullptr, boundary.data());
@@ -124,8 +99,8 @@ TEST_CASE("model buffers: pipeline stages hand hidden states over in the compute
   std::vector<float> fenced_d_hidden(numel);
   compute.copy_to_host(fenced_d_hidden.data(), d_boundary.data(), int64_t(numel * 4));
   CHECK(fenced_d_hidden == d_hidden);
-  CHECK(fenced_first.gradients() == host_gradients(*host_first));
-  CHECK(fenced_last.gradients() == host_gradients(*host_last));
+  CHECK(fenced_first.gradients() == host_first.gradients());
+  CHECK(fenced_last.gradients() == host_last.gradients());
 }
 
 TEST_CASE("model buffers: the fenced compute refuses memory it did not allocate", "[device]") {
