@@ -75,12 +75,13 @@ meshrun_model* create_model(const PluginInstance& instance, const ordered_json& 
   return model;
 }
 
-// A flat float32 argument of `numel` elements, or none (NULL) without data.
+// A flat float32 argument of `numel` elements on `device`, or none (NULL)
+// without data.
 class FloatArgument {
  public:
-  FloatArgument(const float* data, int64_t numel)
+  FloatArgument(const float* data, int64_t numel, DLDevice device)
       : numel_(numel),
-        tensor_{const_cast<float*>(data), {kDLCPU, 0}, 1, dtype_float32(), &numel_, nullptr, 0} {}
+        tensor_{const_cast<float*>(data), device, 1, dtype_float32(), &numel_, nullptr, 0} {}
   FloatArgument(const FloatArgument&) = delete;
   FloatArgument& operator=(const FloatArgument&) = delete;
   DLTensor* get() { return tensor_.data != nullptr ? &tensor_ : nullptr; }
@@ -147,8 +148,9 @@ void Model::init_parameters(uint64_t seed, float* values) const {
 // The C hook table over StageHooks: turns exceptions into error objects
 // and checks that the model asks only for parameters of the units it is in.
 struct ModelStage::Bridge {
-  Bridge(StageHooks& hooks, const ModelDescription& description, std::vector<bool> held)
-      : hooks(hooks), description(description), held(std::move(held)) {
+  Bridge(StageHooks& hooks, const ModelDescription& description, std::vector<bool> held,
+         DLDevice device)
+      : hooks(hooks), description(description), held(std::move(held)), device(device) {
     table.struct_size = sizeof(table);
     table.context = this;
     table.pre_forward = &pre_forward;
@@ -276,7 +278,7 @@ struct ModelStage::Bridge {
   DLTensor view(int64_t index, const void* data, DLDataType dtype) const {
     const ModelParameter& p = description.parameters[size_t(index)];
     return DLTensor{const_cast<void*>(data),
-                    {kDLCPU, 0},
+                    device,
                     int32_t(p.shape.size()),
                     dtype,
                     const_cast<int64_t*>(p.shape.data()),
@@ -303,6 +305,7 @@ struct ModelStage::Bridge {
   StageHooks& hooks;
   const ModelDescription& description;
   std::vector<bool> held;
+  DLDevice device;                  // where the parameter storages the hooks return are
   std::map<int32_t, bool> entered;  // unit -> in a backward
   std::map<int32_t, trace::Trace::Clock::time_point> computing_since;
   meshrun_model_hooks table{};
@@ -360,8 +363,9 @@ StrategyUnitNumbers strategy_unit_numbers(const ModelDescription& d,
 ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modules,
                        StageHooks& hooks, const StageCommunicators& comms,
                        const std::string& plan_json, const std::string& options_json,
-                       const ModelDescription* local)
+                       const ModelDescription* local, const StageDevice& device)
     : model_(model),
+      device_(device),
       contents_(stage_contents(model, modules,
                                comms.ep != nullptr
                                    ? ExpertPlacement{comms.ep->rank(), comms.ep->size()}
@@ -369,7 +373,7 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   std::vector<bool> held(model.description().parameters.size(), false);
   for (const int64_t p : contents_.parameters) held[size_t(p)] = true;
   bridge_ = std::make_unique<Bridge>(hooks, local != nullptr ? *local : model.description(),
-                                     std::move(held));
+                                     std::move(held), device.device);
   std::vector<const char*> names;
   for (const std::string& name : modules) names.push_back(name.c_str());
 
@@ -390,10 +394,15 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   setup.ep = comms_->ep();
   setup.plan_json = plan_json.c_str();
   setup.options_json = options_json.c_str();
-  // The trainer's buffers (parameters, gradients, activations it hands
-  // over) are host memory, also in a CUDA run.
-  setup.device = DLDevice{kDLCPU, 0};
-  setup.compute_stream = nullptr;
+  setup.device = device.device;
+  setup.compute_stream = device.stream;
+  // The collectives a stage on a GPU starts over tp and ep move its memory,
+  // ordered with its kernels on the stream it computes on.
+  if (device.device.device_type == kDLCUDA) {
+    for (Communicator* comm : {comms.tp, comms.ep}) {
+      if (comm != nullptr) comm->set_stream(device.stream);
+    }
+  }
   call("stage_create", [&] { return model.api().stage_create(model.handle(), &setup, &stage_); });
   if (stage_ == nullptr) {
     throw Error(MESHRUN_INTERNAL, fmt::format("model plugin {}: stage_create succeeded but "
@@ -424,10 +433,10 @@ double ModelStage::forward(int32_t microbatch, const int32_t* tokens, const int3
                            const float* input, float* output) {
   int64_t shape[2] = {batch_, seq_len_};
   DLTensor token_tensor{
-      const_cast<int32_t*>(tokens), {kDLCPU, 0}, 2, dtype_int32(), shape, nullptr, 0};
+      const_cast<int32_t*>(tokens), device_.device, 2, dtype_int32(), shape, nullptr, 0};
   DLTensor target_tensor{
-      const_cast<int32_t*>(targets), {kDLCPU, 0}, 2, dtype_int32(), shape, nullptr, 0};
-  FloatArgument in(input, input_numel_), out(output, output_numel_);
+      const_cast<int32_t*>(targets), device_.device, 2, dtype_int32(), shape, nullptr, 0};
+  FloatArgument in(input, input_numel_, device_.device), out(output, output_numel_, device_.device);
   double loss = 0;
   call("forward", [&] {
     return model_.api().forward(stage_, microbatch, &token_tensor, &target_tensor, in.get(),
@@ -438,7 +447,8 @@ double ModelStage::forward(int32_t microbatch, const int32_t* tokens, const int3
 
 void ModelStage::backward(int32_t microbatch, float loss_scale, const float* grad_output,
                           float* grad_input) {
-  FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
+  FloatArgument out(grad_output, output_numel_, device_.device),
+      in(grad_input, input_numel_, device_.device);
   call("backward",
        [&] { return model_.api().backward(stage_, microbatch, loss_scale, out.get(), in.get()); });
 }
@@ -446,7 +456,8 @@ void ModelStage::backward(int32_t microbatch, float loss_scale, const float* gra
 void ModelStage::backward_input(int32_t microbatch, float loss_scale, const float* grad_output,
                                 float* grad_input) {
   require_split_backward("backward_input");
-  FloatArgument out(grad_output, output_numel_), in(grad_input, input_numel_);
+  FloatArgument out(grad_output, output_numel_, device_.device),
+      in(grad_input, input_numel_, device_.device);
   call("backward_input", [&] {
     return model_.api().backward_input(stage_, microbatch, loss_scale, out.get(), in.get());
   });

@@ -258,15 +258,30 @@ struct StageCommunicators {
   Communicator* ep = nullptr;  // null without an MoE mesh
 };
 
+// Where a stage computes (meshrun/model.h, ABI 1.14's setup): every
+// pointer handed to its calls (tokens and targets too) and every storage
+// the hooks return are memory of `device`; on a CUDA device, `stream` (a
+// cudaStream_t, borrowed) is the one they are handed over on: the caller's
+// writes are enqueued on it before a call, and the stage's results are
+// ready for what the caller enqueues on it after. A stage on a CUDA device
+// sets its tp and ep communicators' stream to it.
+struct StageDevice {
+  DLDevice device{kDLCPU, 0};
+  void* stream = nullptr;
+};
+
 class ModelStage {
  public:
-  // A stage computing `modules` (names from the description). `hooks`,
-  // `comms`, `model` and `local` must outlive the stage. The parameter views
-  // have `local`'s shapes (one tp rank's, model/tensor_parallel.hpp), or the
-  // description's when it is null. Throws the plugin's error.
+  // A stage computing `modules` (names from the description) on `device`.
+  // `hooks`, `comms`, `model` and `local` must outlive the stage. The
+  // parameter views have `local`'s shapes (one tp rank's,
+  // model/tensor_parallel.hpp), or the description's when it is null.
+  // Throws the plugin's error (a model that cannot compute on `device`
+  // refuses it with UNIMPLEMENTED).
   ModelStage(const Model& model, const std::vector<std::string>& modules, StageHooks& hooks,
              const StageCommunicators& comms, const std::string& plan_json,
-             const std::string& options_json, const ModelDescription* local = nullptr);
+             const std::string& options_json, const ModelDescription* local = nullptr,
+             const StageDevice& device = {});
   ~ModelStage();
   ModelStage(const ModelStage&) = delete;
   ModelStage& operator=(const ModelStage&) = delete;
@@ -306,6 +321,7 @@ class ModelStage {
   void require_split_backward(const char* entry_point) const;
 
   const Model& model_;
+  StageDevice device_;
   StageContents contents_;
   std::unique_ptr<Bridge> bridge_;
   std::unique_ptr<CountedCommunicators> comms_;

@@ -10,9 +10,10 @@
 // throw nothing; a GPU's throw std::runtime_error naming the call and the
 // CUDA or cuBLAS error (an out-of-memory naming the device and the bytes).
 //
-// The GEMMs follow the matmul precision of the process (numeric/gemm.hpp):
-// under bfloat16 each operand is rounded to bfloat16 and the products
-// summed in float32, on either device.
+// The GEMMs follow the matmul precision of the process (numeric/gemm.hpp;
+// a compute made in another library reads its maker's through a
+// MatmulPrecisionSource): under bfloat16 each operand is rounded to
+// bfloat16 and the products summed in float32, on either device.
 //
 // The kit's layer (kit/composed.cpp) calls its kernels through this, and
 // so do the embedding, attention on one cp rank and the loss (plain and
@@ -210,5 +211,10 @@ class Compute {
 
 // The host's compute: the CPU kernels, on host memory. One for the process.
 Compute& host_compute();
+
+// Where a compute reads the matmul precision its GEMMs compute in: the
+// caller's numeric/gemm.hpp matmul_precision (a library that loads a
+// compute at run time has its own copy of that setting).
+using MatmulPrecisionSource = kernels::MatmulPrecision (*)();
 
 }  // namespace meshrun::models

@@ -10,10 +10,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/compute.hpp"
 #include "common/context_parallel.hpp"
 #include "common/description.hpp"
 #include "common/expert_parallel.hpp"
@@ -267,6 +269,15 @@ class HostModel {
 template <class Plugin>
 class HostStage {
  public:
+  // A Plugin with make_compute(setup) -> std::unique_ptr<Compute> computes
+  // on CUDA devices too: it makes the compute of a setup's device other
+  // than the CPU (throwing plugin::Error when it cannot), where the stage
+  // then keeps its buffers and computes; else the stage computes on the
+  // host's.
+  static constexpr bool kComputesOnCuda = requires(const meshrun_model_stage_setup& setup) {
+    Plugin::make_compute(setup);
+  };
+
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup)
       : HostStage(model, setup, plan_placements(setup.plan_json)) {}
 
@@ -308,6 +319,7 @@ class HostStage {
   HostStage(HostModel<Plugin>& model, const meshrun_model_stage_setup& setup,
             const Placements& placements)
       : host_(model.host()),
+        own_compute_(device_compute(setup)),
         hooks_(*setup.hooks, plugin::stage_device(setup)),
         matmul_precision_(planned_matmul_precision(setup.plan_json, Plugin::Family::kName)),
         tp_(setup, placements.async),
@@ -317,9 +329,19 @@ class HostStage {
                &tp_, placements,
                plan_context_parallel(setup.plan_json, &cp_group_, Plugin::Family::kName),
                ExpertParallel{setup.ep != nullptr ? &ep_group_ : nullptr, &statistics_},
-               matmul_precision_ == kernels::MatmulPrecision::bfloat16) {}
+               matmul_precision_ == kernels::MatmulPrecision::bfloat16,
+               own_compute_ ? *own_compute_ : host_compute()) {}
+
+  static std::unique_ptr<Compute> device_compute(const meshrun_model_stage_setup& setup) {
+    if constexpr (kComputesOnCuda) {
+      if (plugin::stage_device(setup).device_type != kDLCPU) return Plugin::make_compute(setup);
+    }
+    return nullptr;
+  }
 
   const meshrun_host_services& host_;
+  // The compute of the setup's device; none on the CPU (the host's).
+  std::unique_ptr<Compute> own_compute_;
   HostHooks hooks_;
   // The plan's autocast precision: bfloat16 matmuls keep bfloat16 activations.
   kernels::MatmulPrecision matmul_precision_;

@@ -223,8 +223,8 @@ class TransformerStage {
   // (common/kept_activations.hpp).
   // `compute` (which must outlive the stage) computes the layers and holds
   // the stage's activations, its scratch and what it keeps between calls;
-  // the pointers handed to the stage (tokens and targets aside, which are
-  // host memory) and the parameter views the hooks bind are of its memory.
+  // the pointers handed to the stage (tokens and targets too) and the
+  // parameter views the hooks bind are of its memory.
   // A family computes on the host's only unless it has kAnyCompute (throws
   // std::invalid_argument).
   TransformerStage(Config config, StageLayout layout, StageHooks& hooks,
@@ -310,7 +310,8 @@ class TransformerStage {
   // when the stage holds a parameter of it.
   template <class Compute>
   void in_unit(int64_t unit, bool backward, Compute&& compute);
-  // This rank's rows of `full` [batch, seq_len] tokens, checked, in `local`.
+  // This rank's rows of `full` [batch, seq_len] tokens (the compute's
+  // memory), checked, in `local`.
   void take_rows(const int32_t* full, Buffer<int32_t>& local, const char* what) const;
   std::string microbatch_name(int32_t mb) const;
   Microbatch& forwarded(int32_t mb, const char* action);

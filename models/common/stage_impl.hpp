@@ -203,6 +203,8 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
       bfloat16_activations_(bfloat16_activations) {
   require(kAnyCompute || &compute_ == &host_compute(), Family::kName,
           "the model computes on the host's memory only");
+  require(cp_.size() == 1 || &compute_ == &host_compute(), Family::kName,
+          "attention over context-parallel ranks (cp_size > 1) computes on the host only");
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -352,10 +354,15 @@ void TransformerStage<Family>::in_unit(int64_t unit, bool backward, Compute&& co
 template <class Family>
 void TransformerStage<Family>::take_rows(const int32_t* full, Buffer<int32_t>& local,
                                          const char* what) const {
-  check_tokens(full, batch_ * seq_len_, config_.vocab_size, what);
+  // The ids are checked on the host, which costs one small copy back per
+  // micro-batch; a GPU then waits for the writes before it, which the
+  // loss's read-back at the end of forward does anyway.
+  std::vector<int32_t> ids(size_t(batch_ * seq_len_));
+  compute_.copy_to_host(ids.data(), full, int64_t(ids.size() * sizeof(int32_t)));
+  check_tokens(ids.data(), batch_ * seq_len_, config_.vocab_size, what);
   const int64_t rank = cp_.group != nullptr ? cp_.group->rank() : 0;
   std::vector<int32_t> rows(local.size());
-  SequenceShard{cp_.size(), rank, seq_len_}.select(full, rows.data(), batch_);
+  SequenceShard{cp_.size(), rank, seq_len_}.select(ids.data(), rows.data(), batch_);
   compute_.copy_from_host(local.data(), rows.data(), int64_t(rows.size() * sizeof(int32_t)));
 }
 

@@ -758,13 +758,15 @@ std::pair<models::ActivationsPerToken, models::Float32PerToken> activations(cons
 
 }  // namespace
 
-std::string describe(const Composition& c, const std::vector<ParameterView>& parameters) {
+std::string describe(const Composition& c, const std::vector<ParameterView>& parameters,
+                     bool on_cuda) {
   ordered_json fields = {{"config", hf_config(c)},
                          {"vocab_size", c.vocab_size},
                          {"max_seq_len", nullptr},
                          {"num_layers_key", c.size_name("num_hidden_layers")},
                          {"sequence_parallel", c.sequence_parallel_refusal.empty()},
                          {"autocast_dtypes", {"bfloat16"}}};
+  fields["devices"] = on_cuda ? ordered_json{"cpu", "cuda"} : ordered_json{"cpu"};
   if (c.max_position_embeddings > 0) fields["max_seq_len"] = c.max_position_embeddings;
   if (!c.layer_class.empty()) fields["unit_class"] = c.layer_class;
   if (c.moe_ops() > 0) {

@@ -140,7 +140,9 @@ std::vector<models::BlockSpec> tensor_parallel_blocks(const Composition& c);
 void check_tensor_parallel(const Composition& c, int64_t tp, const models::ParallelBlocks& blocks);
 
 models::ModelModules modules(const Composition& c);
-// The description JSON (meshrun/model.h).
-std::string describe(const Composition& c, const std::vector<ParameterView>& parameters);
+// The description JSON (meshrun/model.h); its "devices" are the CPU, and
+// CUDA GPUs too with `on_cuda`.
+std::string describe(const Composition& c, const std::vector<ParameterView>& parameters,
+                     bool on_cuda = false);
 
 }  // namespace meshrun::kit

@@ -1,7 +1,7 @@
 // libmeshrun_kit.so: meshrun/kit.h's functions. A kit plugin's model is a
 // HostModel of the composition its compose call returns, and its stages
 // the shipped families' driver (common/host_stage.hpp) over the Composed
-// family.
+// family, on the host's compute or a CUDA GPU's (kit/stage_compute.hpp).
 #include <list>
 #include <map>
 #include <memory>
@@ -13,6 +13,7 @@
 #include "common/host_stage.hpp"
 #include "kit/composed.hpp"
 #include "kit/composition.hpp"
+#include "kit/stage_compute.hpp"
 #include "meshrun/kit.h"
 
 struct meshrun_kit_config {
@@ -32,7 +33,12 @@ struct KitPlugin {
   using Family = meshrun::kit::Composed;
   static std::string describe(const Composition& c,
                               const std::vector<meshrun::models::ParameterView>& parameters) {
-    return meshrun::kit::describe(c, parameters);
+    return meshrun::kit::describe(c, parameters, meshrun::kit::cuda_compute_installed());
+  }
+  static std::unique_ptr<meshrun::models::Compute> make_compute(
+      const meshrun_model_stage_setup& setup) {
+    return meshrun::kit::make_cuda_compute(meshrun::plugin::stage_device(setup),
+                                           setup.compute_stream);
   }
   static meshrun::models::ModelModules modules(const Composition& c) {
     return meshrun::kit::modules(c);

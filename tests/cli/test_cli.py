@@ -175,9 +175,9 @@ class BadInputTest(InputErrorAssertions):
                   "needs distributed.tp_size > 1"),
                  ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",
                   "distributed.pipeline.pp_batch_size", "set it to 16"),
-                 # No shipped model computes on CUDA yet (docs/config.md).
+                 # The trainer does not train on GPUs yet (docs/config.md).
                  ("[dist_env]\nbackend = \"nccl\"\n", "dist_env.backend",
-                  "computes on the CPU only"),
+                  "training on GPUs is not implemented yet"),
                  ("[comm]\nbackend = \"nccl\"\n", "comm.backend",
                   "set dist_env.backend = \"nccl\"")]
         for text, key, reason in cases:

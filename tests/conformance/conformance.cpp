@@ -535,6 +535,12 @@ std::unique_ptr<meshrun::Model> default_model() {
   return nullptr;
 }
 
+// Whether the model's description lists "cuda" among its devices.
+bool computes_on_cuda(const meshrun::Model& model) {
+  const std::vector<std::string>& devices = model.description().devices;
+  return std::find(devices.begin(), devices.end(), "cuda") != devices.end();
+}
+
 TEST_CASE("a model's entry points refuse NULL with INVALID_ARGUMENT", "[conformance]") {
   const meshrun_plugin_api& api = callable_api();
   if (!MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) || api.model == nullptr) {
@@ -581,8 +587,7 @@ TEST_CASE("a model refuses a stage on a device it does not compute on", "[confor
     return;
   }
   const auto model = default_model();
-  const std::vector<std::string>& devices = model->description().devices;
-  if (std::find(devices.begin(), devices.end(), "cuda") != devices.end()) {
+  if (computes_on_cuda(*model)) {
     SUCCEED("the model computes on CUDA");
     return;
   }
@@ -590,6 +595,30 @@ TEST_CASE("a model refuses a stage on a device it does not compute on", "[confor
   meshrun_model_stage* stage = nullptr;
   check_and_release_error(model->api().stage_create(model->handle(), &on_gpu.setup, &stage),
                           MESHRUN_UNIMPLEMENTED);
+  CHECK(stage == nullptr);
+}
+
+// A model that computes on CUDA refuses a stage on a GPU this process does
+// not have (no machine has 1000), naming the device, before any hook is
+// called; where its GPU compute has no usable device at all it says so.
+TEST_CASE("a model on CUDA refuses a device the process lacks, naming it", "[conformance]") {
+  const meshrun_plugin_api& api = callable_api();
+  if (!MESHRUN_HAS_FIELD(meshrun_plugin_api, &api, model) || api.model == nullptr) {
+    SUCCEED("not a model plugin");
+    return;
+  }
+  const auto model = default_model();
+  if (!computes_on_cuda(*model)) {
+    SUCCEED("the model computes on the CPU only");
+    return;
+  }
+  const RawStageSetup on_gpu(*model, DLDevice{kDLCUDA, 1000});
+  meshrun_model_stage* stage = nullptr;
+  meshrun_error* error = model->api().stage_create(model->handle(), &on_gpu.setup, &stage);
+  REQUIRE(error != nullptr);
+  CHECK((error->code == MESHRUN_OUT_OF_RANGE || error->code == MESHRUN_UNAVAILABLE));
+  CHECK_THAT(std::string(error->message), Catch::Contains("cuda:1000"));
+  meshrun_error_release(error);
   CHECK(stage == nullptr);
 }
 

@@ -88,8 +88,8 @@ void check_stage(Compute& gpu, const std::string& family, bool recompute, bool b
   const auto run = [&](Compute& compute, std::vector<double>& losses, Values& gradients,
                        int64_t& bytes) {
     ComputeStage stage(c, whole, checkpointing, bfloat16, compute, weights);
-    losses =
-        compute_stage::two_microbatches(stage.stage(), data, kit_test::kBatch, kit_test::kSeqLen);
+    losses = compute_stage::two_microbatches(stage.stage(), data, kit_test::kBatch,
+                                             kit_test::kSeqLen, compute);
     gradients = stage.gradients();
     bytes = stage.stage().activation_bytes();
   };

@@ -130,16 +130,31 @@ class ComputeStage : public BindingHooks {
   meshrun::models::Buffer<float> params_, grads_;
 };
 
-// Two micro-batches in flight on the whole-model stage, the second's
-// backward split into its input and weight passes as a zero-bubble
+// Token ids copied into a compute's memory, where a stage on it reads them.
+class ComputeIds {
+ public:
+  ComputeIds(const std::vector<int32_t>& ids, meshrun::models::Compute& compute)
+      : ids_(ids.size(), compute) {
+    compute.copy_from_host(ids_.data(), ids.data(), int64_t(ids.size() * sizeof(int32_t)));
+  }
+  const int32_t* data() const { return ids_.data(); }
+
+ private:
+  meshrun::models::Buffer<int32_t> ids_;
+};
+
+// Two micro-batches in flight on the whole-model stage (on `compute`), the
+// second's backward split into its input and weight passes as a zero-bubble
 // schedule runs them; their losses.
 inline std::vector<double> two_microbatches(Stage& stage, const std::vector<Tokens>& data,
-                                            int64_t batch, int64_t seq_len) {
+                                            int64_t batch, int64_t seq_len,
+                                            meshrun::models::Compute& compute) {
   stage.set_shape(batch, seq_len);
   std::vector<double> losses;
   for (int32_t mb = 0; mb < 2; ++mb) {
-    losses.push_back(stage.forward(mb, data[size_t(mb)].tokens.data(),
-                                   data[size_t(mb)].targets.data(), nullptr, nullptr));
+    const ComputeIds tokens(data[size_t(mb)].tokens, compute);
+    const ComputeIds targets(data[size_t(mb)].targets, compute);
+    losses.push_back(stage.forward(mb, tokens.data(), targets.data(), nullptr, nullptr));
   }
   stage.backward(0, 0.5f, nullptr, nullptr);
   stage.backward_input(1, 0.5f, nullptr, nullptr);

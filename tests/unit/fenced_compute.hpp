@@ -6,7 +6,9 @@
 // GPU's memory would crash); every pointer a call gets must lie in one of
 // them (or be null), so memory the model forgot to take from the compute
 // fails the test by name. The kernels are the host's: results are the host
-// compute's bit for bit.
+// compute's bit for bit. Its memory (FencedMemory) may be shared with the
+// test, as a GPU's is with the host that made the compute
+// (tests/kit/fenced_gpu_compute.cpp).
 #pragma once
 
 #include <sys/mman.h>
@@ -24,28 +26,23 @@
 namespace fenced {
 
 using meshrun::models::Compute;
+using meshrun::models::MatmulPrecisionSource;
 using meshrun::models::Rotation;
 using meshrun::models::WeightLayout;
 using Weight = meshrun::kernels::Weight<float>;
 
-class FencedCompute : public Compute {
+// Pages mapped PROT_NONE, each allocation its own: the memory of fenced
+// computes, opened only for the length of their calls.
+class FencedMemory {
  public:
-  FencedCompute() = default;
-  FencedCompute(const FencedCompute&) = delete;
-  FencedCompute& operator=(const FencedCompute&) = delete;
-  ~FencedCompute() override {
+  FencedMemory() = default;
+  FencedMemory(const FencedMemory&) = delete;
+  FencedMemory& operator=(const FencedMemory&) = delete;
+  ~FencedMemory() {
     for (const auto& [begin, bytes] : mapped_) munmap(begin, bytes);
   }
 
-  // Calls made so far, and the bytes mapped now.
-  int64_t calls() const { return calls_; }
-  int64_t mapped_bytes() const {
-    int64_t total = 0;
-    for (const auto& [begin, bytes] : mapped_) total += int64_t(bytes);
-    return total;
-  }
-
-  void* allocate(int64_t bytes) override {
+  void* allocate(int64_t bytes) {
     if (bytes == 0) return nullptr;
     const size_t page = size_t(sysconf(_SC_PAGESIZE));
     const size_t mapped = (size_t(bytes) + page - 1) / page * page;
@@ -54,12 +51,58 @@ class FencedCompute : public Compute {
     mapped_[static_cast<char*>(memory)] = mapped;
     return memory;
   }
-  void release(void* memory) noexcept override {
+  void release(void* memory) noexcept {
     const auto found = mapped_.find(static_cast<char*>(memory));
     if (found == mapped_.end()) return;
     munmap(found->first, found->second);
     mapped_.erase(found);
   }
+  // Whether `pointer` lies in an allocation.
+  bool holds(const void* pointer) const {
+    auto found = mapped_.upper_bound(static_cast<char*>(const_cast<void*>(pointer)));
+    if (found == mapped_.begin()) return false;
+    --found;
+    return static_cast<const char*>(pointer) < found->first + found->second;
+  }
+  // Runs `call` with every allocation open.
+  template <class Call>
+  void opened(Call&& call) {
+    protect(PROT_READ | PROT_WRITE);
+    call();
+    protect(PROT_NONE);
+  }
+  int64_t mapped_bytes() const {
+    int64_t total = 0;
+    for (const auto& [begin, bytes] : mapped_) total += int64_t(bytes);
+    return total;
+  }
+
+ private:
+  void protect(int access) {
+    for (const auto& [begin, bytes] : mapped_) mprotect(begin, bytes, access);
+  }
+
+  std::map<char*, size_t> mapped_;
+};
+
+class FencedCompute : public Compute {
+ public:
+  // A compute of its own memory, its GEMMs in the process's matmul precision.
+  FencedCompute() : owned_(std::make_unique<FencedMemory>()), memory_(*owned_) {}
+  // A compute of `memory` (which must outlive it), its GEMMs in the
+  // precision `precision` returns (as a GPU compute loaded at run time reads
+  // its maker's).
+  FencedCompute(FencedMemory& memory, MatmulPrecisionSource precision)
+      : memory_(memory), precision_(precision) {}
+  FencedCompute(const FencedCompute&) = delete;
+  FencedCompute& operator=(const FencedCompute&) = delete;
+
+  // Calls made so far, and the bytes mapped now.
+  int64_t calls() const { return calls_; }
+  int64_t mapped_bytes() const { return memory_.mapped_bytes(); }
+
+  void* allocate(int64_t bytes) override { return memory_.allocate(bytes); }
+  void release(void* memory) noexcept override { memory_.release(memory); }
   void copy_bytes(void* to, const void* from, int64_t bytes) override {
     inside(__func__, {to, from}, [&] { host().copy_bytes(to, from, bytes); });
   }
@@ -297,28 +340,24 @@ class FencedCompute : public Compute {
     int argument = 0;
     for (const void* pointer : pointers) {
       ++argument;
-      if (pointer != nullptr && !fenced(static_cast<const char*>(pointer))) {
+      if (pointer != nullptr && !memory_.holds(pointer)) {
         throw std::logic_error("fenced compute: " + std::string(name) + " (call " +
                                std::to_string(calls_) + ") got a pointer outside the compute's " +
                                "memory as its pointer argument " + std::to_string(argument));
       }
     }
     ++calls_;
-    protect(PROT_READ | PROT_WRITE);
-    call();
-    protect(PROT_NONE);
-  }
-  bool fenced(const char* pointer) const {
-    auto found = mapped_.upper_bound(const_cast<char*>(pointer));
-    if (found == mapped_.begin()) return false;
-    --found;
-    return pointer < found->first + found->second;
-  }
-  void protect(int access) {
-    for (const auto& [begin, bytes] : mapped_) mprotect(begin, bytes, access);
+    if (precision_ == nullptr) {
+      memory_.opened(call);
+      return;
+    }
+    const meshrun::kernels::MatmulPrecisionScope precision(precision_());
+    memory_.opened(call);
   }
 
-  std::map<char*, size_t> mapped_;
+  std::unique_ptr<FencedMemory> owned_;
+  FencedMemory& memory_;
+  MatmulPrecisionSource precision_ = nullptr;
   int64_t calls_ = 0;
 };
 

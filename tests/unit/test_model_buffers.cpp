@@ -51,12 +51,12 @@ TEST_CASE("model buffers: a kit stage computes in its compute's memory only, as 
       compute_stage::random_tokens(kVocab, kBatch * kSeqLen, 2)};
 
   ComputeStage host(c, whole, checkpointing, bfloat16, meshrun::models::host_compute(), weights);
-  const std::vector<double> host_losses =
-      compute_stage::two_microbatches(host.stage(), data, kBatch, kSeqLen);
+  const std::vector<double> host_losses = compute_stage::two_microbatches(
+      host.stage(), data, kBatch, kSeqLen, meshrun::models::host_compute());
   FencedCompute compute;
   ComputeStage fenced(c, whole, checkpointing, bfloat16, compute, weights);
   const std::vector<double> fenced_losses =
-      compute_stage::two_microbatches(fenced.stage(), data, kBatch, kSeqLen);
+      compute_stage::two_microbatches(fenced.stage(), data, kBatch, kSeqLen, compute);
 
   CHECK(fenced_losses == host_losses);
   CHECK(fenced.gradients() == host.gradients());
@@ -89,9 +89,10 @@ TEST_CASE("model buffers: pipeline stages hand hidden states over in the compute
   host_first.stage().backward(0, 1.0f, d_hidden.data(), nullptr);
 
   Buffer<float> boundary(numel, compute), d_boundary(numel, compute);
-  fenced_first.stage().forward(0, batch.tokens.data(), nullptr, nullptr, boundary.data());
+  const compute_stage::ComputeIds tokens(batch.tokens, compute), targets(batch.targets, compute);
+  fenced_first.stage().forward(0, tokens.data(), nullptr, nullptr, boundary.data());
   const double fenced_loss =
-      fenced_last.stage().forward(0, nullptr, batch.targets.data(), boundary.data(), nullptr);
+      fenced_last.stage().forward(0, nullptr, targets.data(), boundary.data(), nullptr);
   fenced_last.stage().backward(0, 1.0f, nullptr, d_boundary.data());
   fenced_first.stage().backward(0, 1.0f, d_boundary.data(), nullptr);
 

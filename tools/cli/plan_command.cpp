@@ -14,6 +14,7 @@
 #include "errors.hpp"
 #include "estimate/estimate.hpp"
 #include "plan/plan.hpp"
+#include "train/run.hpp"
 
 namespace meshrun::cli {
 namespace {
@@ -106,6 +107,7 @@ int run_plan(const Args& args) {
                                                                std::numeric_limits<int32_t>::max())
                                             : default_world_size(config);
     const Plan plan = make_plan(config, world_size, loader);
+    train::require_host_training(config);
     const bool all_ranks = parsed.has_flag("all-ranks");
     std::optional<Estimate> estimated;
     if (estimate) {

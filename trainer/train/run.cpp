@@ -313,10 +313,8 @@ void check_training_input(const Config& config, const Plan& plan) {
   const ModelDescription& description = plan.model->description();
   if (!config.model.checkpoint.empty()) read_consolidated(config, description);
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
-  if (config.dist_env.on_cuda()) {
-    require_usable_devices(config, cuda_devices());
-    require_host_training(config);
-  }
+  require_host_training(config);
+  if (config.dist_env.on_cuda()) require_usable_devices(config, cuda_devices());
 }
 
 void require_host_training(const Config& config) {

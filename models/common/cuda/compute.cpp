@@ -116,8 +116,8 @@ class CudaRotation : public Rotation {
 
 class CudaCompute : public Compute {
  public:
-  CudaCompute(int device, cudaStream_t stream)
-      : stream_(stream), gemms_(workspace_bytes_on(device)) {
+  CudaCompute(int device, cudaStream_t stream, MatmulPrecisionSource precision)
+      : stream_(stream), precision_(precision), gemms_(workspace_bytes_on(device)) {
     if (!gemms_.ok()) {
       throw std::runtime_error("cuda compute: GPU " + std::to_string(device) +
                                ": no cuBLASLt handle with " + std::to_string(kGemmWorkspaceBytes) +
@@ -387,7 +387,7 @@ class CudaCompute : public Compute {
   // in float32.
   void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, const float* a,
             int64_t lda, const Weight<float>& b, int64_t ldb, float beta, float* c, int64_t ldc) {
-    if (kernels::matmul_precision() == kernels::MatmulPrecision::float32) {
+    if (precision_() == kernels::MatmulPrecision::float32) {
       check(gemms_.gemm_float32(transpose_a, transpose_b, m, n, k, 1.0f, a, lda, b.data, ldb, beta,
                                 c, ldc, stream_),
             "gemm_float32");
@@ -432,6 +432,7 @@ class CudaCompute : public Compute {
   }
 
   cudaStream_t stream_;
+  MatmulPrecisionSource precision_;
   gpu::GemmContext gemms_;
   DeviceArray<uint16_t> a_bits_, b_bits_;
   DeviceArray<float> row_loss_, aux_;
@@ -441,8 +442,9 @@ class CudaCompute : public Compute {
 
 }  // namespace
 
-std::unique_ptr<Compute> make_cuda_compute(int device, cudaStream_t stream) {
-  return std::make_unique<CudaCompute>(device, stream);
+std::unique_ptr<Compute> make_cuda_compute(int device, cudaStream_t stream,
+                                           MatmulPrecisionSource precision) {
+  return std::make_unique<CudaCompute>(device, stream, precision);
 }
 
 }  // namespace meshrun::models

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "common/compute.hpp"
+#include "numeric/gemm.hpp"
 
 namespace meshrun::models {
 
@@ -20,7 +21,9 @@ namespace meshrun::models {
 // outlive the compute). Its calls throw
 // std::runtime_error naming the call and the CUDA or cuBLAS error. Throws
 // std::runtime_error when the cuBLASLt handle or its workspace cannot be
-// made (naming the device and the bytes asked for).
-std::unique_ptr<Compute> make_cuda_compute(int device, cudaStream_t stream);
+// made (naming the device and the bytes asked for). Its GEMMs compute in
+// the precision `precision` returns at each call.
+std::unique_ptr<Compute> make_cuda_compute(
+    int device, cudaStream_t stream, MatmulPrecisionSource precision = &kernels::matmul_precision);
 
 }  // namespace meshrun::models
