@@ -31,7 +31,7 @@ build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
 gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test meshrun_cuda_compute_test
   meshrun_cuda_kit_stage_test meshrun_cuda_model_plugins_test meshrun_model_llama meshrun_model_gpt2
   meshrun_model_mixtral meshrun_kit_cuda
-  meshrun_cuda_adamw_test meshrun_cli meshrun_cuda_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
+  meshrun_cuda_state_device_test meshrun_cli meshrun_cuda_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
   meshrun_strategy_device_test meshrun_strategy_ddp meshrun_strategy_fsdp2 meshrun_comm_nccl
   meshrun_comm_mpi test_plugin_loopback)
 

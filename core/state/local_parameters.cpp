@@ -163,15 +163,15 @@ void gather_tensor_parallel(const FlatParameters& parameters, const float* local
   }
 }
 
-double tensor_parallel_squared_norm(const LocalParameters& local,
+double tensor_parallel_squared_norm(StateDevice& device, const LocalParameters& local,
                                     const std::vector<int64_t>& parameters,
                                     const TensorParallelRank& tp) {
-  if (tp.group.size() == 1) return squared_norm(local.grads, local.numel);
+  if (tp.group.size() == 1) return device.squared_norm(local.grads, local.numel);
   double squared = 0;
   for (size_t k = 0; k < local.held.size(); ++k) {
     const int64_t p = parameters[size_t(local.held_parameter[k])];
     if (tp.group.rank() == 0 || tp.layout.placement(p).sharded()) {
-      squared += squared_norm(local.grads + local.held[k].local_begin, local.held[k].count);
+      squared += device.squared_norm(local.grads + local.held[k].local_begin, local.held[k].count);
     }
   }
   return squared;
@@ -221,13 +221,14 @@ std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescrip
   return mask;
 }
 
-std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
+std::optional<int64_t> first_nonfinite_gradient(StateDevice& device, const LocalParameters& local,
                                                 const std::vector<int64_t>& parameters) {
+  // One check of the whole buffer first: on a GPU each check waits for it.
+  if (device.all_finite(local.grads, local.numel)) return std::nullopt;
   std::optional<int64_t> first;
   for (size_t k = 0; k < local.held.size(); ++k) {
-    const float* begin = local.grads + local.held[k].local_begin;
     const bool finite =
-        std::all_of(begin, begin + local.held[k].count, [](float g) { return std::isfinite(g); });
+        device.all_finite(local.grads + local.held[k].local_begin, local.held[k].count);
     const int64_t index = parameters[size_t(local.held_parameter[k])];
     if (!finite && (!first || index < *first)) first = index;
   }
@@ -235,27 +236,31 @@ std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
 }
 
 std::vector<std::vector<float>> concatenated_state(const std::vector<ShardState>& shards) {
-  std::vector<std::vector<float>> state(3);
+  int64_t total = 0;
+  for (const ShardState& shard : shards) total += shard.local->numel;
+  std::vector<std::vector<float>> state(3, std::vector<float>(size_t(total)));
+  int64_t base = 0;
   for (const ShardState& shard : shards) {
-    const int64_t n = shard.local->numel;
-    state[0].insert(state[0].end(), shard.local->params, shard.local->params + n);
-    for (size_t k = 1; k < 3; ++k) {
-      const auto& moment = k == 1 ? shard.optimizer->exp_avg() : shard.optimizer->exp_avg_sq();
-      state[k].insert(state[k].end(), moment.begin(), moment.end());
-    }
+    const int64_t bytes = shard.local->numel * int64_t(sizeof(float));
+    AdamW& optimizer = *shard.optimizer;
+    optimizer.device().copy_to_host(state[0].data() + base, shard.local->params, bytes);
+    optimizer.device().copy_to_host(state[1].data() + base, optimizer.exp_avg(), bytes);
+    optimizer.device().copy_to_host(state[2].data() + base, optimizer.exp_avg_sq(), bytes);
+    base += shard.local->numel;
   }
   return state;
 }
 
 void scatter_state(const std::vector<std::vector<float>>& state,
                    const std::vector<ShardState>& shards) {
-  size_t base = 0;
+  int64_t base = 0;
   for (const ShardState& shard : shards) {
-    const auto n = size_t(shard.local->numel);
-    std::copy_n(state[0].begin() + long(base), n, shard.local->params);
-    std::copy_n(state[1].begin() + long(base), n, shard.optimizer->exp_avg().begin());
-    std::copy_n(state[2].begin() + long(base), n, shard.optimizer->exp_avg_sq().begin());
-    base += n;
+    const int64_t bytes = shard.local->numel * int64_t(sizeof(float));
+    AdamW& optimizer = *shard.optimizer;
+    optimizer.device().copy_from_host(shard.local->params, state[0].data() + base, bytes);
+    optimizer.device().copy_from_host(optimizer.exp_avg(), state[1].data() + base, bytes);
+    optimizer.device().copy_from_host(optimizer.exp_avg_sq(), state[2].data() + base, bytes);
+    base += shard.local->numel;
   }
 }
 

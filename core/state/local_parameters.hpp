@@ -104,10 +104,11 @@ std::vector<HeldRange> model_ranges(const std::vector<HeldRange>& ranges,
 void gather_tensor_parallel(const FlatParameters& parameters, const float* local_values,
                             const TensorParallelRank& tp, float* full);
 
-// This rank's share of the squared gradient norm over the tp group: the
+// This rank's share of the squared gradient norm over the tp group (the
+// gradients in `device`'s memory): the
 // squares of the pieces of tp-sharded parameters, and the tp-replicated
 // ones (equal on every tp rank) on tp rank 0 only.
-double tensor_parallel_squared_norm(const LocalParameters& local,
+double tensor_parallel_squared_norm(StateDevice& device, const LocalParameters& local,
                                     const std::vector<int64_t>& parameters,
                                     const TensorParallelRank& tp);
 
@@ -121,8 +122,8 @@ std::vector<uint8_t> decay_mask(const LocalParameters& local, const ModelDescrip
 // The description index of the first parameter (in the description's
 // order) with a gradient element in `local` that is not finite; nullopt
 // when every one is finite. `parameters` maps the strategy's parameter
-// indices to the description's.
-std::optional<int64_t> first_nonfinite_gradient(const LocalParameters& local,
+// indices to the description's; the gradients are `device`'s memory.
+std::optional<int64_t> first_nonfinite_gradient(StateDevice& device, const LocalParameters& local,
                                                 const std::vector<int64_t>& parameters);
 
 // A local shard and its optimizer: one of several a rank updates (a
@@ -132,7 +133,9 @@ struct ShardState {
   LocalParameters* local;
   AdamW* optimizer;
 };
-// params, exp_avg and exp_avg_sq of the shards, each concatenated in order.
+// params, exp_avg and exp_avg_sq of the shards, each concatenated in order,
+// copied to the host from the memory of each shard's optimizer's device
+// (where its parameters are too).
 std::vector<std::vector<float>> concatenated_state(const std::vector<ShardState>& shards);
 // Back into the shards.
 void scatter_state(const std::vector<std::vector<float>>& state,

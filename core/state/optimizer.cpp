@@ -31,30 +31,37 @@ double squared_norm(const float* values, int64_t count) {
   return sum;
 }
 
-void clip_gradients(float* gradients, int64_t count, double norm, double max_norm) {
+void clip_gradients(StateDevice& device, float* gradients, int64_t count, double norm,
+                    double max_norm) {
   if (max_norm <= 0.0 || norm <= max_norm) return;
-  const auto scale = float(max_norm / (norm + 1e-6));
-  for (int64_t i = 0; i < count; ++i) gradients[i] *= scale;
+  device.scale(gradients, count, float(max_norm / (norm + 1e-6)));
 }
 
-AdamW::AdamW(const TrainConfig& train, std::vector<uint8_t> decay)
-    : beta1_(train.beta1),
+void adamw_update_all(float* parameters, float* exp_avg, float* exp_avg_sq, const float* gradients,
+                      const uint8_t* decay, int64_t count, const AdamWConstants& constants) {
+  for (int64_t i = 0; i < count; ++i) {
+    adamw_update(parameters[i], exp_avg[i], exp_avg_sq[i], gradients[i], decay[i] != 0, constants);
+  }
+}
+
+AdamW::AdamW(const TrainConfig& train, const std::vector<uint8_t>& decay, StateDevice& device)
+    : device_(device),
+      beta1_(train.beta1),
       beta2_(train.beta2),
       eps_(train.eps),
       weight_decay_(train.weight_decay),
-      decay_(std::move(decay)),
-      exp_avg_(decay_.size(), 0.0f),
-      exp_avg_sq_(decay_.size(), 0.0f) {}
+      decay_(int64_t(decay.size()), device),
+      exp_avg_(int64_t(decay.size()), device),
+      exp_avg_sq_(int64_t(decay.size()), device) {
+  device.copy_from_host(decay_.data(), decay.data(), int64_t(decay.size()));
+}
 
 void AdamW::step(float* parameters, const float* gradients, double lr) {
   ++steps_taken_;
   const AdamWConstants constants =
       adamw_constants(lr, beta1_, beta2_, eps_, weight_decay_, steps_taken_);
-  const auto n = int64_t(decay_.size());
-  for (int64_t i = 0; i < n; ++i) {
-    adamw_update(parameters[i], exp_avg_[i], exp_avg_sq_[i], gradients[i], decay_[i] != 0,
-                 constants);
-  }
+  device_.adamw(parameters, exp_avg_.data(), exp_avg_sq_.data(), gradients, decay_.data(), numel(),
+                constants);
 }
 
 }  // namespace meshrun

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "config/config.hpp"
+#include "state/adamw_update.hpp"
+#include "state/state_device.hpp"
 
 namespace meshrun {
 
@@ -21,31 +23,44 @@ double learning_rate(const TrainConfig& train, int64_t step);
 // (sum) before the square root.
 double squared_norm(const float* values, int64_t count);
 
-// torch.nn.utils.clip_grad_norm_: scales the gradients by
-// max_norm / (norm + 1e-6) when norm exceeds max_norm (0 disables clipping).
-void clip_gradients(float* gradients, int64_t count, double norm, double max_norm);
+// torch.nn.utils.clip_grad_norm_: scales the gradients (memory of
+// `device`) by max_norm / (norm + 1e-6) when norm exceeds max_norm (0
+// disables clipping).
+void clip_gradients(StateDevice& device, float* gradients, int64_t count, double norm,
+                    double max_norm);
+
+// One AdamW update of `count` host elements, the host state device's loop.
+void adamw_update_all(float* parameters, float* exp_avg, float* exp_avg_sq, const float* gradients,
+                      const uint8_t* decay, int64_t count, const AdamWConstants& constants);
 
 class AdamW {
  public:
   // `decay[i]` says whether element i gets weight decay (the trainer exempts
-  // the 1-D norm weights, as GPT-style trainers do).
-  AdamW(const TrainConfig& train, std::vector<uint8_t> decay);
+  // the 1-D norm weights, as GPT-style trainers do). The moments and the
+  // mask live in `device`'s memory (which must outlive the optimizer).
+  AdamW(const TrainConfig& train, const std::vector<uint8_t>& decay,
+        StateDevice& device = host_state_device());
 
-  // One update with learning rate `lr`; counts the step for bias correction.
+  // One update with learning rate `lr` of parameters and gradients in the
+  // device's memory; counts the step for bias correction.
   void step(float* parameters, const float* gradients, double lr);
 
   int64_t steps_taken() const { return steps_taken_; }
-  // The moments, for sharded checkpoints; restore with restore().
-  std::vector<float>& exp_avg() { return exp_avg_; }
-  std::vector<float>& exp_avg_sq() { return exp_avg_sq_; }
+  // The moments (the device's memory, numel() each), for sharded
+  // checkpoints; restore with restore().
+  float* exp_avg() { return exp_avg_.data(); }
+  float* exp_avg_sq() { return exp_avg_sq_.data(); }
+  int64_t numel() const { return exp_avg_.size(); }
+  StateDevice& device() const { return device_; }
   void restore(int64_t steps_taken) { steps_taken_ = steps_taken; }
-  int64_t state_bytes() const { return int64_t((exp_avg_.size() + exp_avg_sq_.size()) * 4); }
+  int64_t state_bytes() const { return 2 * numel() * int64_t(sizeof(float)); }
 
  private:
+  StateDevice& device_;
   double beta1_, beta2_, eps_, weight_decay_;
-  std::vector<uint8_t> decay_;
-  std::vector<float> exp_avg_;
-  std::vector<float> exp_avg_sq_;
+  StateArray<uint8_t> decay_;
+  StateArray<float> exp_avg_;
+  StateArray<float> exp_avg_sq_;
   int64_t steps_taken_ = 0;
 };
 

@@ -55,7 +55,7 @@ TEST_CASE("train: clipping scales to max_grad_norm like clip_grad_norm_", "[trai
   float grads[2] = {3.0f, 4.0f};
   const double norm = std::sqrt(meshrun::squared_norm(grads, 2));
   CHECK(norm == Approx(5.0));
-  meshrun::clip_gradients(grads, 2, norm, 1.0);
+  meshrun::clip_gradients(meshrun::host_state_device(), grads, 2, norm, 1.0);
   CHECK(std::sqrt(meshrun::squared_norm(grads, 2)) == Approx(1.0).epsilon(1e-5));
 }
 
@@ -69,11 +69,14 @@ TEST_CASE("train: the first parameter with a non-finite gradient, in the descrip
   local.held = {{10, 0, 2}, {4, 2, 3}};
   local.held_parameter = {0, 1};
   const std::vector<int64_t> description_index = {5, 2};
-  CHECK_FALSE(meshrun::first_nonfinite_gradient(local, description_index));
+  CHECK_FALSE(
+      meshrun::first_nonfinite_gradient(meshrun::host_state_device(), local, description_index));
   grads[1] = std::numeric_limits<float>::infinity();
-  CHECK(meshrun::first_nonfinite_gradient(local, description_index) == 5);
+  CHECK(meshrun::first_nonfinite_gradient(meshrun::host_state_device(), local, description_index) ==
+        5);
   grads[4] = std::nanf("");
-  CHECK(meshrun::first_nonfinite_gradient(local, description_index) == 2);
+  CHECK(meshrun::first_nonfinite_gradient(meshrun::host_state_device(), local, description_index) ==
+        2);
 }
 
 // A description with a root unit around two layer units, the root's

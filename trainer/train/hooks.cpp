@@ -87,8 +87,8 @@ ParameterStorage PartBindings::storage(int64_t parameter, bool backward) const {
 }
 
 ShardedHooks::ShardedHooks(const std::vector<StrategyPart>& parts, size_t description_parameters,
-                           const MixedPrecisionConfig& precision)
-    : bindings_(parts, description_parameters), precision_(precision) {}
+                           const MixedPrecisionConfig& precision, StateDevice& state)
+    : bindings_(parts, description_parameters), precision_(precision), state_(state) {}
 
 template <class Call>
 void ShardedHooks::each_part(const char* hook, int32_t unit, bool bind, Call&& call) {
@@ -107,12 +107,12 @@ void ShardedHooks::each_part(const char* hook, int32_t unit, bool bind, Call&& c
 void ShardedHooks::pre_forward(int32_t unit, float* hidden, int64_t numel) {
   each_part("pre_forward", unit, true,
             [](Strategy& strategy, int32_t u) { strategy.pre_forward(u); });
-  if (precision_.cast_forward_inputs) round_to(hidden, numel, precision_.param_dtype);
+  if (precision_.cast_forward_inputs) state_.round_to(hidden, numel, precision_.param_dtype);
 }
 
 void ShardedHooks::post_forward(int32_t unit, float* hidden, int64_t numel) {
-  round_to(hidden, numel, precision_.param_dtype);
-  round_to(hidden, numel, precision_.output_dtype);
+  state_.round_to(hidden, numel, precision_.param_dtype);
+  state_.round_to(hidden, numel, precision_.output_dtype);
   each_part("post_forward", unit, false,
             [](Strategy& strategy, int32_t u) { strategy.post_forward(u); });
 }

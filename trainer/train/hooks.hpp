@@ -135,8 +135,10 @@ class PartBindings {
 // on every rank.
 class ShardedHooks : public TimedHooks {
  public:
+  // The hidden states the stage shows the hooks are `state`'s memory (the
+  // stage computes where the trainer's state is), which rounds them.
   ShardedHooks(const std::vector<StrategyPart>& parts, size_t description_parameters,
-               const MixedPrecisionConfig& precision);
+               const MixedPrecisionConfig& precision, StateDevice& state);
 
   void pre_forward(int32_t unit, float* hidden, int64_t numel) override;
   void post_forward(int32_t unit, float* hidden, int64_t numel) override;
@@ -152,6 +154,7 @@ class ShardedHooks : public TimedHooks {
 
   PartBindings bindings_;
   MixedPrecisionConfig precision_;
+  StateDevice& state_;
 };
 
 }  // namespace meshrun::train

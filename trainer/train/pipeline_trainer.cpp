@@ -98,7 +98,8 @@ PipelineTrainer::HeldPart& PipelineTrainer::add_part(Held& held, const StageCont
   part->parameters.release();
   part->local = sharded_parameters(*part->strategy, shard_group, replicate_group);
   part->optimizer = std::make_unique<AdamW>(
-      ctx_.config.train, decay_mask(part->local, model.description(), part->parameters.indices));
+      ctx_.config.train, decay_mask(part->local, model.description(), part->parameters.indices),
+      state_);
   held.parts.push_back(std::move(part));
   return *held.parts.back();
 }
@@ -162,7 +163,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   for (auto& held : held_) {
     held->work->compute().set_shape(micro, seq_len);
     held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
-    for (auto& part : held->parts) std::fill_n(part->local.grads, part->local.numel, 0.0f);
+    for (auto& part : held->parts) state_.zero(part->local.grads, part->local.numel);
     held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
     held->work->compute().take_context_parallel_traffic();
     held->work->compute().take_expert_parallel_traffic();
@@ -192,8 +193,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     for (auto& part : held->parts) {
       double scale = in_schedule ? 1.0 : 1.0 / double(microbatches_);
       if (part->experts) scale /= double(ctx_.computing.ep->size());
-      if (scale == 1.0) continue;
-      for (int64_t i = 0; i < part->local.numel; ++i) part->local.grads[i] *= float(scale);
+      if (scale != 1.0) state_.scale(part->local.grads, part->local.numel, float(scale));
     }
   }
   double loss = 0;
@@ -232,8 +232,8 @@ double PipelineTrainer::gradient_norm() {
   double squared = 0, experts = 0;
   for (auto& held : held_) {
     for (auto& part : held->parts) {
-      (part->experts ? experts : squared) +=
-          tensor_parallel_squared_norm(part->local, part->parameters.indices, tensor_parallel());
+      (part->experts ? experts : squared) += tensor_parallel_squared_norm(
+          state_, part->local, part->parameters.indices, tensor_parallel());
     }
   }
   squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
@@ -251,9 +251,10 @@ void PipelineTrainer::optimizer_step(const StepMetrics& metrics) {
   for (auto& held : held_) {
     for (auto& part : held->parts) {
       LocalParameters& local = part->local;
-      clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
+      clip_gradients(state_, local.grads, local.numel, metrics.grad_norm,
+                     ctx_.config.train.max_grad_norm);
       part->optimizer->step(local.params, local.grads, metrics.lr);
-      round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
+      state_.round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
     }
   }
 }
@@ -262,7 +263,8 @@ std::optional<int64_t> PipelineTrainer::first_nonfinite_gradient() {
   std::optional<int64_t> first;
   for (auto& held : held_) {
     for (auto& part : held->parts) {
-      const auto found = meshrun::first_nonfinite_gradient(part->local, part->parameters.indices);
+      const auto found =
+          meshrun::first_nonfinite_gradient(state_, part->local, part->parameters.indices);
       if (found && (!first || *found < *first)) first = found;
     }
   }

@@ -90,6 +90,10 @@ class PipelineTrainer : public TrainingRank {
   void sample_activations();
 
   PipelineContext ctx_;
+  // Where the shards, gradients and moments the optimizer updates are, and
+  // the step's arithmetic on them: the host's (the trainer keeps them in
+  // host memory).
+  StateDevice& state_ = host_state_device();
   std::optional<Communicator> alone_;  // the experts' replicate group: this rank
   int64_t microbatches_ = 0;
   std::vector<std::unique_ptr<Held>> held_;

@@ -26,7 +26,7 @@ MixedPrecisionConfig unit_precision(const DistributedConfig& d) {
   return {"float32", "float32", "float32", false};
 }
 
-std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
+std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx, StateDevice& state) {
   const TrainPart& dense = ctx.parts.front();
   if (!dense.strategy.sharded()) {
     return std::make_unique<ReplicatedHooks>(dense.strategy, dense.parameters);
@@ -36,7 +36,7 @@ std::unique_ptr<TimedHooks> make_hooks(const TrainContext& ctx) {
     parts.push_back({part.strategy, part.units, part.parameters.indices});
   }
   return std::make_unique<ShardedHooks>(parts, ctx.model.description().parameters.size(),
-                                        unit_precision(ctx.config.distributed));
+                                        unit_precision(ctx.config.distributed), state);
 }
 
 LocalParameters local_parameters(const TrainContext& ctx, const TrainPart& part) {
@@ -54,12 +54,13 @@ Trainer::Part::Part(const TrainPart& spec, LocalParameters local, const Trainer&
       local(std::move(local)),
       held(model_ranges(this->local.held, spec.parameters, trainer.tensor_parallel(), false)),
       saved(model_ranges(this->local.saved, spec.parameters, trainer.tensor_parallel(), true)),
-      optimizer(trainer.ctx_.config.train, decay_mask(this->local, trainer.ctx_.model.description(),
-                                                      spec.parameters.indices)) {}
+      optimizer(trainer.ctx_.config.train,
+                decay_mask(this->local, trainer.ctx_.model.description(), spec.parameters.indices),
+                trainer.state_) {}
 
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
-      hooks_(make_hooks(ctx_)),
+      hooks_(make_hooks(ctx_, state_)),
       stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json,
              &ctx_.tensor_parallel.local()) {
   for (const TrainPart& part : ctx_.parts) {
@@ -111,7 +112,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
   const int64_t micro_batches = share / train.micro_batch_size;
   const int64_t first = ctx_.data_parallel.rank() * share;
-  for (auto& part : parts_) std::fill_n(part->local.grads, part->local.numel, 0.0f);
+  for (auto& part : parts_) state_.zero(part->local.grads, part->local.numel);
   hooks_->take_seconds_in_strategy();   // not this step's: validation's gathers
   stage_.take_tensor_parallel_bytes();  // likewise
   stage_.take_context_parallel_traffic();
@@ -143,8 +144,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
   // strategy averaged the shares, which makes it the global batch's mean.
   for (auto& part : parts_) {
     const auto scale = float(double(part->spec.gradient_scale) / double(micro_batches));
-    if (scale == 1.0f) continue;
-    for (int64_t i = 0; i < part->local.numel; ++i) part->local.grads[i] *= scale;
+    if (scale != 1.0f) state_.scale(part->local.grads, part->local.numel, scale);
   }
   metrics.loss = all_reduce(loss_sum / double(micro_batches), ReduceOp::avg, ctx_.data_parallel);
   // The routers' load-balancing loss, a mean over the global batch as the
@@ -162,8 +162,8 @@ double Trainer::gradient_norm() {
   // parameters.
   double squared = 0;
   for (auto& part : parts_) {
-    double share =
-        tensor_parallel_squared_norm(part->local, part->spec.parameters.indices, tensor_parallel());
+    double share = tensor_parallel_squared_norm(state_, part->local, part->spec.parameters.indices,
+                                                tensor_parallel());
     for (Communicator* group : {part->local.norm_group, part->spec.norm_across}) {
       if (group != nullptr && group->size() > 1) share = all_reduce(share, ReduceOp::sum, *group);
     }
@@ -178,9 +178,10 @@ double Trainer::gradient_norm() {
 void Trainer::optimizer_step(const StepMetrics& metrics) {
   for (auto& part : parts_) {
     LocalParameters& local = part->local;
-    clip_gradients(local.grads, local.numel, metrics.grad_norm, ctx_.config.train.max_grad_norm);
+    clip_gradients(state_, local.grads, local.numel, metrics.grad_norm,
+                   ctx_.config.train.max_grad_norm);
     part->optimizer.step(local.params, local.grads, metrics.lr);
-    round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
+    state_.round_to(local.params, local.numel, ctx_.config.model.torch_dtype);
   }
 }
 
@@ -188,7 +189,7 @@ std::optional<int64_t> Trainer::first_nonfinite_gradient() {
   std::optional<int64_t> first;
   for (auto& part : parts_) {
     const auto found =
-        meshrun::first_nonfinite_gradient(part->local, part->spec.parameters.indices);
+        meshrun::first_nonfinite_gradient(state_, part->local, part->spec.parameters.indices);
     if (found && (!first || *found < *first)) first = found;
   }
   return first;

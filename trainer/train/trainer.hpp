@@ -105,6 +105,10 @@ class Trainer : public TrainingRank {
   TensorParallelRank tensor_parallel() const { return {ctx_.tensor_parallel, *ctx_.computing.tp}; }
 
   TrainContext ctx_;
+  // Where the parameters, gradients and moments the optimizer updates are,
+  // and the step's arithmetic on them: the host's (the trainer keeps them in
+  // host memory).
+  StateDevice& state_ = host_state_device();
   std::unique_ptr<TimedHooks> hooks_;
   ModelStage stage_;
   std::vector<std::unique_ptr<Part>> parts_;

@@ -1,0 +1,54 @@
+#include "state/state_device.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "state/local_parameters.hpp"
+#include "state/optimizer.hpp"
+
+namespace meshrun {
+
+namespace {
+
+class HostStateDevice : public StateDevice {
+ public:
+  DLDevice where() const override { return DLDevice{kDLCPU, 0}; }
+  void* allocate(int64_t bytes) override {
+    if (bytes == 0) return nullptr;
+    return new std::byte[size_t(bytes)]();
+  }
+  void release(void* memory) noexcept override { delete[] static_cast<std::byte*>(memory); }
+  void copy_from_host(void* to, const void* from, int64_t bytes) override {
+    if (bytes > 0) std::memmove(to, from, size_t(bytes));
+  }
+  void copy_to_host(void* to, const void* from, int64_t bytes) override {
+    if (bytes > 0) std::memmove(to, from, size_t(bytes));
+  }
+  void zero(float* values, int64_t count) override { std::fill_n(values, count, 0.0f); }
+  void scale(float* values, int64_t count, float factor) override {
+    for (int64_t i = 0; i < count; ++i) values[i] *= factor;
+  }
+  double squared_norm(const float* values, int64_t count) override {
+    return meshrun::squared_norm(values, count);
+  }
+  bool all_finite(const float* values, int64_t count) override {
+    return std::all_of(values, values + count, [](float v) { return std::isfinite(v); });
+  }
+  void round_to(float* values, int64_t count, const std::string& dtype) override {
+    meshrun::round_to(values, count, dtype);
+  }
+  void adamw(float* parameters, float* exp_avg, float* exp_avg_sq, const float* gradients,
+             const uint8_t* decay, int64_t count, const AdamWConstants& constants) override {
+    adamw_update_all(parameters, exp_avg, exp_avg_sq, gradients, decay, count, constants);
+  }
+};
+
+}  // namespace
+
+StateDevice& host_state_device() {
+  static HostStateDevice device;
+  return device;
+}
+
+}  // namespace meshrun
