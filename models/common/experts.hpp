@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/expert_rows.hpp"
+
 namespace meshrun::kernels {
 
 // values [rows, columns] = the softmax of each row, in place; and its
@@ -130,11 +132,7 @@ inline void moe_dispatch_backward(float* dx, const float* d_slots, const int64_t
 
 // sums[e] = the sum over rows of values[n, e], in double, in row order.
 inline void column_sums(double* sums, const float* values, int64_t rows, int64_t columns) {
-  for (int64_t e = 0; e < columns; ++e) {
-    double sum = 0;
-    for (int64_t n = 0; n < rows; ++n) sum += values[n * columns + e];
-    sums[e] = sum;
-  }
+  for (int64_t e = 0; e < columns; ++e) sums[e] = column_sum(values, rows, columns, e);
 }
 
 // The gradient of the router's probabilities, d_probs [N, E]: from the
@@ -147,17 +145,9 @@ inline void moe_router_gradient(float* d_probs, const float* aux_per_token, cons
                                 const float* d_weights, int64_t rows, int64_t experts,
                                 int64_t top_k) {
   for (int64_t n = 0; n < rows; ++n) {
-    float* d = d_probs + n * experts;
-    std::copy_n(aux_per_token, experts, d);
-    const float* p = probs + n * experts;
-    float sum = 0, weighted = 0;
-    for (int64_t k = 0; k < top_k; ++k) {
-      sum += p[selected[n * top_k + k]];
-      weighted += d_weights[n * top_k + k] * weights[n * top_k + k];
-    }
-    for (int64_t k = 0; k < top_k; ++k) {
-      d[selected[n * top_k + k]] += (d_weights[n * top_k + k] - weighted) / sum;
-    }
+    router_gradient_row(d_probs + n * experts, aux_per_token, probs + n * experts,
+                        selected + n * top_k, weights + n * top_k, d_weights + n * top_k, experts,
+                        top_k);
   }
 }
 

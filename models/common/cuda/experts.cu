@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/cuda/experts.hpp"
+#include "common/expert_rows.hpp"
 
 namespace meshrun::kernels::cuda {
 
@@ -146,9 +147,7 @@ __global__ void column_sums_kernel(double* sums, const float* values, int64_t ro
                                    int64_t columns) {
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < columns;
        e += int64_t(gridDim.x) * blockDim.x) {
-    double sum = 0;
-    for (int64_t n = 0; n < rows; ++n) sum += values[n * columns + e];
-    sums[e] = sum;
+    sums[e] = column_sum(values, rows, columns, e);
   }
 }
 
@@ -158,17 +157,9 @@ __global__ void router_gradient_kernel(float* d_probs, const float* aux_per_toke
                                        int64_t experts, int64_t top_k) {
   for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < rows;
        n += int64_t(gridDim.x) * blockDim.x) {
-    float* d = d_probs + n * experts;
-    for (int64_t e = 0; e < experts; ++e) d[e] = aux_per_token[e];
-    const float* p = probs + n * experts;
-    float sum = 0, weighted = 0;
-    for (int64_t k = 0; k < top_k; ++k) {
-      sum += p[selected[n * top_k + k]];
-      weighted += d_weights[n * top_k + k] * weights[n * top_k + k];
-    }
-    for (int64_t k = 0; k < top_k; ++k) {
-      d[selected[n * top_k + k]] += (d_weights[n * top_k + k] - weighted) / sum;
-    }
+    router_gradient_row(d_probs + n * experts, aux_per_token, probs + n * experts,
+                        selected + n * top_k, weights + n * top_k, d_weights + n * top_k, experts,
+                        top_k);
   }
 }
 
