@@ -17,29 +17,30 @@ void round_to(float* values, int64_t count, const std::string& dtype) {
 }
 
 FlatParameters::FlatParameters(const ModelDescription& description, std::vector<int64_t> held,
-                               bool allocate)
-    : indices(std::move(held)), offsets{0}, position(description.parameters.size(), -1) {
+                               StateDevice& device, bool allocate)
+    : indices(std::move(held)),
+      offsets{0},
+      device(&device),
+      position(description.parameters.size(), -1) {
   for (size_t k = 0; k < indices.size(); ++k) {
     position[size_t(indices[k])] = int64_t(k);
     offsets.push_back(offsets.back() + description.parameters[size_t(indices[k])].numel);
   }
   if (!allocate) return;
-  values.assign(size_t(numel()), 0.0f);
-  gradients.assign(size_t(numel()), 0.0f);
+  values = StateArray<float>(numel(), device);
+  gradients = StateArray<float>(numel(), device);
 }
 
 StrategyBuffers FlatParameters::strategy_buffers(const ModelDescription& description) {
-  const bool held = !values.empty();
-  StrategyBuffers buffers{
-      held ? values.data() : nullptr, held ? gradients.data() : nullptr, numel(), offsets, {}};
+  StrategyBuffers buffers{values.data(), gradients.data(), numel(), offsets, {}};
   for (const int64_t p : indices)
     buffers.parameter_names.push_back(description.parameters[size_t(p)].name);
   return buffers;
 }
 
 void FlatParameters::release() {
-  std::vector<float>().swap(values);
-  std::vector<float>().swap(gradients);
+  values = StateArray<float>();
+  gradients = StateArray<float>();
 }
 
 namespace {
@@ -78,17 +79,24 @@ class StartingValues {
 void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                    FlatParameters& parameters) {
   StartingValues start(config, model, tp);
+  std::vector<float> piece;
   for (size_t k = 0; k < parameters.indices.size(); ++k) {
-    start.piece(parameters.indices[k], parameters.values.data() + parameters.offsets[k]);
+    const int64_t count = parameters.offsets[k + 1] - parameters.offsets[k];
+    piece.resize(size_t(count));
+    start.piece(parameters.indices[k], piece.data());
+    round_to(piece.data(), count, config.model.torch_dtype);
+    parameters.device->copy_from_host(parameters.values.data() + parameters.offsets[k],
+                                      piece.data(), count * int64_t(sizeof(float)));
   }
-  round_to(parameters.values.data(), parameters.numel(), config.model.torch_dtype);
 }
 
 void start_shard_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                          const FlatParameters& parameters, Strategy& strategy) {
   StartingValues start(config, model, tp);
   const FloatView shard = strategy.local_shard().first;
-  std::vector<float> piece;
+  const int64_t shard_bytes = shard.numel * int64_t(sizeof(float));
+  std::vector<float> values(size_t(shard.numel)), piece;
+  parameters.device->copy_to_host(values.data(), shard.data, shard_bytes);
   int64_t started = -1;  // the strategy parameter `piece` holds
   for (const meshrun_shard_segment& segment : strategy.shard_segments()) {
     const auto k = size_t(segment.parameter);
@@ -98,9 +106,10 @@ void start_shard_weights(const Config& config, const Model& model, const TensorP
       started = segment.parameter;
     }
     std::copy_n(piece.begin() + (segment.global_begin - parameters.offsets[k]), segment.count,
-                shard.data + segment.local_begin);
+                values.begin() + segment.local_begin);
   }
-  round_to(shard.data, shard.numel, config.model.torch_dtype);
+  round_to(values.data(), shard.numel, config.model.torch_dtype);
+  parameters.device->copy_from_host(shard.data, values.data(), shard_bytes);
 }
 
 namespace {

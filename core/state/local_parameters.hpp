@@ -13,22 +13,25 @@
 #include "model/tensor_parallel.hpp"
 #include "state/checkpoint.hpp"
 #include "state/optimizer.hpp"
+#include "state/state_device.hpp"
 #include "strategy/strategy.hpp"
 
 namespace meshrun {
 
 // Some parameters of a model (description indices, ascending) and their
-// gradients in two flat buffers, in that order: a replicated strategy's
-// storage, and the weights a sharded one takes its shard from.
+// gradients in two flat buffers of a state device's memory, in that order:
+// a replicated strategy's storage, and the weights a sharded one takes its
+// shard from.
 struct FlatParameters {
   // Without `allocate` both buffers stay empty: a strategy that takes
-  // weights by shard starts without them.
+  // weights by shard starts without them. `device` must outlive them.
   FlatParameters(const ModelDescription& description, std::vector<int64_t> indices,
-                 bool allocate = true);
+                 StateDevice& device, bool allocate = true);
 
   std::vector<int64_t> indices;
   std::vector<int64_t> offsets;  // indices.size() + 1 element offsets
-  std::vector<float> values, gradients;
+  StateDevice* device;
+  StateArray<float> values, gradients;
   // Position of description parameter p in `indices`, or -1.
   std::vector<int64_t> position;
 
@@ -53,12 +56,14 @@ void round_to(float* values, int64_t count, const std::string& dtype);
 
 // The starting weights of the parameters, this tp rank's pieces of them:
 // initialized from train.seed, or read from model.checkpoint, then rounded
-// to model.torch_dtype. `parameters` is in the tp-local layout.
+// to model.torch_dtype, one parameter at a time on the host and copied to
+// the parameters' device. `parameters` is in the tp-local layout.
 void start_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                    FlatParameters& parameters);
 // The same weights written into `strategy`'s local shard (set up without
-// weights, its parameters `parameters`), one parameter at a time: a rank
-// holds at most one whole parameter besides its shard.
+// weights, its parameters `parameters`, its memory `parameters.device`'s),
+// one parameter at a time: a rank holds at most one whole parameter and a
+// host copy of its shard besides the shard.
 void start_shard_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                          const FlatParameters& parameters, Strategy& strategy);
 

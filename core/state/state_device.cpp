@@ -14,6 +14,7 @@ namespace {
 class HostStateDevice : public StateDevice {
  public:
   DLDevice where() const override { return DLDevice{kDLCPU, 0}; }
+  void* stream() const override { return nullptr; }
   void* allocate(int64_t bytes) override {
     if (bytes == 0) return nullptr;
     return new std::byte[size_t(bytes)]();

@@ -31,8 +31,11 @@ class StateDevice {
  public:
   virtual ~StateDevice() = default;
 
-  // The DLPack device of its memory.
+  // The DLPack device of its memory, and the stream (a cudaStream_t; NULL
+  // on the host) its calls are ordered on, which a model stage computing on
+  // the state is handed too.
   virtual DLDevice where() const = 0;
+  virtual void* stream() const = 0;
 
   // `bytes` of zeroed memory (NULL for 0).
   virtual void* allocate(int64_t bytes) = 0;

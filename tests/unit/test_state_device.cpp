@@ -27,6 +27,7 @@ using meshrun::StateDevice;
 class FencedStateDevice : public StateDevice {
  public:
   DLDevice where() const override { return DLDevice{kDLCUDA, 0}; }
+  void* stream() const override { return nullptr; }
   void* allocate(int64_t bytes) override { return memory_.allocate(bytes); }
   void release(void* memory) noexcept override { memory_.release(memory); }
   void copy_from_host(void* to, const void* from, int64_t bytes) override {

@@ -112,7 +112,7 @@ TEST_CASE("train: flat buffers and strategy units follow the model's description
   const ModelDescription d = parse_description(kDescription, "toy");
   CHECK(d.numel == 8 + 4 + 2 + 6 + 8);
   CHECK(d.parameters[4].offset == 20);
-  meshrun::FlatParameters all(d, {0, 1, 2, 3, 4});
+  meshrun::FlatParameters all(d, {0, 1, 2, 3, 4}, meshrun::host_state_device());
   CHECK(all.offsets == std::vector<int64_t>{0, 8, 12, 14, 20, 28});
   const train::StageUnits units = train::stage_units(d, {{0, 1, 2, 3, 4}, {0, 1, 2}});
   CHECK(units.strategy.num_units == 3);
@@ -123,7 +123,7 @@ TEST_CASE("train: flat buffers and strategy units follow the model's description
   CHECK(units.offset_in_unit == std::vector<int64_t>{0, 0, 4, 0, 8});
 
   // A middle pipeline stage: one layer, no root; its layer is unit 0.
-  meshrun::FlatParameters middle(d, {3});
+  meshrun::FlatParameters middle(d, {3}, meshrun::host_state_device());
   CHECK(middle.position[3] == 0);
   CHECK(middle.position[0] == -1);
   const train::StageUnits stage = train::stage_units(d, {{3}, {1}});

@@ -95,6 +95,7 @@ class CudaStateDevice : public StateDevice {
   }
 
   DLDevice where() const override { return DLDevice{kDLCUDA, device_}; }
+  void* stream() const override { return stream_; }
   void* allocate(int64_t bytes) override {
     if (bytes == 0) return nullptr;
     void* memory = nullptr;

@@ -15,8 +15,8 @@ namespace meshrun::train {
 // Parameters of a held stage with a strategy of their own: the stage's
 // (its dense ones in a mixture of experts), or its experts over ep_shard.
 struct PipelineTrainer::HeldPart {
-  HeldPart(const ModelDescription& local, const StageContents& contents)
-      : parameters(local, contents.parameters) {}
+  HeldPart(const ModelDescription& local, const StageContents& contents, StateDevice& state)
+      : parameters(local, contents.parameters, state) {}
 
   FlatParameters parameters;
   StageUnits units;
@@ -81,7 +81,7 @@ PipelineTrainer::HeldPart& PipelineTrainer::add_part(Held& held, const StageCont
                                                      const std::string& options) {
   const Model& model = *ctx_.plan.model;
   const ModelDescription& local = ctx_.plan.tensor_parallel->local();
-  auto part = std::make_unique<HeldPart>(local, contents);
+  auto part = std::make_unique<HeldPart>(local, contents, state_);
   start_weights(ctx_.config, model, tensor_parallel(), part->parameters);
   part->units = stage_units(local, contents);
   part->units.strategy.shard_group = &shard_group;

@@ -184,10 +184,10 @@ struct RunOutput {
 void run_trainer(const Config& config, const Plan& plan, const TokenData& data, Communicator& world,
                  MeshCommunicators& axes, const RunOutput& output,
                  const std::vector<std::string>& modules, const std::string& options,
-                 std::vector<TrainPart> parts) {
-  Trainer trainer({config, data, *plan.model, modules, std::move(parts), world, axes.axis(Axis::dp),
-                   computing_axes(axes, plan.mesh), *plan.tensor_parallel, plan.model_plan.dump(),
-                   options, output.dir, output.gemm_peak});
+                 StateDevice& state, std::vector<TrainPart> parts) {
+  Trainer trainer({config, data, *plan.model, modules, std::move(parts), state, world,
+                   axes.axis(Axis::dp), computing_axes(axes, plan.mesh), *plan.tensor_parallel,
+                   plan.model_plan.dump(), options, output.dir, output.gemm_peak});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, plan.model->description()));
   }
@@ -201,8 +201,8 @@ void run_trainer(const Config& config, const Plan& plan, const TokenData& data, 
 struct RankPart {
   RankPart(const Config& config, const Plan& plan, const TensorParallelRank& tp,
            const StageContents& contents, Communicator& data_parallel, Communicator& shard_group,
-           Communicator& replicate_group, const std::string& options)
-      : parameters(plan.tensor_parallel->local(), contents.parameters,
+           Communicator& replicate_group, const std::string& options, StateDevice& state)
+      : parameters(plan.tensor_parallel->local(), contents.parameters, state,
                    !config.distributed.init_fsdp_with_meta_device),
         units(stage_units(plan.tensor_parallel->local(), contents)) {
     // Megatron-FSDP's meta-device init: the weights go straight into each
@@ -233,15 +233,17 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
   const std::vector<std::string> modules = module_names(model.description());
   const TensorParallelRank tp{*plan.tensor_parallel, axes.axis(Axis::tp)};
   const std::string options = strategy_options_json(config.distributed);
+  // The rank's state (parameters, gradients, moments) is host memory.
+  StateDevice& state = host_state_device();
   Communicator& dp = axes.axis(Axis::dp);
   Communicator& dp_shard_cp = axes.axis(Axis::dp_shard_cp);
   Communicator& dp_replicate = axes.axis(Axis::dp_replicate);
   const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
   if (!model.description().experts || !strategy_shards(*plan.strategy)) {
     RankPart part(config, plan, tp, stage_contents(model, modules), dp, dp_shard_cp, dp_replicate,
-                  options);
+                  options, state);
     run_trainer(
-        config, plan, data, world, axes, output, modules, options,
+        config, plan, data, world, axes, output, modules, options, state,
         {TrainPart{*part.strategy, part.parameters, part.units, dp_shard_cp, dp_replicate}});
     return;
   }
@@ -250,15 +252,16 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
           : ExpertPlacement{};
   const auto [dense_contents, expert_contents] =
       split_experts(model.description(), stage_contents(model, modules, placement));
-  RankPart dense(config, plan, tp, dense_contents, dp, dp_shard_cp, dp_replicate, options);
+  RankPart dense(config, plan, tp, dense_contents, dp, dp_shard_cp, dp_replicate, options, state);
   TrainPart dense_part{*dense.strategy, dense.parameters, dense.units, dp_shard_cp, dp_replicate};
   dense_part.exports = dp.rank() == 0;
   if (!moe) {
-    RankPart experts(config, plan, tp, expert_contents, dp, dp_shard_cp, dp_replicate, options);
+    RankPart experts(config, plan, tp, expert_contents, dp, dp_shard_cp, dp_replicate, options,
+                     state);
     TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, dp_shard_cp,
                           dp_replicate};
     expert_part.exports = dp.rank() == 0;
-    run_trainer(config, plan, data, world, axes, output, modules, options,
+    run_trainer(config, plan, data, world, axes, output, modules, options, state,
                 {dense_part, expert_part});
     return;
   }
@@ -266,12 +269,13 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
   Communicator& ep_shard = axes.axis(Axis::ep_shard);
   Communicator alone = world.split(world.rank(), 0, "self");
   RankPart experts(config, plan, tp, expert_contents, ep_shard, ep_shard, alone,
-                   expert_options(config, options));
+                   expert_options(config, options), state);
   TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, ep_shard, alone};
   expert_part.norm_across = &ep;
   expert_part.gradient_scale = float(1.0 / double(ep.size()));
   expert_part.exports = ep_shard.rank() == 0;
-  run_trainer(config, plan, data, world, axes, output, modules, options, {dense_part, expert_part});
+  run_trainer(config, plan, data, world, axes, output, modules, options, state,
+              {dense_part, expert_part});
 }
 
 void train_in_world(const Config& config, const std::optional<std::string>& output_dir,

@@ -60,9 +60,10 @@ Trainer::Part::Part(const TrainPart& spec, LocalParameters local, const Trainer&
 
 Trainer::Trainer(TrainContext context)
     : ctx_(std::move(context)),
+      state_(ctx_.state),
       hooks_(make_hooks(ctx_, state_)),
       stage_(ctx_.model, ctx_.modules, *hooks_, ctx_.computing, ctx_.plan_json, ctx_.options_json,
-             &ctx_.tensor_parallel.local()) {
+             &ctx_.tensor_parallel.local(), StageDevice{state_.where(), state_.stream()}) {
   for (const TrainPart& part : ctx_.parts) {
     parts_.push_back(std::make_unique<Part>(part, local_parameters(ctx_, part), *this));
   }
@@ -124,7 +125,8 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     for (auto& part : parts_) part->spec.strategy.begin_micro_batch(k == micro_batches - 1);
     ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
                              train.micro_batch_size, tokens_, targets_);
-    loss_sum += stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
+    loss_sum += stage_.forward(0, on_state(tokens_, stage_tokens_),
+                               on_state(targets_, stage_targets_), nullptr, nullptr);
     activations_.sample(stage_.activation_bytes());
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
@@ -222,10 +224,17 @@ std::optional<double> Trainer::validate() {
   return all_reduce(sum, ReduceOp::sum, ctx_.data_parallel) / double(windows * seq_len);
 }
 
+const int32_t* Trainer::on_state(const std::vector<int32_t>& ids, StateArray<int32_t>& copy) {
+  if (copy.size() != int64_t(ids.size())) copy = StateArray<int32_t>(int64_t(ids.size()), state_);
+  state_.copy_from_host(copy.data(), ids.data(), int64_t(ids.size() * sizeof(int32_t)));
+  return copy.data();
+}
+
 // A forward of `count` sequences in tokens_/targets_ that keeps nothing.
 double Trainer::evaluate(int64_t count) {
   stage_.set_shape(count, ctx_.data.seq_len());
-  const double loss = stage_.forward(0, tokens_.data(), targets_.data(), nullptr, nullptr);
+  const double loss = stage_.forward(0, on_state(tokens_, stage_tokens_),
+                                     on_state(targets_, stage_targets_), nullptr, nullptr);
   stage_.discard(0);
   return loss;
 }
@@ -274,14 +283,17 @@ void Trainer::export_weights() {
   std::vector<float> full(size_t(description.numel), 0.0f), part_full(full.size());
   for (auto& part : parts_) {
     const FlatParameters& parameters = part->spec.parameters;
-    const float* local = parameters.values.data();
-    std::vector<float> gathered;
+    const int64_t numel = parameters.numel();
+    StateArray<float> gathered;
+    const float* values = parameters.values.data();
     if (part->spec.strategy.sharded()) {
-      gathered.resize(size_t(parameters.numel()));
-      part->spec.strategy.gather_parameters(gathered.data(), parameters.numel());
-      local = gathered.data();
+      gathered = StateArray<float>(numel, state_);
+      part->spec.strategy.gather_parameters(gathered.data(), numel);
+      values = gathered.data();
     }
-    gather_tensor_parallel(parameters, local, tensor_parallel(), part_full.data());
+    std::vector<float> local(static_cast<size_t>(numel));
+    state_.copy_to_host(local.data(), values, numel * int64_t(sizeof(float)));
+    gather_tensor_parallel(parameters, local.data(), tensor_parallel(), part_full.data());
     if (!part->spec.exports) continue;
     for (const int64_t p : parameters.indices) {
       const ModelParameter& parameter = description.parameters[size_t(p)];

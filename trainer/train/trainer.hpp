@@ -51,6 +51,9 @@ struct TrainContext {
   const Model& model;
   const std::vector<std::string>& modules;  // all of the model's
   std::vector<TrainPart> parts;             // the dense part first
+  // Where the parts' parameters and gradients are (their FlatParameters'
+  // device), the optimizer's moments and the data handed to the stage.
+  StateDevice& state;
   Communicator& world;
   Communicator& data_parallel;
   StageCommunicators computing;  // the axes the model computes over
@@ -96,6 +99,8 @@ class Trainer : public TrainingRank {
   };
 
   double all_reduce(double value, ReduceOp op, Communicator& over);
+  // `ids` copied into `copy` (resized to fit), the state device's memory.
+  const int32_t* on_state(const std::vector<int32_t>& ids, StateArray<int32_t>& copy);
   double evaluate(int64_t count);
   bool sharded() const { return ctx_.parts.front().strategy.sharded(); }
   std::vector<ShardState> shard_states();
@@ -105,16 +110,16 @@ class Trainer : public TrainingRank {
   TensorParallelRank tensor_parallel() const { return {ctx_.tensor_parallel, *ctx_.computing.tp}; }
 
   TrainContext ctx_;
-  // Where the parameters, gradients and moments the optimizer updates are,
-  // and the step's arithmetic on them: the host's (the trainer keeps them in
-  // host memory).
-  StateDevice& state_ = host_state_device();
+  StateDevice& state_;  // ctx_.state
   std::unique_ptr<TimedHooks> hooks_;
   ModelStage stage_;
   std::vector<std::unique_ptr<Part>> parts_;
   ActivationMeter activations_;
   int64_t next_step_ = 0;
+  // A micro-batch's tokens and targets as the data give them (host), and
+  // their copies in the state device's memory, which the stage reads.
   std::vector<int32_t> tokens_, targets_;
+  StateArray<int32_t> stage_tokens_, stage_targets_;
 };
 
 }  // namespace meshrun::train
