@@ -94,9 +94,8 @@ void start_shard_weights(const Config& config, const Model& model, const TensorP
                          const FlatParameters& parameters, Strategy& strategy) {
   StartingValues start(config, model, tp);
   const FloatView shard = strategy.local_shard().first;
-  const int64_t shard_bytes = shard.numel * int64_t(sizeof(float));
-  std::vector<float> values(size_t(shard.numel)), piece;
-  parameters.device->copy_to_host(values.data(), shard.data, shard_bytes);
+  HostView values(*parameters.device, shard.data, shard.numel);
+  std::vector<float> piece;
   int64_t started = -1;  // the strategy parameter `piece` holds
   for (const meshrun_shard_segment& segment : strategy.shard_segments()) {
     const auto k = size_t(segment.parameter);
@@ -106,10 +105,10 @@ void start_shard_weights(const Config& config, const Model& model, const TensorP
       started = segment.parameter;
     }
     std::copy_n(piece.begin() + (segment.global_begin - parameters.offsets[k]), segment.count,
-                values.begin() + segment.local_begin);
+                values.data() + segment.local_begin);
   }
   round_to(values.data(), shard.numel, config.model.torch_dtype);
-  parameters.device->copy_from_host(shard.data, values.data(), shard_bytes);
+  values.write_back();
 }
 
 namespace {

@@ -62,8 +62,8 @@ void start_weights(const Config& config, const Model& model, const TensorParalle
                    FlatParameters& parameters);
 // The same weights written into `strategy`'s local shard (set up without
 // weights, its parameters `parameters`, its memory `parameters.device`'s),
-// one parameter at a time: a rank holds at most one whole parameter and a
-// host copy of its shard besides the shard.
+// one parameter at a time: a rank holds at most one whole parameter
+// besides its shard (and, on a GPU, a host copy of the shard).
 void start_shard_weights(const Config& config, const Model& model, const TensorParallelRank& tp,
                          const FlatParameters& parameters, Strategy& strategy);
 

@@ -52,4 +52,17 @@ StateDevice& host_state_device() {
   return device;
 }
 
+HostView::HostView(StateDevice& device, float* values, int64_t count)
+    : device_(device), values_(values), count_(count), data_(values) {
+  if (device.where().device_type == kDLCPU) return;
+  copy_.resize(size_t(count));
+  device.copy_to_host(copy_.data(), values, count * int64_t(sizeof(float)));
+  data_ = copy_.data();
+}
+
+void HostView::write_back() {
+  if (data_ == values_) return;
+  device_.copy_from_host(values_, copy_.data(), count_ * int64_t(sizeof(float)));
+}
+
 }  // namespace meshrun

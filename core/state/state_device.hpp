@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 #include "state/adamw_update.hpp"
 
 namespace meshrun {
@@ -63,6 +64,23 @@ class StateDevice {
 
 // The host's memory and loops. One for the process.
 StateDevice& host_state_device();
+
+// `count` floats of `device`'s memory where the host can read and write
+// them: in place when that memory is the host's, else a copy in host
+// memory, which write_back() copies to the device.
+class HostView {
+ public:
+  HostView(StateDevice& device, float* values, int64_t count);
+  float* data() { return data_; }
+  void write_back();
+
+ private:
+  StateDevice& device_;
+  float* values_;
+  int64_t count_;
+  std::vector<float> copy_;
+  float* data_;
+};
 
 // An array of `count` elements in a state device's memory, zeroed, freed
 // with it. Move-only; element access only through the device's calls.

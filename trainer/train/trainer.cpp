@@ -285,14 +285,13 @@ void Trainer::export_weights() {
     const FlatParameters& parameters = part->spec.parameters;
     const int64_t numel = parameters.numel();
     StateArray<float> gathered;
-    const float* values = parameters.values.data();
+    float* values = parameters.values.data();
     if (part->spec.strategy.sharded()) {
       gathered = StateArray<float>(numel, state_);
       part->spec.strategy.gather_parameters(gathered.data(), numel);
       values = gathered.data();
     }
-    std::vector<float> local(static_cast<size_t>(numel));
-    state_.copy_to_host(local.data(), values, numel * int64_t(sizeof(float)));
+    HostView local(state_, values, numel);
     gather_tensor_parallel(parameters, local.data(), tensor_parallel(), part_full.data());
     if (!part->spec.exports) continue;
     for (const int64_t p : parameters.indices) {
