@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/bootstrap.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "mesh/mesh.hpp"
@@ -522,6 +523,33 @@ void expect_invalid(Checks& checks, const std::string& what, const std::string& 
 }
 
 // Refused on the calling rank alone, before anything reaches MPI.
+// The bootstrap a backend like nccl starts from: rank `root`'s bytes (a
+// length no whole number of words, as NCCL's 128-byte id plus 3) reach
+// every rank unchanged, and a rank's own bytes are overwritten.
+void check_bootstrap(Checks& checks, Communicator& world) {
+  const meshrun::CommBootstrap bootstrap(world);
+  const meshrun_bootstrap& b = *bootstrap.get();
+  if (b.rank != world.rank() || b.size != world.size()) {
+    checks.fail("bootstrap", "its rank and size are not the world's");
+  }
+  const int64_t root = world.size() - 1;
+  const auto byte_of = [](int64_t rank, size_t i) { return uint8_t(rank * 31 + int64_t(i) * 7); };
+  std::vector<uint8_t> bytes(131);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = byte_of(world.rank(), i);
+  if (meshrun_error* error = b.broadcast(b.context, bytes.data(), bytes.size(), root)) {
+    checks.fail("bootstrap", error->message);
+    error->destroy(error);
+    return;
+  }
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (bytes[i] != byte_of(root, i)) {
+      checks.fail("bootstrap",
+                  "byte " + std::to_string(i) + " is not rank " + std::to_string(root) + "'s");
+      return;
+    }
+  }
+}
+
 void check_refusals(Checks& checks, Group& group) {
   std::vector<float> data(8, 0.0f);
   std::vector<float> half(4, 0.0f);
@@ -613,6 +641,11 @@ int run(const Options& options) {
     const int before = checks.failures();
     check_timeout(checks, world);
     report(world, checks, before, "a wait for an unsent message times out, then completes");
+  }
+  {
+    const int before = checks.failures();
+    check_bootstrap(checks, world);
+    report(world, checks, before, "a bootstrap over the world carries the root's bytes");
   }
   const int before = checks.failures();
   check_refusals(checks, groups.front());

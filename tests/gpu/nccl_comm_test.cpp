@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/bootstrap.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "plugin/loader.hpp"
@@ -253,26 +254,6 @@ void expect_error(Checks& checks, int32_t code, const std::string& what, Body&& 
     checks.expect(false, what + ": no error");
   } catch (const meshrun::Error& e) {
     checks.expect(e.code() == code, what + ": code " + std::to_string(e.code()) + ": " + e.what());
-  }
-}
-
-// The bootstrap's broadcast over the mpi world. The CPU backend moves whole
-// elements of its dtypes, so the bytes travel in enough int32s to hold them.
-meshrun_error* broadcast_over_mpi(void* context, void* data, size_t bytes, int64_t root) {
-  const meshrun_host_services& host = meshrun::host_services();
-  try {
-    auto& world = *static_cast<meshrun::Communicator*>(context);
-    std::vector<int32_t> words((bytes + sizeof(int32_t) - 1) / sizeof(int32_t), 0);
-    std::memcpy(words.data(), data, bytes);
-    meshrun::FlatTensor tensor(words.data(), meshrun::dtype_int32(),
-                               static_cast<int64_t>(words.size()));
-    world.broadcast(tensor.get(), root).wait();
-    std::memcpy(data, words.data(), bytes);
-    return nullptr;
-  } catch (const meshrun::Error& e) {
-    return host.make_error(host.context, e.code(), e.what());
-  } catch (const std::exception& e) {
-    return host.make_error(host.context, MESHRUN_INTERNAL, e.what());
   }
 }
 
@@ -539,13 +520,12 @@ int main() {
     const meshrun::PluginLoader loader = meshrun::PluginLoader::from_environment();
     meshrun::CommBackend mpi(loader, "mpi");
     meshrun::Communicator cpu_world = mpi.world(kTimeoutSeconds);
-    const meshrun_bootstrap bootstrap{sizeof(meshrun_bootstrap), cpu_world.rank(), cpu_world.size(),
-                                      &cpu_world, &broadcast_over_mpi};
+    const meshrun::CommBootstrap bootstrap(cpu_world);
     Checks checks(static_cast<int>(cpu_world.rank()));
     int failures = 0;
     {
       meshrun::CommBackend nccl(loader, "nccl");
-      meshrun::Communicator world = nccl.world(kTimeoutSeconds, device, &bootstrap);
+      meshrun::Communicator world = nccl.world(kTimeoutSeconds, device, bootstrap.get());
       checks.expect(world.rank() == cpu_world.rank() && world.size() == cpu_world.size(),
                     "nccl world has the mpi world's rank and size");
       test_all_reduce(checks, world, device);

@@ -53,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/bootstrap.hpp"
 #include "comm/comm.hpp"
 #include "errors.hpp"
 #include "fsdp2_setup.hpp"
@@ -378,25 +379,6 @@ std::string first_difference(const Trace& host, const Trace& device) {
   return "";
 }
 
-// The bootstrap's broadcast over the mpi world (NCCL's unique id).
-meshrun_error* broadcast_over_mpi(void* context, void* data, size_t bytes, int64_t root) {
-  try {
-    auto& world = *static_cast<Communicator*>(context);
-    std::vector<int32_t> words((bytes + sizeof(int32_t) - 1) / sizeof(int32_t), 0);
-    std::memcpy(words.data(), data, bytes);
-    meshrun::FlatTensor tensor(words.data(), meshrun::dtype_int32(), int64_t(words.size()));
-    world.broadcast(tensor.get(), root).wait();
-    std::memcpy(data, words.data(), bytes);
-    return nullptr;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bootstrap: %s\n", e.what());
-    std::abort();
-  }
-}
-
-// A bootstrap for a job of one rank: broadcasting to oneself moves nothing.
-meshrun_error* broadcast_to_self(void*, void*, size_t, int64_t) { return nullptr; }
-
 int run(int device, int ranks) {
   if (ranks > 2) throw std::runtime_error("run on 1 or 2 ranks (see the file's header)");
   const meshrun::PluginLoader loader = meshrun::PluginLoader::from_environment();
@@ -406,11 +388,9 @@ int run(int device, int ranks) {
   meshrun::CommBackend cpu_backend(loader, ranks == 1 ? "loopback" : "mpi");
   Communicator cpu_world = cpu_backend.world(kTimeoutSeconds);
   Communicator cpu_replicate = cpu_world.split(cpu_world.rank(), 0, "dp_replicate");
-  const meshrun_bootstrap bootstrap{sizeof(meshrun_bootstrap), cpu_world.rank(), cpu_world.size(),
-                                    &cpu_world,
-                                    ranks == 1 ? &broadcast_to_self : &broadcast_over_mpi};
+  const meshrun::CommBootstrap bootstrap(cpu_world);
   meshrun::CommBackend nccl(loader, "nccl");
-  Communicator gpu_world = nccl.world(kTimeoutSeconds, device, &bootstrap);
+  Communicator gpu_world = nccl.world(kTimeoutSeconds, device, bootstrap.get());
   Communicator gpu_replicate = gpu_world.split(gpu_world.rank(), 0, "dp_replicate");
   cudaStream_t compute = nullptr;
   cudaStream_t comm = nullptr;
