@@ -159,3 +159,23 @@ TEST_CASE(
   meshrun::scatter_state(restored, {{&fenced.local, &fenced.optimizer}});
   CHECK(state(fenced) == restored);
 }
+
+TEST_CASE("state device: a host view reads in place on the host and copies a device's memory",
+          "[train][device]") {
+  std::vector<float> host = values(7, 1.0f);
+  meshrun::HostView in_place(meshrun::host_state_device(), host.data(), 7);
+  CHECK(in_place.data() == host.data());
+
+  FencedStateDevice device;
+  StateArray<float> on_device(7, device);
+  device.copy_from_host(on_device.data(), host.data(), 7 * int64_t(sizeof(float)));
+  meshrun::HostView view(device, on_device.data(), 7);
+  REQUIRE(view.data() != on_device.data());
+  CHECK(std::vector<float>(view.data(), view.data() + 7) == host);
+  view.data()[3] = 42.0f;
+  view.write_back();
+  std::vector<float> back(7);
+  device.copy_to_host(back.data(), on_device.data(), 7 * int64_t(sizeof(float)));
+  host[3] = 42.0f;
+  CHECK(back == host);
+}
