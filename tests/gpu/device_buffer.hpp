@@ -1,12 +1,16 @@
 // What the GPU tests share besides usable_devices.hpp: failing on a CUDA
-// error, a device copy of a host vector, and random inputs.
+// error, a device copy of a host vector, comparing with the CPU within a
+// bound, and random inputs.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 // Exits 1 naming `what` unless `status` is success.
@@ -40,6 +44,28 @@ class DeviceBuffer {
   T* data_ = nullptr;
   size_t size_;
 };
+
+// How close a GPU value must be to its CPU twin:
+// |gpu - cpu| <= absolute + relative |cpu|.
+struct Bound {
+  double absolute, relative;
+};
+
+// Whether there are as many gpu values as cpu ones and each is within
+// `bound` of its twin; prints the largest difference when not.
+template <typename T>
+bool within(const std::string& what, const std::vector<T>& gpu, const std::vector<T>& cpu,
+            Bound bound) {
+  double worst = 0;
+  bool close = gpu.size() == cpu.size();
+  for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
+    const double error = std::abs(double(gpu[i]) - double(cpu[i]));
+    worst = std::max(worst, error);
+    close = close && error <= bound.absolute + bound.relative * std::abs(double(cpu[i]));
+  }
+  if (!close) std::printf("  %s: largest difference %.3g\n", what.c_str(), worst);
+  return close;
+}
 
 // `count` normal(mean, spread) values from `seed`.
 inline std::vector<float> random_values(size_t count, float mean, float spread, unsigned seed) {

@@ -48,29 +48,6 @@ using meshrun::models::Recomputation;
 
 int failures = 0;
 
-struct Bound {
-  double absolute, relative;
-};
-
-// Whether every gpu value is within `bound` of its cpu one; prints the
-// largest difference.
-bool close(const std::string& what, const std::vector<double>& gpu, const std::vector<double>& cpu,
-           Bound bound) {
-  double worst = 0;
-  bool within = gpu.size() == cpu.size();
-  for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
-    const double error = std::abs(gpu[i] - cpu[i]);
-    worst = std::max(worst, error);
-    within = within && error <= bound.absolute + bound.relative * std::abs(cpu[i]);
-  }
-  if (!within) std::printf("  %s: largest difference %.3g\n", what.c_str(), worst);
-  return within;
-}
-
-std::vector<double> widened(const std::vector<float>& values) {
-  return {values.begin(), values.end()};
-}
-
 // One configuration's stage on the host and on `gpu`, from the same
 // weights and tokens.
 void check_stage(Compute& gpu, const std::string& family, bool recompute, bool bfloat16) {
@@ -102,11 +79,11 @@ void check_stage(Compute& gpu, const std::string& family, bool recompute, bool b
   const Bound bound = bfloat16 ? Bound{2e-3, 3e-2} : Bound{1e-4, 1e-3};
   const std::string name =
       family + (recompute ? ", recomputed" : "") + (bfloat16 ? ", bfloat16" : ", float32");
-  bool same = close(name + ": losses", gpu_losses, cpu_losses, bound);
+  bool same = within(name + ": losses", gpu_losses, cpu_losses, bound);
   for (const auto& [parameter, expected] : cpu_gradients) {
-    same = close(name + ": gradient of " + parameter, widened(gpu_gradients.at(parameter)),
-                 widened(expected), bound) &&
-           same;
+    same =
+        within(name + ": gradient of " + parameter, gpu_gradients.at(parameter), expected, bound) &&
+        same;
   }
   same = same && gpu_bytes == cpu_bytes;
   std::printf("%s kit stage on the GPU as on the host: %s (losses %.7f, %.7f on the host)\n",

@@ -32,21 +32,6 @@ namespace {
 
 int failures = 0;
 
-// Whether `gpu` is within atol + rtol |cpu| of `cpu`, value by value;
-// prints the largest difference when not.
-bool close(const char* what, const std::vector<float>& gpu, const std::vector<float>& cpu,
-           double atol, double rtol) {
-  double worst = 0;
-  bool within = gpu.size() == cpu.size();
-  for (size_t i = 0; i < cpu.size() && i < gpu.size(); ++i) {
-    const double error = std::abs(double(gpu[i]) - double(cpu[i]));
-    worst = std::max(worst, error);
-    within = within && error <= atol + rtol * std::abs(double(cpu[i]));
-  }
-  if (!within) std::printf("  %s: largest difference %.3g\n", what, worst);
-  return within;
-}
-
 void check_plugin(const std::string& path, const nlohmann::ordered_json& config, bool bfloat16,
                   cudaStream_t stream) {
   const meshrun::Model model(meshrun::PluginLoader({}).load_file(path), config);
@@ -59,9 +44,9 @@ void check_plugin(const std::string& path, const nlohmann::ordered_json& config,
       device_gradients.get(), device_tokens.get(), device_targets.get());
   require(cudaStreamSynchronize(stream), "the stage's stream");
 
-  const double atol = bfloat16 ? 2e-3 : 1e-4, rtol = bfloat16 ? 3e-2 : 1e-3;
-  const bool same = close("loss", {float(gpu_loss)}, {float(cpu.loss)}, atol, rtol) &&
-                    close("gradients", device_gradients.host(), cpu.gradients, atol, rtol);
+  const Bound bound = bfloat16 ? Bound{2e-3, 3e-2} : Bound{1e-4, 1e-3};
+  const bool same = within<double>("loss", {gpu_loss}, {cpu.loss}, bound) &&
+                    within("gradients", device_gradients.host(), cpu.gradients, bound);
   std::printf("%s %s on cuda:0 through the ABI as on the CPU, %s (loss %.7f, %.7f on the CPU)\n",
               same ? "PASS" : "FAIL", path.c_str(), bfloat16 ? "bfloat16" : "float32", gpu_loss,
               cpu.loss);

@@ -64,6 +64,21 @@ class FencedMemory {
     --found;
     return static_cast<const char*>(pointer) < found->first + found->second;
   }
+  // Throws std::logic_error naming the user ("compute", ...), its call
+  // `name` and number and the argument, unless every pointer is null or in
+  // an allocation.
+  void require_held(const char* user, const char* name, int64_t call,
+                    std::initializer_list<const void*> pointers) const {
+    int argument = 0;
+    for (const void* pointer : pointers) {
+      ++argument;
+      if (pointer != nullptr && !holds(pointer)) {
+        throw std::logic_error("fenced " + std::string(user) + ": " + name + " (call " +
+                               std::to_string(call) + ") got a pointer outside the " + user +
+                               "'s memory as its pointer argument " + std::to_string(argument));
+      }
+    }
+  }
   // Runs `call` with every allocation open.
   template <class Call>
   void opened(Call&& call) {
@@ -337,15 +352,7 @@ class FencedCompute : public Compute {
   // allocations open.
   template <class Call>
   void inside(const char* name, std::initializer_list<const void*> pointers, Call&& call) {
-    int argument = 0;
-    for (const void* pointer : pointers) {
-      ++argument;
-      if (pointer != nullptr && !memory_.holds(pointer)) {
-        throw std::logic_error("fenced compute: " + std::string(name) + " (call " +
-                               std::to_string(calls_) + ") got a pointer outside the compute's " +
-                               "memory as its pointer argument " + std::to_string(argument));
-      }
-    }
+    memory_.require_held("compute", name, calls_, pointers);
     ++calls_;
     if (precision_ == nullptr) {
       memory_.opened(call);

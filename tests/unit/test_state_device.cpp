@@ -69,12 +69,7 @@ class FencedStateDevice : public StateDevice {
   static StateDevice& host() { return meshrun::host_state_device(); }
   template <class Call>
   void inside(const char* name, std::initializer_list<const void*> pointers, Call&& call) {
-    for (const void* pointer : pointers) {
-      if (pointer != nullptr && !memory_.holds(pointer)) {
-        throw std::logic_error(std::string("fenced state device: ") + name +
-                               " got a pointer outside its memory");
-      }
-    }
+    memory_.require_held("state device", name, calls_, pointers);
     ++calls_;
     memory_.opened(call);
   }
