@@ -18,13 +18,16 @@
 # a mixture's routing, dispatch and combine, rotary and flash-style causal
 # GQA attention, forward and backward (models/common/cuda), the cuBLASLt
 # bfloat16 GEMM and bfloat16 rounding (plugins/numeric/cuda), the AdamW
-# update (trainer/cuda), the NCCL comm backend (its C boundary, and every
-# operation on 2 ranks when the node has 2 GPUs), and ddp and fsdp2 on GPU
-# buffers over NCCL against the same on host buffers (1 rank; 2 where the
-# node has 2 GPUs and MPI).
+# update and the trainer's state device (trainer/cuda), the GPU's layer
+# compute, a kit stage and the shipped model plugins on the GPU, the NCCL
+# comm backend (its C boundary, and every operation on 2 ranks when the
+# node has 2 GPUs), ddp and fsdp2 on GPU buffers over NCCL against the same
+# on host buffers (1 rank; 2 where the node has 2 GPUs and MPI), and
+# `meshrun train` on GPUs against the CPU run of the same configs step by
+# step (needs mpirun; 2-rank cases where there are 2 GPUs).
 # Then one benchmark, `meshrun bench peak --device cuda`: the GPU's bfloat16
 # GEMM FLOP/s (an 8192^3 GEMM through cuBLASLt) and its device-to-device
-# copy bandwidth. No model computes on a GPU yet (docs/testing.md).
+# copy bandwidth. docs/testing.md says which of these has run on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir="${MESHRUN_GPU_BUILD_DIR:-build-gpu}"
@@ -33,7 +36,7 @@ gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test 
   meshrun_model_mixtral meshrun_kit_cuda
   meshrun_cuda_state_device_test meshrun_cli meshrun_cuda_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
   meshrun_strategy_device_test meshrun_strategy_ddp meshrun_strategy_fsdp2 meshrun_comm_nccl
-  meshrun_comm_mpi test_plugin_loopback)
+  meshrun_comm_mpi test_plugin_loopback meshrun_trainer_cuda meshrun_sidecar_llama)
 
 echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== GPUs"

@@ -33,6 +33,8 @@ FlatParameters::FlatParameters(const ModelDescription& description, std::vector<
 
 StrategyBuffers FlatParameters::strategy_buffers(const ModelDescription& description) {
   StrategyBuffers buffers{values.data(), gradients.data(), numel(), offsets, {}};
+  buffers.device = device->where();
+  buffers.compute_stream = device->stream();
   for (const int64_t p : indices)
     buffers.parameter_names.push_back(description.parameters[size_t(p)].name);
   return buffers;

@@ -36,8 +36,9 @@ struct FlatParameters {
   std::vector<int64_t> position;
 
   int64_t numel() const { return offsets.back(); }
-  // What a strategy's setup needs to know about them; null buffers when
-  // they were not allocated.
+  // What a strategy's setup needs to know about them (their device, and
+  // its stream as the compute stream; the comm stream is the caller's to
+  // set); null buffers when they were not allocated.
   StrategyBuffers strategy_buffers(const ModelDescription& description);
   // Frees both buffers: a sharded strategy holds the parameters now.
   void release();

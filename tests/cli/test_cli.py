@@ -175,9 +175,6 @@ class BadInputTest(InputErrorAssertions):
                   "needs distributed.tp_size > 1"),
                  ("[distributed]\npp_size = 2\n[distributed.pipeline]\npp_batch_size = 4\n",
                   "distributed.pipeline.pp_batch_size", "set it to 16"),
-                 # The trainer does not train on GPUs yet (docs/config.md).
-                 ("[dist_env]\nbackend = \"nccl\"\n", "dist_env.backend",
-                  "training on GPUs is not implemented yet"),
                  ("[comm]\nbackend = \"nccl\"\n", "comm.backend",
                   "set dist_env.backend = \"nccl\"")]
         for text, key, reason in cases:
@@ -189,6 +186,35 @@ class BadInputTest(InputErrorAssertions):
                     result = run("train", path, "--nproc-per-node", "2", "--output", output)
                     self.assert_input_error(result, *needles)
                     self.assertFalse(os.path.exists(output))
+
+    def test_a_cuda_run_is_refused_before_any_rank_starts_where_it_cannot_train(self):
+        # Where the kit has no GPU compute (a build without the toolkit) the
+        # plan refuses "nccl"; where it has, the plan is made, pipelines and
+        # context parallelism are refused at their key, and without a GPU
+        # (this machine, CI) `meshrun train` refuses the run saying why.
+        cuda = "[dist_env]\nbackend = \"nccl\"\n"
+        with ConfigFile(cuda) as path:
+            planned = run("plan", path)
+            if planned.returncode != 0:
+                self.assert_input_error(planned, f"{path}:2:1", "dist_env.backend",
+                                        "computes on the CPU only")
+                return
+            self.assertIn("cuda: local rank l on GPU l % the GPUs its node sees", planned.stdout)
+            if not os.path.exists("/dev/nvidia0"):
+                with tempfile.TemporaryDirectory() as folder:
+                    output = os.path.join(folder, "run")
+                    result = run("train", path, "--nproc-per-node", "2", "--output", output)
+                    self.assert_input_error(result, f"{path}:2:1", "dist_env.backend",
+                                            "\"nccl\" puts every rank on a CUDA GPU",
+                                            "set it to \"gloo\" or \"mpi\"")
+                    self.assertFalse(os.path.exists(output))
+        refused = [("[distributed]\npp_size = 2\n[distributed.pipeline]\n", "distributed.pp_size"),
+                   ("[distributed]\ncp_size = 2\n", "distributed.cp_size")]
+        for text, key in refused:
+            with self.subTest(key=key), ConfigFile(cuda + text) as path:
+                needles = (f"{path}:4:1", key, "set it to 1 to train on GPUs")
+                self.assert_input_error(run("plan", path), *needles)
+                self.assert_input_error(run("train", path, "--nproc-per-node", "2"), *needles)
 
     def test_command_line_errors(self):
         example = EXAMPLES[0]

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -14,6 +15,7 @@
 #include "errors.hpp"
 #include "mesh/device.hpp"
 #include "temp_folder.hpp"
+#include "train/rank_gpu.hpp"
 #include "train/run.hpp"
 
 namespace {
@@ -679,24 +681,42 @@ TEST_CASE("config rule: the comm backend follows dist_env's device", "[config][r
                   "set dist_env.backend = \"nccl\" to train on GPUs", "cfg.toml:2:1");
 }
 
-// Until the trainer keeps its buffers on the GPU, a CUDA run is refused
-// before any rank starts (after the check that a GPU is there).
-TEST_CASE("device: the trainer refuses a CUDA run, its buffers being host memory", "[device]") {
-  CHECK_NOTHROW(meshrun::train::require_host_training(parse("")));
-  try {
-    meshrun::train::require_host_training(parse("[dist_env]\nbackend = \"nccl\"\n"));
-    FAIL("accepted");
-  } catch (const meshrun::Error& error) {
-    CHECK(error.is_input_error());
-    CHECK(error.key() == "dist_env.backend");
-    CHECK_THAT(error.what(), StartsWith("cfg.toml:2:1: dist_env.backend: \"nccl\" trains on CUDA "
-                                        "GPUs, and the trainer keeps the parameters"));
-    CHECK_THAT(error.what(), Contains("not implemented yet"));
+// A CUDA run trains data-parallel only: what keeps host memory between
+// ranks (the pipeline's activations, cp's keys and values) is refused at
+// its key before any rank starts; the same sizes on the CPU are not.
+TEST_CASE("device: a CUDA run refuses pipelines and context parallelism, naming the key",
+          "[device]") {
+  const std::string nccl = "[dist_env]\nbackend = \"nccl\"\n";
+  CHECK_NOTHROW(meshrun::train::check_gpu_training(parse(nccl)));
+  CHECK_NOTHROW(meshrun::train::check_gpu_training(
+      parse("[distributed]\npp_size = 2\n[distributed.pipeline]\n")));
+  CHECK_NOTHROW(meshrun::train::check_gpu_training(parse("[distributed]\ncp_size = 2\n")));
+  const std::vector<std::tuple<std::string, std::string, std::string>> refused = {
+      {"pp_size = 2\n[distributed.pipeline]", "distributed.pp_size",
+       "cfg.toml:4:1: distributed.pp_size: 2 stages"},
+      {"cp_size = 2", "distributed.cp_size", "cfg.toml:4:1: distributed.cp_size: 2 ranks"}};
+  for (const auto& [line, key, start] : refused) {
+    try {
+      meshrun::train::check_gpu_training(parse(nccl + "[distributed]\n" + line + "\n"));
+      FAIL("accepted " << line);
+    } catch (const meshrun::Error& error) {
+      CHECK(error.is_input_error());
+      CHECK(error.key() == key);
+      CHECK_THAT(error.what(), StartsWith(start));
+      CHECK_THAT(error.what(), Contains("set it to 1 to train on GPUs"));
+    }
   }
 }
 
-// This machine's GPUs are whatever they are; the refusal is checked on
-// stated counts.
+// AutoModel's placement: local rank l on GPU l % the GPUs the process sees.
+TEST_CASE("device: a rank's GPU is its local rank modulo the GPUs it sees", "[device]") {
+  CHECK(meshrun::train::gpu_of_local_rank(0, 1) == 0);
+  CHECK(meshrun::train::gpu_of_local_rank(3, 1) == 0);
+  CHECK(meshrun::train::gpu_of_local_rank(3, 8) == 3);
+  CHECK(meshrun::train::gpu_of_local_rank(9, 8) == 1);
+  CHECK(meshrun::train::gpu_of_local_rank(5, 2) == 1);
+}
+
 TEST_CASE("device: a CUDA run without a usable GPU is refused at dist_env.backend", "[device]") {
   const meshrun::CudaDevices here = meshrun::cuda_devices();
   CHECK((here.count > 0) == here.why_none.empty());

@@ -107,7 +107,7 @@ int run_plan(const Args& args) {
                                                                std::numeric_limits<int32_t>::max())
                                             : default_world_size(config);
     const Plan plan = make_plan(config, world_size, loader);
-    train::require_host_training(config);
+    train::check_gpu_training(config);
     const bool all_ranks = parsed.has_flag("all-ranks");
     std::optional<Estimate> estimated;
     if (estimate) {

@@ -51,7 +51,7 @@ int run_train(const Args& args) {
     const int nproc = ranks_per_node(parsed);
     const launch::LaunchOptions options = launch_options(parsed);
     const Config config = load_config(parsed.positionals[0], parsed.overrides);
-    const train::GemmPeakMeter gemm_peak = train::gemm_peak_meter();
+    const train::GemmPeakMeter gemm_peak = train::gemm_peak_meter(config.dist_env.on_cuda());
     // Bad input fails here, once, before any rank starts.
     const PluginLoader loader = PluginLoader::from_environment();
     train::check_training_input(config,

@@ -9,7 +9,10 @@
 #include <string>
 
 #include "errors.hpp"
+#include "gemm_peak/cuda_peak.hpp"
+#include "launch/launch.hpp"
 #include "numeric/peak.hpp"
+#include "train/rank_gpu.hpp"
 
 namespace meshrun::train {
 namespace {
@@ -53,11 +56,17 @@ std::map<std::string, double> stated_gemm_peaks() {
 
 }  // namespace
 
-GemmPeakMeter gemm_peak_meter() {
-  return [stated = stated_gemm_peaks()](const std::string& dtype, double seconds) {
+GemmPeakMeter gemm_peak_meter(bool on_cuda) {
+  return [stated = stated_gemm_peaks(), on_cuda](const std::string& dtype, double seconds) {
     const auto found = stated.find(dtype);
     if (found != stated.end()) return GemmPeak{found->second, kStatedPeakVariable};
-    return GemmPeak{gemm_flops_per_s(dtype, seconds), "measured"};
+    if (!on_cuda) return GemmPeak{gemm_flops_per_s(dtype, seconds), "measured"};
+    const auto launched = launch::detect_launcher();
+    const int32_t device = launched_rank_gpu(launched ? launched->rank : 0);
+    constexpr int64_t kSize = 8192;  // `meshrun bench peak --device cuda`'s
+    const CudaPeak peak = measure_cuda_peak(device, kSize, std::max(seconds, 0.25));
+    return GemmPeak{peak.gemm_flops_per_s,
+                    fmt::format("measured on cuda:{} ({}), bfloat16", device, peak.device_name)};
   };
 }
 

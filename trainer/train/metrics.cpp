@@ -90,6 +90,7 @@ std::string metrics_line(const StepMetrics& m) {
                  {"activations_peak", m.mem.activations_peak},
                  {"peak_rss", m.mem.peak_rss},
                  {"peak_rss_at_start", m.mem.peak_rss_at_start}};
+  if (m.mem.device_used_peak) line["mem"]["device_used_peak"] = *m.mem.device_used_peak;
   if (m.mem.experts) {
     line["mem"]["experts"] = {{"params", m.mem.experts->params},
                               {"buffers_peak", m.mem.experts->buffers_peak}};

@@ -26,6 +26,10 @@ struct MemoryUse {
   int64_t activations_peak = 0;  // the most `activations` has been so far
   int64_t peak_rss = 0;
   int64_t peak_rss_at_start = 0;  // peak_rss when the first step began
+  // On a GPU: the most of its memory in use (total - free, the CUDA context
+  // and every allocation included) at the trainer's samples, after each
+  // forward and at each step's end; absent on the CPU.
+  std::optional<int64_t> device_used_peak;
   // A mixture of experts' share (its experts' own strategy): the experts'
   // shard and the most of them gathered at once; absent for a dense model.
   struct Experts {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "comm/bootstrap.hpp"
 #include "comm/comm.hpp"
 #include "launch/launch.hpp"
 #include "mesh/device.hpp"
@@ -18,6 +19,7 @@
 #include "train/experts.hpp"
 #include "train/hooks.hpp"
 #include "train/pipeline_trainer.hpp"
+#include "train/rank_gpu.hpp"
 #include "train/trainer.hpp"
 
 namespace meshrun::train {
@@ -173,6 +175,31 @@ StageCommunicators computing_axes(MeshCommunicators& axes, const MeshContext& me
           mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
 }
 
+// A rank's communicators over host memory (the scalars the trainer sums,
+// checkpoints, the export, the starting weights' tp pieces) and over its
+// state's memory (the strategies' buffers, the tensors the model computes
+// on). On the CPU both are the launcher's world; on a GPU the state's is a
+// world of the comm backend (nccl) started from it.
+struct RankComms {
+  Communicator& host_world;
+  MeshCommunicators& host;
+  Communicator& state_world;
+  MeshCommunicators& state;
+
+  bool separate() const { return &host_world != &state_world; }
+};
+
+// The groups one strategy instance shards and replicates over.
+struct StrategyGroups {
+  Communicator& data_parallel;
+  Communicator& shard;
+  Communicator& replicate;
+};
+
+StrategyGroups dense_groups(MeshCommunicators& axes) {
+  return {axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate)};
+}
+
 // Where a rank's run writes, what its mfu divides by, and who hears of
 // each step.
 struct RunOutput {
@@ -181,42 +208,50 @@ struct RunOutput {
   StepObserver observer;
 };
 
-void run_trainer(const Config& config, const Plan& plan, const TokenData& data, Communicator& world,
-                 MeshCommunicators& axes, const RunOutput& output,
+void run_trainer(const Config& config, const Plan& plan, const TokenData& data,
+                 const RankComms& comms, const RankDevice& device, const RunOutput& output,
                  const std::vector<std::string>& modules, const std::string& options,
-                 StateDevice& state, std::vector<TrainPart> parts) {
-  Trainer trainer({config, data, *plan.model, modules, std::move(parts), state, world,
-                   axes.axis(Axis::dp), computing_axes(axes, plan.mesh), *plan.tensor_parallel,
-                   plan.model_plan.dump(), options, output.dir, output.gemm_peak});
+                 std::vector<TrainPart> parts) {
+  Trainer trainer({config, data, *plan.model, modules, std::move(parts), device.state,
+                   comms.host_world, comms.host.axis(Axis::dp), comms.host.axis(Axis::tp),
+                   computing_axes(comms.state, plan.mesh), *plan.tensor_parallel,
+                   plan.model_plan.dump(), options, output.dir, output.gemm_peak, device.gpu});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, plan.model->description()));
   }
   trainer.broadcast_parameters();
-  announce(config, world, *plan.model, output.dir);
+  announce(config, comms.host_world, *plan.model, output.dir);
   trainer.run(output.observer);
 }
 
 // One strategy's parameters on this rank: their starting weights, units
-// and strategy, which shards them.
+// and strategy, which shards them over `groups` (of the state's memory).
 struct RankPart {
   RankPart(const Config& config, const Plan& plan, const TensorParallelRank& tp,
-           const StageContents& contents, Communicator& data_parallel, Communicator& shard_group,
-           Communicator& replicate_group, const std::string& options, StateDevice& state)
-      : parameters(plan.tensor_parallel->local(), contents.parameters, state,
+           const StageContents& contents, const StrategyGroups& groups, const std::string& options,
+           const RankDevice& device)
+      : parameters(plan.tensor_parallel->local(), contents.parameters, device.state,
                    !config.distributed.init_fsdp_with_meta_device),
         units(stage_units(plan.tensor_parallel->local(), contents)) {
     // Megatron-FSDP's meta-device init: the weights go straight into each
     // rank's shard, and no rank holds the whole model.
     const bool by_shard = config.distributed.init_fsdp_with_meta_device;
     if (!by_shard) start_weights(config, *plan.model, tp, parameters);
-    units.strategy.shard_group = &shard_group;
-    units.strategy.replicate_group = &replicate_group;
-    strategy = std::make_unique<Strategy>(
-        plan.strategy, data_parallel, parameters.strategy_buffers(plan.tensor_parallel->local()),
-        options, &units.strategy);
+    units.strategy.shard_group = &groups.shard;
+    units.strategy.replicate_group = &groups.replicate;
+    StrategyBuffers buffers = parameters.strategy_buffers(plan.tensor_parallel->local());
+    buffers.comm_stream = device.comm_stream;
+    strategy = std::make_unique<Strategy>(plan.strategy, groups.data_parallel, std::move(buffers),
+                                          options, &units.strategy);
     // The strategy copied its shard: the full weights are no longer needed.
     if (strategy->sharded()) parameters.release();
     if (by_shard) start_shard_weights(config, *plan.model, tp, parameters, *strategy);
+  }
+
+  // The trainer's view: the optimizer's norm sums over `host`, the host's
+  // twins of the strategy's groups.
+  TrainPart train_part(const StrategyGroups& host) {
+    return TrainPart{*strategy, parameters, units, host.shard, host.replicate};
   }
 
   FlatParameters parameters;
@@ -224,73 +259,105 @@ struct RankPart {
   std::unique_ptr<Strategy> strategy;
 };
 
+// A communicator of this rank alone over `world`, its collectives on
+// `stream` when there is one.
+Communicator alone_in(Communicator& world, void* stream) {
+  Communicator alone = world.split(world.rank(), 0, "self");
+  if (stream != nullptr) alone.set_stream(stream);
+  return alone;
+}
+
 // A mixture of experts trains its experts with a strategy instance of
 // their own: over ep_shard (no replicas) with expert parallelism, else over
 // the dense parameters' groups.
 void train_data_parallel(const Config& config, const Plan& plan, const TokenData& data,
-                         Communicator& world, MeshCommunicators& axes, const RunOutput& output) {
+                         const RankComms& comms, const RankDevice& device,
+                         const RunOutput& output) {
   const Model& model = *plan.model;
   const std::vector<std::string> modules = module_names(model.description());
-  const TensorParallelRank tp{*plan.tensor_parallel, axes.axis(Axis::tp)};
+  const TensorParallelRank tp{*plan.tensor_parallel, comms.host.axis(Axis::tp)};
   const std::string options = strategy_options_json(config.distributed);
-  // The rank's state (parameters, gradients, moments) is host memory.
-  StateDevice& state = host_state_device();
-  Communicator& dp = axes.axis(Axis::dp);
-  Communicator& dp_shard_cp = axes.axis(Axis::dp_shard_cp);
-  Communicator& dp_replicate = axes.axis(Axis::dp_replicate);
+  const StrategyGroups dense_state = dense_groups(comms.state);
+  const StrategyGroups dense_host = dense_groups(comms.host);
   const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
   if (!model.description().experts || !strategy_shards(*plan.strategy)) {
-    RankPart part(config, plan, tp, stage_contents(model, modules), dp, dp_shard_cp, dp_replicate,
-                  options, state);
-    run_trainer(
-        config, plan, data, world, axes, output, modules, options, state,
-        {TrainPart{*part.strategy, part.parameters, part.units, dp_shard_cp, dp_replicate}});
+    RankPart part(config, plan, tp, stage_contents(model, modules), dense_state, options, device);
+    run_trainer(config, plan, data, comms, device, output, modules, options,
+                {part.train_part(dense_host)});
     return;
   }
   const ExpertPlacement placement =
-      moe ? ExpertPlacement{axes.axis(Axis::ep).rank(), axes.axis(Axis::ep).size()}
+      moe ? ExpertPlacement{comms.host.axis(Axis::ep).rank(), comms.host.axis(Axis::ep).size()}
           : ExpertPlacement{};
   const auto [dense_contents, expert_contents] =
       split_experts(model.description(), stage_contents(model, modules, placement));
-  RankPart dense(config, plan, tp, dense_contents, dp, dp_shard_cp, dp_replicate, options, state);
-  TrainPart dense_part{*dense.strategy, dense.parameters, dense.units, dp_shard_cp, dp_replicate};
-  dense_part.exports = dp.rank() == 0;
+  RankPart dense(config, plan, tp, dense_contents, dense_state, options, device);
+  TrainPart dense_part = dense.train_part(dense_host);
+  dense_part.exports = comms.host.axis(Axis::dp).rank() == 0;
   if (!moe) {
-    RankPart experts(config, plan, tp, expert_contents, dp, dp_shard_cp, dp_replicate, options,
-                     state);
-    TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, dp_shard_cp,
-                          dp_replicate};
-    expert_part.exports = dp.rank() == 0;
-    run_trainer(config, plan, data, world, axes, output, modules, options, state,
+    RankPart experts(config, plan, tp, expert_contents, dense_state, options, device);
+    TrainPart expert_part = experts.train_part(dense_host);
+    expert_part.exports = dense_part.exports;
+    run_trainer(config, plan, data, comms, device, output, modules, options,
                 {dense_part, expert_part});
     return;
   }
-  Communicator& ep = axes.axis(Axis::ep);
-  Communicator& ep_shard = axes.axis(Axis::ep_shard);
-  Communicator alone = world.split(world.rank(), 0, "self");
-  RankPart experts(config, plan, tp, expert_contents, ep_shard, ep_shard, alone,
-                   expert_options(config, options), state);
-  TrainPart expert_part{*experts.strategy, experts.parameters, experts.units, ep_shard, alone};
-  expert_part.norm_across = &ep;
-  expert_part.gradient_scale = float(1.0 / double(ep.size()));
-  expert_part.exports = ep_shard.rank() == 0;
-  run_trainer(config, plan, data, world, axes, output, modules, options, state,
+  Communicator& ep_shard_host = comms.host.axis(Axis::ep_shard);
+  Communicator alone_host = alone_in(comms.host_world, nullptr);
+  std::optional<Communicator> alone_state;
+  if (comms.separate()) alone_state = alone_in(comms.state_world, device.comm_stream);
+  Communicator& ep_shard_state = comms.state.axis(Axis::ep_shard);
+  RankPart experts(config, plan, tp, expert_contents,
+                   {ep_shard_state, ep_shard_state, alone_state ? *alone_state : alone_host},
+                   expert_options(config, options), device);
+  TrainPart expert_part = experts.train_part({ep_shard_host, ep_shard_host, alone_host});
+  expert_part.norm_across = &comms.host.axis(Axis::ep);
+  expert_part.gradient_scale = float(1.0 / double(comms.host.axis(Axis::ep).size()));
+  expert_part.exports = ep_shard_host.rank() == 0;
+  run_trainer(config, plan, data, comms, device, output, modules, options,
               {dense_part, expert_part});
 }
 
-void train_in_world(const Config& config, const std::optional<std::string>& output_dir,
+// The axes a strategy's collectives run over, whose stream is the comm
+// stream on a GPU (the model's, tp, cp and ep, run on the compute stream:
+// the model stage sets them).
+std::vector<Axis> strategy_axes(const MeshContext& mesh) {
+  std::vector<Axis> axes{Axis::dp, Axis::dp_shard_cp, Axis::dp_replicate};
+  if (mesh.has_moe()) axes.push_back(Axis::ep_shard);
+  return axes;
+}
+
+// The output folder (made by rank 0), the gemm peak and the observer.
+RunOutput run_output(const std::optional<std::string>& output_dir, const GemmPeakMeter& gemm_peak,
+                     Communicator& world, const StepObserver& observer) {
+  RunOutput output{output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
+  if (world.rank() == 0) std::filesystem::create_directories(output.dir);
+  return output;
+}
+
+// dist_env.backend = "nccl": the state and the model on the rank's GPU, the
+// strategies and the model's collectives over a world of the comm backend
+// started from `world`, which keeps the trainer's host-side collectives.
+void train_on_gpu(const Config& config, const std::optional<std::string>& output_dir,
+                  const GemmPeakMeter& gemm_peak, Communicator& world,
+                  const StepObserver& observer) {
+  const std::unique_ptr<RankGpu> gpu = open_rank_gpu(launched_rank_gpu(world.rank()), world.rank());
+  CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
+  Communicator gpu_world = [&] {
+    const CommBootstrap bootstrap(world);
+    return backend.world(config.comm.timeout_minutes * 60.0, gpu->device(), bootstrap.get());
+  }();
+  train_in_worlds(config, output_dir, gemm_peak, world, gpu_world,
+                  {gpu->state(), gpu->comm_stream(), gpu.get()}, observer);
+}
+
+void train_pipeline(const Config& config, const std::optional<std::string>& output_dir,
                     const GemmPeakMeter& gemm_peak, Communicator& world,
                     const StepObserver& observer) {
-  const PluginLoader loader = PluginLoader::from_environment();
-  const Plan plan = make_plan(config, world.size(), loader);
+  const Plan plan = make_plan(config, world.size(), PluginLoader::from_environment());
   MeshCommunicators axes(world, plan.mesh);
-  const RunOutput output{output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
-  if (world.rank() == 0) std::filesystem::create_directories(output.dir);
+  const RunOutput output = run_output(output_dir, gemm_peak, world, observer);
   const TokenData data(config);
-  if (plan.mesh.axis_size(Axis::pp) == 1) {
-    train_data_parallel(config, plan, data, world, axes, output);
-    return;
-  }
   const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
   PipelineTrainer trainer({config, data, plan, world, axes.axis(Axis::pp), axes.axis(Axis::dp),
                            axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
@@ -302,6 +369,18 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
   }
   announce(config, world, *plan.model, output.dir);
   trainer.run(observer);
+}
+
+void train_in_world(const Config& config, const std::optional<std::string>& output_dir,
+                    const GemmPeakMeter& gemm_peak, Communicator& world,
+                    const StepObserver& observer) {
+  if (config.distributed.pp_size > 1) {
+    train_pipeline(config, output_dir, gemm_peak, world, observer);
+  } else if (config.dist_env.on_cuda()) {
+    train_on_gpu(config, output_dir, gemm_peak, world, observer);
+  } else {
+    train_in_worlds(config, output_dir, gemm_peak, world, world, {host_state_device()}, observer);
+  }
 }
 
 }  // namespace
@@ -317,17 +396,53 @@ void check_training_input(const Config& config, const Plan& plan) {
   const ModelDescription& description = plan.model->description();
   if (!config.model.checkpoint.empty()) read_consolidated(config, description);
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
-  require_host_training(config);
+  check_gpu_training(config);
   if (config.dist_env.on_cuda()) require_usable_devices(config, cuda_devices());
 }
 
-void require_host_training(const Config& config) {
+void check_gpu_training(const Config& config) {
   if (!config.dist_env.on_cuda()) return;
-  throw config_error(config, "dist_env.backend",
-                     "\"nccl\" trains on CUDA GPUs, and the trainer keeps the parameters, "
-                     "gradients, optimizer state and the tensors it hands the model in host "
-                     "memory: training on GPUs is not implemented yet; set it to \"gloo\" or "
-                     "\"mpi\" to train on the CPU");
+  struct HostOnly {
+    const char* key;
+    int64_t size;
+    const char* why;  // the memory it keeps on the host, and what trains on the CPU only
+  };
+  const DistributedConfig& d = config.distributed;
+  for (const auto& [key, size, why] :
+       {HostOnly{"distributed.pp_size", d.pp_size,
+                 "stages: the pipeline executor keeps the activations it sends between stages "
+                 "in host memory, so pipelines train"},
+        HostOnly{"distributed.cp_size", d.cp_size,
+                 "ranks: ring and Ulysses attention exchange keys and values through host "
+                 "memory, so context parallelism trains"}}) {
+    if (size <= 1) continue;
+    throw config_error(config, key,
+                       fmt::format("{} {} on the CPU only (dist_env.backend = \"gloo\" or "
+                                   "\"mpi\"); set it to 1 to train on GPUs",
+                                   size, why));
+  }
+}
+
+void train_in_worlds(const Config& config, const std::optional<std::string>& output_dir,
+                     const GemmPeakMeter& gemm_peak, Communicator& host_world,
+                     Communicator& state_world, const RankDevice& device,
+                     const StepObserver& observer) {
+  const Plan plan = make_plan(config, host_world.size(), PluginLoader::from_environment());
+  MeshCommunicators host_axes(host_world, plan.mesh);
+  std::optional<MeshCommunicators> own_state_axes;
+  if (&state_world != &host_world) {
+    own_state_axes.emplace(state_world, plan.mesh);
+    if (device.comm_stream != nullptr) {
+      for (const Axis axis : strategy_axes(plan.mesh)) {
+        own_state_axes->axis(axis).set_stream(device.comm_stream);
+      }
+    }
+  }
+  MeshCommunicators& state_axes = own_state_axes ? *own_state_axes : host_axes;
+  const RunOutput output = run_output(output_dir, gemm_peak, host_world, observer);
+  const TokenData data(config);
+  train_data_parallel(config, plan, data, {host_world, host_axes, state_world, state_axes}, device,
+                      output);
 }
 
 int train_rank(const Config& config, const std::optional<std::string>& output_dir,
@@ -335,7 +450,10 @@ int train_rank(const Config& config, const std::optional<std::string>& output_di
   // Past a file-size limit (ulimit -f) a write then fails with EFBIG, which
   // names the file, instead of the signal killing the rank without a word.
   std::signal(SIGXFSZ, SIG_IGN);
-  CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
+  // A GPU run's world for the trainer's host memory is MPI's; its NCCL world
+  // starts from it (train_on_gpu).
+  CommBackend backend(PluginLoader::from_environment(),
+                      config.dist_env.on_cuda() ? "mpi" : config.comm.backend);
   Communicator world = backend.world(config.comm.timeout_minutes * 60.0);
   try {
     train_in_world(config, output_dir, gemm_peak, world, {});

@@ -8,7 +8,9 @@
 
 #include "config/config.hpp"
 #include "plan/plan.hpp"
+#include "state/state_device.hpp"
 #include "train/loop.hpp"
+#include "train/rank_gpu.hpp"
 #include "train/throughput.hpp"
 
 namespace meshrun::train {
@@ -16,21 +18,47 @@ namespace meshrun::train {
 // Everything about the input that can fail without starting ranks: the data
 // file and its size against data.seq_len, the batch sizes against the
 // data-parallel size of `plan`, whether the strategy can train, the model,
-// the checkpoints to start from, and for a CUDA run whether this machine
-// has a GPU (mesh/device.hpp) and whether the trainer can train there.
+// the checkpoints to start from, and for a CUDA run check_gpu_training and
+// whether this machine has a GPU (mesh/device.hpp).
 // Throws input errors naming the key.
 void check_training_input(const Config& config, const Plan& plan);
 
-// Throws an input error at dist_env.backend for a CUDA run: the trainer
-// keeps parameters, gradients, optimizer state and every tensor it hands a
-// model stage in host memory, which a model computing on a GPU and the
-// NCCL backend cannot use. Not yet implemented: docs/testing.md says which
-// GPU parts exist.
-void require_host_training(const Config& config);
+// For a CUDA run (dist_env.backend = "nccl"), throws the input error of
+// what cannot train on GPUs yet, naming its key: pipelines (pp_size > 1,
+// whose executor keeps activations in host memory) and context
+// parallelism (cp_size > 1). Does nothing for a CPU run. `meshrun plan`
+// checks it too; whether this machine has a GPU is train's alone to check.
+void check_gpu_training(const Config& config);
+
+// Where a rank keeps its training state: the state device (parameters,
+// gradients, moments, the tensors handed to the model), the stream the
+// strategies' collectives run on (NULL on the host), and the GPU (null on
+// the host; mem.device_used_peak).
+struct RankDevice {
+  StateDevice& state;
+  void* comm_stream = nullptr;
+  RankGpu* gpu = nullptr;
+};
+
+// One rank of a run without a pipeline (pp_size 1) over two worlds of the
+// same ranks in the same order: `host_world` carries the trainer's own
+// collectives on host memory (the loss, the gradient norm's shares,
+// validation sums, checkpoints, the export, the output folder's name), and
+// `state_world` those on `device.state`'s memory (the strategies', whose
+// axes' collectives it puts on device.comm_stream, and the model's tp, cp
+// and ep). On the CPU both are one communicator; a GPU run's state world is
+// NCCL's, started from MPI's. Errors as train_in_process's.
+void train_in_worlds(const Config& config, const std::optional<std::string>& output_dir,
+                     const GemmPeakMeter& gemm_peak, Communicator& host_world,
+                     Communicator& state_world, const RankDevice& device,
+                     const StepObserver& observer);
 
 // One rank: joins the world through config.comm.backend, builds the mesh,
 // the model and the strategy, and trains into `output_dir` (when absent,
 // runs/<rank 0's start time>); mfu divides by what `gemm_peak` measures.
+// A CUDA run joins through "mpi" for the trainer's host memory and starts
+// config.comm.backend's world (nccl) from it on the rank's GPU (GPU
+// local_rank % the GPUs the process sees), for the state's memory.
 // Returns the rank's exit status: 0, or 1
 // when a step was not finite (every rank stops there alike; rank 0 says
 // why). Other errors after the world exists end the rank through
@@ -39,7 +67,8 @@ int train_rank(const Config& config, const std::optional<std::string>& output_di
                const GemmPeakMeter& gemm_peak);
 
 // One rank of the same run inside a host's own process, in the world the
-// host joined (the host API's meshrun_run_train): checks the input as
+// host joined (the host API's meshrun_run_train; a CPU backend's world,
+// which a CUDA run starts its NCCL world from): checks the input as
 // `meshrun train` does before its ranks start, then trains as train_rank,
 // calling `observer` (may be empty) after each step. Errors are thrown,
 // never a process exit: input errors naming the key, NonFiniteStep when a

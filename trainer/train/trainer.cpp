@@ -128,6 +128,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     loss_sum += stage_.forward(0, on_state(tokens_, stage_tokens_),
                                on_state(targets_, stage_targets_), nullptr, nullptr);
     activations_.sample(stage_.activation_bytes());
+    sample_device_memory();
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
@@ -171,8 +172,8 @@ double Trainer::gradient_norm() {
     }
     squared += share;
   }
-  if (ctx_.computing.tp->size() > 1) {
-    squared = all_reduce(squared, ReduceOp::sum, *ctx_.computing.tp);
+  if (ctx_.tensor_parallel_host.size() > 1) {
+    squared = all_reduce(squared, ReduceOp::sum, ctx_.tensor_parallel_host);
   }
   return std::sqrt(squared);
 }
@@ -269,7 +270,17 @@ MemoryUse Trainer::memory_use() {
   }
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
+  if (ctx_.gpu != nullptr) {
+    sample_device_memory();
+    use.device_used_peak = device_used_peak_;
+  }
   return use;
+}
+
+// cudaMemGetInfo at the points the model holds most (after a forward) and at
+// each step's end: the GPU's peak as far as these samples see it.
+void Trainer::sample_device_memory() {
+  if (ctx_.gpu != nullptr) device_used_peak_ = std::max(device_used_peak_, ctx_.gpu->used_bytes());
 }
 
 // The consolidated weights on rank 0: a sharded strategy gathers each part

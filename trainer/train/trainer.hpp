@@ -21,6 +21,7 @@
 #include "train/hooks.hpp"
 #include "train/loop.hpp"
 #include "train/metrics.hpp"
+#include "train/rank_gpu.hpp"
 
 namespace meshrun::train {
 
@@ -54,14 +55,20 @@ struct TrainContext {
   // Where the parts' parameters and gradients are (their FlatParameters'
   // device), the optimizer's moments and the data handed to the stage.
   StateDevice& state;
+  // The trainer's own collectives, on host memory (the loss, the norm's
+  // shares, validation sums, checkpoints, the export): the world, dp and
+  // tp. On a GPU the communicators of the state's memory are others.
   Communicator& world;
   Communicator& data_parallel;
-  StageCommunicators computing;  // the axes the model computes over
+  Communicator& tensor_parallel_host;
+  StageCommunicators computing;  // the axes the model computes over, on the state's memory
   const TensorParallelLayout& tensor_parallel;
   std::string plan_json;     // the model plan
   std::string options_json;  // the strategy options
   std::string output_dir;
   GemmPeakMeter gemm_peak;
+  // The rank's GPU when the state is on one (mem.device_used_peak), else null.
+  RankGpu* gpu = nullptr;
 };
 
 class Trainer : public TrainingRank {
@@ -107,7 +114,11 @@ class Trainer : public TrainingRank {
   // The parts' ranges in the full model's layout, one after another as
   // their concatenated state lies.
   std::vector<HeldRange> checkpoint_ranges(bool saved) const;
-  TensorParallelRank tensor_parallel() const { return {ctx_.tensor_parallel, *ctx_.computing.tp}; }
+  TensorParallelRank tensor_parallel() const {
+    return {ctx_.tensor_parallel, ctx_.tensor_parallel_host};
+  }
+  // After a forward: the most of the GPU's memory in use so far.
+  void sample_device_memory();
 
   TrainContext ctx_;
   StateDevice& state_;  // ctx_.state
@@ -115,6 +126,7 @@ class Trainer : public TrainingRank {
   ModelStage stage_;
   std::vector<std::unique_ptr<Part>> parts_;
   ActivationMeter activations_;
+  int64_t device_used_peak_ = 0;
   int64_t next_step_ = 0;
   // A micro-batch's tokens and targets as the data give them (host), and
   // their copies in the state device's memory, which the stage reads.

@@ -1,0 +1,74 @@
+#include "train/rank_gpu.hpp"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <mutex>
+
+#include "errors.hpp"
+#include "launch/launch.hpp"
+#include "mesh/device.hpp"
+#include "plugin/loader.hpp"
+
+namespace meshrun::train {
+namespace {
+
+// The library's entry, loaded once and kept for the process.
+meshrun_trainer_cuda_rank_gpu_fn rank_gpu_entry(const std::string& on) {
+  static std::mutex mutex;
+  static meshrun_trainer_cuda_rank_gpu_fn entry = nullptr;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (entry != nullptr) return entry;
+  const std::string path =
+      (std::filesystem::path(library_dir().value_or(".")) / MESHRUN_TRAINER_CUDA_LIBRARY).string();
+  if (!std::filesystem::exists(path)) {
+    throw Error(MESHRUN_UNAVAILABLE,
+                fmt::format("{}: {} is missing: this build trains on the CPU only (it was built "
+                            "without the CUDA toolkit)",
+                            on, path));
+  }
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    throw Error(MESHRUN_UNAVAILABLE,
+                fmt::format("{}: {} cannot be loaded: {}", on, path, dlerror()));
+  }
+  entry = reinterpret_cast<meshrun_trainer_cuda_rank_gpu_fn>(
+      dlsym(library, MESHRUN_TRAINER_CUDA_SYMBOL));
+  if (entry == nullptr) {
+    throw Error(MESHRUN_INTERNAL,
+                fmt::format("{}: {} has no {}", on, path, MESHRUN_TRAINER_CUDA_SYMBOL));
+  }
+  return entry;
+}
+
+}  // namespace
+
+int32_t gpu_of_local_rank(int64_t local_rank, int count) {
+  return static_cast<int32_t>(local_rank % count);
+}
+
+int32_t launched_rank_gpu(int64_t rank) {
+  const CudaDevices devices = cuda_devices();
+  if (devices.count == 0) {
+    throw Error(MESHRUN_UNAVAILABLE,
+                fmt::format("rank {}: dist_env.backend = \"nccl\" and this process sees no usable "
+                            "CUDA device ({})",
+                            rank, devices.why_none));
+  }
+  const auto launched = launch::detect_launcher();
+  const int64_t local = launched && launched->local_rank ? *launched->local_rank : rank;
+  return gpu_of_local_rank(local, devices.count);
+}
+
+std::unique_ptr<RankGpu> open_rank_gpu(int32_t device, int64_t rank) {
+  const std::string on = fmt::format("rank {} on cuda:{}", rank, device);
+  RankGpu* gpu = nullptr;
+  std::string why;
+  if (rank_gpu_entry(on)(device, &gpu, &why) != 0) {
+    throw Error(MESHRUN_UNAVAILABLE, fmt::format("{}: {}", on, why));
+  }
+  return std::unique_ptr<RankGpu>(gpu);
+}
+
+}  // namespace meshrun::train
