@@ -36,7 +36,8 @@ gpu_targets=(meshrun_cuda_smoke meshrun_cuda_layers_test meshrun_cuda_gemm_test 
   meshrun_model_mixtral meshrun_kit_cuda
   meshrun_cuda_state_device_test meshrun_cli meshrun_cuda_peak meshrun_nccl_boundary_test meshrun_nccl_comm_test
   meshrun_strategy_device_test meshrun_strategy_ddp meshrun_strategy_fsdp2 meshrun_comm_nccl
-  meshrun_comm_mpi test_plugin_loopback meshrun_trainer_cuda meshrun_sidecar_llama)
+  meshrun_comm_mpi test_plugin_loopback meshrun_trainer_cuda meshrun_sidecar_llama
+  meshrun_strategy_megatron_fsdp)
 
 echo "== meshrun GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 echo "== GPUs"

@@ -169,8 +169,8 @@ const Refusal kRefusals[] = {
      "by the global token count is the same number; a run would not differ",
      "remove the key or set it to false"},
     {"distributed.nccl_ub", [](const Config& c) { return c.distributed.nccl_ub; },
-     "NCCL user buffers register CUDA memory with NCCL; megatron_fsdp keeps its buffers in host "
-     "memory and runs on the CPU comm backends",
+     "NCCL user buffers register CUDA memory with NCCL (ncclMemAlloc, ncclCommRegister), and "
+     "meshrun's megatron_fsdp hands NCCL buffers it allocates with cudaMalloc, unregistered",
      "remove the key or set it to false"},
     {"distributed.keep_fp8_transpose_cache",
      [](const Config& c) { return c.distributed.keep_fp8_transpose_cache; },

@@ -66,8 +66,10 @@ CASES = [
     ("llama ddp", "llama-tiny.toml", [], 1, ["distributed.strategy=ddp"]),
     ("gpt2 fsdp2", "gpt2-tiny.toml", [], 1, []),
     ("mixtral fsdp2", "moe-ep.toml", MIXTRAL_ALONE, 1, []),
+    ("llama megatron_fsdp", "megatron-fsdp.toml", [], 1, []),
     ("llama fsdp2, 2 ranks", "llama-tiny.toml", [], 2, []),
     ("llama ddp, 2 ranks", "llama-tiny.toml", [], 2, ["distributed.strategy=ddp"]),
+    ("llama megatron_fsdp, 2 ranks", "megatron-fsdp.toml", [], 2, []),
     ("mixtral, ep 2", "moe-ep.toml", [], 2, []),
     ("llama, tp 2", "tensor-parallel.toml", [], 2, []),
 ]

@@ -287,7 +287,7 @@ TEST_CASE("config keys: a refusal says why and what would be valid", "[config][k
              Contains("at levels 0-2 every unit stays gathered for the whole step; set "
                       "distributed.zero_dp_strategy to 3, or fsdp_double_buffer to false"));
   CHECK_THAT(message("distributed.nccl_ub", "true", kMegatron),
-             Contains("megatron_fsdp keeps its buffers in host memory"));
+             Contains("megatron_fsdp hands NCCL buffers it allocates with cudaMalloc"));
   CHECK_THAT(message("distributed.pipeline.pp_seq_len", "32"),
              Contains("differs from data.seq_len (256)"));
   CHECK_THAT(message("distributed.pipeline.pp_batch_size", "4", kPipeline),
