@@ -21,6 +21,12 @@ packages=(
   libxxhash-dev libxxhash0 libdnnl-dev libdnnl2 ocl-icd-libopencl1 catch2
   libopenblas-dev libopenblas-pthread-dev libopenblas0-pthread libgfortran5
   pkgconf pkgconf-bin libpkgconf3
+  # Open MPI, whose world a GPU run's trainer joins and whose mpirun starts
+  # its ranks: the library, mpirun and the compiler wrappers, and what they
+  # load, without the network transports (UCX, libfabric, PSM), which one
+  # node does not need (`use` restricts Open MPI to shared memory).
+  openmpi-bin openmpi-common libopenmpi3 libopenmpi-dev libpmix2 libhwloc15 libudev1
+  libevent-2.1-7 libevent-core-2.1-7 libevent-pthreads-2.1-7 libmunge2 libltdl7
 )
 gpu_deps_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.gpu-deps"
 
@@ -47,6 +53,20 @@ gpu_deps_use() {
   export PKG_CONFIG_SYSROOT_DIR="$prefix"
   export PATH="$prefix/usr/bin:$PATH"
   export MESHRUN_SKIP_INSTALL_DEPS=1
+  gpu_deps_use_mpi "$prefix/usr"
+}
+
+# Open MPI unpacked under `$1` (its /usr): the names Debian's alternatives
+# would have made (mpirun, mpicc, mpicxx), OPAL_PREFIX so that it finds its
+# components and help files there, and one node's transports only.
+gpu_deps_use_mpi() {
+  local usr="$1" name
+  [ -x "$usr/bin/orterun" ] || return 0
+  for name in mpirun mpiexec; do ln -sf orterun "$usr/bin/$name"; done
+  for name in mpicc mpicxx mpic++; do ln -sf opal_wrapper "$usr/bin/$name"; done
+  export OPAL_PREFIX="$usr"
+  export LD_LIBRARY_PATH="$usr/lib/x86_64-linux-gnu/openmpi/lib:$LD_LIBRARY_PATH"
+  export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader OMPI_MCA_mca_base_component_show_load_errors=0
 }
 
 case "${1:-}" in

@@ -96,8 +96,11 @@ def train(meshrun, config, ranks, backend, overrides, output):
     command = [meshrun, "train", config, "--nproc-per-node", str(ranks), "--output", output,
                f"dist_env.backend={backend}", f"train.steps={STEPS}", "train.val_every=5",
                "train.log_every=1"] + overrides
-    result = subprocess.run(command, capture_output=True, text=True, env=environment(),
-                            timeout=600)
+    # A job of its own, with Open MPI's settings kept (scripts/gpu-deps.sh
+    # sets its transports where it brings Open MPI along).
+    settings = {k: v for k, v in os.environ.items() if k.startswith("OMPI_MCA_")}
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env=environment(**settings), timeout=600)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n"
                              f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
