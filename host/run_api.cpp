@@ -26,7 +26,8 @@ meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_di
       meshrun::train::train_in_process(
           runtime->runtime.config(),
           output_dir != nullptr ? std::optional<std::string>(output_dir) : std::nullopt,
-          meshrun::train::gemm_peak_meter(), job->world(), observer);
+          meshrun::train::gemm_peak_meter(runtime->runtime.config().dist_env.on_cuda()),
+          job->host_world(), observer);
     } catch (const meshrun::train::NonFiniteStep& stop) {
       throw meshrun::Error(MESHRUN_FAILED_PRECONDITION, stop.what());
     }

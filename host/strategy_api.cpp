@@ -382,7 +382,7 @@ meshrun_error* meshrun_strategy_save_checkpoint(meshrun_strategy* strategy, cons
     require_host_memory(*strategy);
     meshrun::save_sharded(dir, strategy->layout, strategy->seed, step, strategy->local.saved,
                           checkpoint_buffers(*strategy, num_buffers, names, buffers),
-                          strategy->job->world());
+                          strategy->job->host_world());
   });
 }
 

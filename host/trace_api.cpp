@@ -39,7 +39,7 @@ Trace::Clock::time_point at(double seconds) {
 meshrun_error* meshrun_trace_start(meshrun_runtime* runtime) {
   return guarded(__func__, [&] {
     meshrun::host_api::live(runtime, "runtime");
-    Trace::process().start(runtime->runtime.job()->world());
+    Trace::process().start(runtime->runtime.job()->host_world());
   });
 }
 
@@ -68,7 +68,7 @@ meshrun_error* meshrun_trace_write(meshrun_runtime* runtime, const char* output_
       throw meshrun::Error(MESHRUN_FAILED_PRECONDITION,
                            "meshrun_trace_write without meshrun_trace_start");
     }
-    const nlohmann::json gathered = trace.gather(runtime->runtime.job()->world());
+    const nlohmann::json gathered = trace.gather(runtime->runtime.job()->host_world());
     if (gathered.is_null()) return;
     std::filesystem::create_directories(output_dir);
     meshrun::write_text_file((std::filesystem::path(output_dir) / "trace.json").string(),

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "errors.hpp"
+#include "launch/launch.hpp"
 
 namespace meshrun {
 
@@ -43,6 +44,23 @@ CudaDevices cuda_devices() {
   }
   dlclose(driver);
   return devices;
+}
+
+int32_t gpu_of_local_rank(int64_t local_rank, int count) {
+  return static_cast<int32_t>(local_rank % count);
+}
+
+int32_t launched_rank_gpu(int64_t rank) {
+  const CudaDevices devices = cuda_devices();
+  if (devices.count == 0) {
+    throw Error(MESHRUN_UNAVAILABLE,
+                fmt::format("rank {}: dist_env.backend = \"nccl\" and this process sees no usable "
+                            "CUDA device ({})",
+                            rank, devices.why_none));
+  }
+  const auto launched = launch::detect_launcher();
+  const int64_t local = launched && launched->local_rank ? *launched->local_rank : rank;
+  return gpu_of_local_rank(local, devices.count);
 }
 
 void require_usable_devices(const Config& config, const CudaDevices& devices) {

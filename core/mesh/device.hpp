@@ -3,6 +3,7 @@
 // "gloo" and "mpi" on the CPU (docs/config.md).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "config/config.hpp"
@@ -18,6 +19,16 @@ struct CudaDevices {
   std::string why_none;
 };
 CudaDevices cuda_devices();
+
+// The GPU of a rank that is `local_rank` on its node, among `count` GPUs the
+// process sees: local_rank % count, AutoModel's placement.
+int32_t gpu_of_local_rank(int64_t local_rank, int count);
+
+// This process's GPU as rank `rank` of a CUDA run: gpu_of_local_rank of the
+// launcher's local rank (`rank` where the launcher does not say) and the
+// GPUs the process sees (CUDA_VISIBLE_DEVICES applied). Throws UNAVAILABLE
+// naming `rank` when it sees none, saying why.
+int32_t launched_rank_gpu(int64_t rank);
 
 // Throws the input error at dist_env.backend when the config asks for CUDA
 // and `devices` has none, before any rank starts.

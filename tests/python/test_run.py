@@ -96,6 +96,25 @@ class RunTrain(unittest.TestCase):
         self.assertIn("train.global_batch_size", stdout)
         self.assertFalse(os.path.exists(os.path.join(output, "metrics.jsonl")))
 
+    # A CUDA run joins MPI's world, then starts NCCL's on the rank's GPU:
+    # without one the join says so, naming the rank, and the process goes on.
+    @unittest.skipIf(os.path.exists("/dev/nvidia0"), "this machine has a GPU")
+    def test_a_cuda_join_without_a_gpu_names_the_rank(self):
+        script = ("import sys, meshrun\n"
+                  "try:\n"
+                  "    meshrun.init(sys.argv[1], overrides=['dist_env.backend=nccl'])\n"
+                  "except meshrun.MeshrunError as error:\n"
+                  "    print(f'refused: {error.code} {error}', flush=True)\n")
+        result = subprocess.run(
+            [MESHRUN, "launch", "--nproc-per-node", "2", "--", sys.executable, "-c", script,
+             CONFIG], capture_output=True, text=True, timeout=120,
+            env=environment(PYTHONPATH=os.path.join(ROOT, "python")))
+        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
+        for rank in (0, 1):
+            self.assertIn(f"rank {rank}: dist_env.backend = \"nccl\" and this process sees no "
+                          "usable CUDA device", result.stdout)
+        self.assertEqual(result.stdout.count("refused: 8 UNAVAILABLE"), 2, result.stdout)
+
 
 if __name__ == "__main__":
     MESHRUN = sys.argv.pop(1)

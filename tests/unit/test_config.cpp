@@ -15,7 +15,6 @@
 #include "errors.hpp"
 #include "mesh/device.hpp"
 #include "temp_folder.hpp"
-#include "train/rank_gpu.hpp"
 #include "train/run.hpp"
 
 namespace {
@@ -710,11 +709,11 @@ TEST_CASE("device: a CUDA run refuses pipelines and context parallelism, naming 
 
 // AutoModel's placement: local rank l on GPU l % the GPUs the process sees.
 TEST_CASE("device: a rank's GPU is its local rank modulo the GPUs it sees", "[device]") {
-  CHECK(meshrun::train::gpu_of_local_rank(0, 1) == 0);
-  CHECK(meshrun::train::gpu_of_local_rank(3, 1) == 0);
-  CHECK(meshrun::train::gpu_of_local_rank(3, 8) == 3);
-  CHECK(meshrun::train::gpu_of_local_rank(9, 8) == 1);
-  CHECK(meshrun::train::gpu_of_local_rank(5, 2) == 1);
+  CHECK(meshrun::gpu_of_local_rank(0, 1) == 0);
+  CHECK(meshrun::gpu_of_local_rank(3, 1) == 0);
+  CHECK(meshrun::gpu_of_local_rank(3, 8) == 3);
+  CHECK(meshrun::gpu_of_local_rank(9, 8) == 1);
+  CHECK(meshrun::gpu_of_local_rank(5, 2) == 1);
 }
 
 TEST_CASE("device: a CUDA run without a usable GPU is refused at dist_env.backend", "[device]") {

@@ -11,8 +11,8 @@
 #include "errors.hpp"
 #include "gemm_peak/cuda_peak.hpp"
 #include "launch/launch.hpp"
+#include "mesh/device.hpp"
 #include "numeric/peak.hpp"
-#include "train/rank_gpu.hpp"
 
 namespace meshrun::train {
 namespace {

@@ -7,8 +7,6 @@
 #include <mutex>
 
 #include "errors.hpp"
-#include "launch/launch.hpp"
-#include "mesh/device.hpp"
 #include "plugin/loader.hpp"
 
 namespace meshrun::train {
@@ -43,23 +41,6 @@ meshrun_trainer_cuda_rank_gpu_fn rank_gpu_entry(const std::string& on) {
 }
 
 }  // namespace
-
-int32_t gpu_of_local_rank(int64_t local_rank, int count) {
-  return static_cast<int32_t>(local_rank % count);
-}
-
-int32_t launched_rank_gpu(int64_t rank) {
-  const CudaDevices devices = cuda_devices();
-  if (devices.count == 0) {
-    throw Error(MESHRUN_UNAVAILABLE,
-                fmt::format("rank {}: dist_env.backend = \"nccl\" and this process sees no usable "
-                            "CUDA device ({})",
-                            rank, devices.why_none));
-  }
-  const auto launched = launch::detect_launcher();
-  const int64_t local = launched && launched->local_rank ? *launched->local_rank : rank;
-  return gpu_of_local_rank(local, devices.count);
-}
 
 std::unique_ptr<RankGpu> open_rank_gpu(int32_t device, int64_t rank) {
   const std::string on = fmt::format("rank {} on cuda:{}", rank, device);

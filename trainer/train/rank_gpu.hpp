@@ -51,16 +51,6 @@ typedef int32_t (*meshrun_trainer_cuda_rank_gpu_fn)(int32_t device, RankGpu** ou
                                                     std::string* why);
 }
 
-// The GPU of a rank that is `local_rank` on its node, among `count` GPUs the
-// process sees: local_rank % count, AutoModel's placement.
-int32_t gpu_of_local_rank(int64_t local_rank, int count);
-
-// This process's GPU as rank `rank`: gpu_of_local_rank of the launcher's
-// local rank (`rank` where the launcher does not say) and the GPUs the
-// process sees (CUDA_VISIBLE_DEVICES applied). Throws UNAVAILABLE naming
-// `rank` when it sees none, saying why.
-int32_t launched_rank_gpu(int64_t rank);
-
 // Loads libmeshrun_trainer_cuda.so and makes `device`'s RankGpu. Throws
 // meshrun::Error naming `rank` and the device: UNAVAILABLE when the build
 // has no such library (built without the CUDA toolkit) or the device

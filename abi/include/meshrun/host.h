@@ -140,10 +140,14 @@ MESHRUN_HOST_API void meshrun_string_destroy(char* string);
  * loads the comm backend the config names (comm.backend) and makes the world
  * communicator, resolves the mesh for the world's size (loading the strategy
  * plugin, and the model plugin when the config has a [model] table), and
- * makes one communicator per mesh axis. Collective over the job: every rank
- * calls it. Errors: FAILED_PRECONDITION (the mesh is already built), the
- * comm backend's errors, and the mesh's (INVALID_ARGUMENT for sizes that do
- * not fit the world, naming the key). */
+ * makes one communicator per mesh axis. With dist_env.backend = "nccl" it
+ * first joins the "mpi" backend's world (host memory: meshrun_run_train's
+ * own sums, checkpoints, traces), then starts comm.backend's world on the
+ * rank's GPU (local rank % the GPUs the process sees) from it. Collective
+ * over the job: every rank calls it. Errors: FAILED_PRECONDITION (the mesh
+ * is already built), UNAVAILABLE naming the rank when a CUDA run's process
+ * sees no GPU, the comm backend's errors, and the mesh's (INVALID_ARGUMENT
+ * for sizes that do not fit the world, naming the key). */
 MESHRUN_HOST_API meshrun_error* meshrun_runtime_join(meshrun_runtime* runtime);
 
 /* This process's rank in the joined job, the job's size, and its rank among
