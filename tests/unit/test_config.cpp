@@ -15,6 +15,7 @@
 #include "errors.hpp"
 #include "mesh/device.hpp"
 #include "temp_folder.hpp"
+#include "train/rank_gpu.hpp"
 #include "train/run.hpp"
 
 namespace {
@@ -704,6 +705,27 @@ TEST_CASE("device: a CUDA run refuses pipelines and context parallelism, naming 
       CHECK_THAT(error.what(), StartsWith(start));
       CHECK_THAT(error.what(), Contains("set it to 1 to train on GPUs"));
     }
+  }
+}
+
+// A rank that cannot have its GPU says which rank, which device and why:
+// this build has no GPU trainer (the sanitized build never has), the process
+// sees no GPU, or the device is past those it sees.
+TEST_CASE("device: a rank that cannot open its GPU names the rank, the device and why",
+          "[device]") {
+  try {
+    meshrun::train::open_rank_gpu(1000, 3);
+    FAIL("cuda:1000 opened");
+  } catch (const meshrun::Error& error) {
+    CHECK(error.code() == MESHRUN_UNAVAILABLE);
+    const std::string what = error.what();
+    CHECK_THAT(what, StartsWith("rank 3 on cuda:1000: "));
+    const bool said_why =
+        what.find("libmeshrun_trainer_cuda.so is missing: this build trains on the CPU only") !=
+            std::string::npos ||
+        what.find("no usable CUDA device") != std::string::npos ||
+        what.find("past this process's") != std::string::npos;
+    CHECK(said_why);
   }
 }
 
