@@ -239,6 +239,23 @@ std::optional<std::string> library_dir() {
   return (exe.parent_path() / MESHRUN_LIB_DIR_FROM_BIN).lexically_normal().string();
 }
 
+std::string library_folder_file(const std::string& file) {
+  return (fs::path(library_dir().value_or(".")) / file).string();
+}
+
+void* load_library_symbol(const std::string& path, const char* symbol, const std::string& context,
+                          int32_t load_failure) {
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    throw Error(load_failure, context + ": " + path + " cannot be loaded: " + dlerror());
+  }
+  void* found = dlsym(library, symbol);
+  if (found == nullptr) {
+    throw Error(MESHRUN_INTERNAL, context + ": " + path + " has no " + symbol);
+  }
+  return found;
+}
+
 namespace {
 
 // The plugin folder of this build or installation: <libdir>/meshrun/plugins.

@@ -115,6 +115,18 @@ class PluginLoader {
 // neither can be told.
 std::optional<std::string> library_dir();
 
+// The path of `file` in the library folder ("." when library_dir cannot be
+// told): where the libraries meshrun loads beside libmeshrun are (its GPU
+// parts, which it links no CUDA library for).
+std::string library_folder_file(const std::string& file);
+
+// Loads the library at `path` (kept loaded for the process) and returns its
+// `symbol`. Throws meshrun::Error prefixed with `context`: `load_failure`
+// naming the path and dlerror's reason when it cannot be loaded, INTERNAL
+// when it has no such symbol.
+void* load_library_symbol(const std::string& path, const char* symbol, const std::string& context,
+                          int32_t load_failure);
+
 // The host services table the core hands to plugins: logging through the
 // core's logger, errors, and aligned allocation. Static; valid forever.
 const meshrun_host_services& host_services();

@@ -1,6 +1,5 @@
 #include "gemm_peak/cuda_peak.hpp"
 
-#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -16,27 +15,15 @@ namespace {
 
 // The measuring library's entry point; the library stays loaded.
 meshrun_cuda_gemm_peak_fn load_peak_library() {
-  const auto dir = library_dir();
-  const std::string path =
-      (std::filesystem::path(dir.value_or(".")) / MESHRUN_CUDA_PEAK_LIBRARY).string();
+  const std::string path = library_folder_file(MESHRUN_CUDA_PEAK_LIBRARY);
   if (!std::filesystem::exists(path)) {
     throw invalid_argument(fmt::format(
         "--device cuda: {} is missing: this build has no CUDA GEMM peak (it was built without "
         "the CUDA toolkit's cuBLASLt)",
         path));
   }
-  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (library == nullptr) {
-    throw Error(MESHRUN_INTERNAL,
-                fmt::format("--device cuda: {} cannot be loaded: {}", path, dlerror()));
-  }
-  auto* entry =
-      reinterpret_cast<meshrun_cuda_gemm_peak_fn>(dlsym(library, MESHRUN_CUDA_PEAK_SYMBOL));
-  if (entry == nullptr) {
-    throw Error(MESHRUN_INTERNAL,
-                fmt::format("--device cuda: {} has no {}", path, MESHRUN_CUDA_PEAK_SYMBOL));
-  }
-  return entry;
+  return reinterpret_cast<meshrun_cuda_gemm_peak_fn>(
+      load_library_symbol(path, MESHRUN_CUDA_PEAK_SYMBOL, "--device cuda", MESHRUN_INTERNAL));
 }
 
 }  // namespace

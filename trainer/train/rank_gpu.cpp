@@ -1,6 +1,5 @@
 #include "train/rank_gpu.hpp"
 
-#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -18,25 +17,15 @@ meshrun_trainer_cuda_rank_gpu_fn rank_gpu_entry(const std::string& on) {
   static meshrun_trainer_cuda_rank_gpu_fn entry = nullptr;
   const std::lock_guard<std::mutex> lock(mutex);
   if (entry != nullptr) return entry;
-  const std::string path =
-      (std::filesystem::path(library_dir().value_or(".")) / MESHRUN_TRAINER_CUDA_LIBRARY).string();
+  const std::string path = library_folder_file(MESHRUN_TRAINER_CUDA_LIBRARY);
   if (!std::filesystem::exists(path)) {
     throw Error(MESHRUN_UNAVAILABLE,
                 fmt::format("{}: {} is missing: this build trains on the CPU only (it was built "
                             "without the CUDA toolkit)",
                             on, path));
   }
-  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (library == nullptr) {
-    throw Error(MESHRUN_UNAVAILABLE,
-                fmt::format("{}: {} cannot be loaded: {}", on, path, dlerror()));
-  }
   entry = reinterpret_cast<meshrun_trainer_cuda_rank_gpu_fn>(
-      dlsym(library, MESHRUN_TRAINER_CUDA_SYMBOL));
-  if (entry == nullptr) {
-    throw Error(MESHRUN_INTERNAL,
-                fmt::format("{}: {} has no {}", on, path, MESHRUN_TRAINER_CUDA_SYMBOL));
-  }
+      load_library_symbol(path, MESHRUN_TRAINER_CUDA_SYMBOL, on, MESHRUN_UNAVAILABLE));
   return entry;
 }
 
