@@ -22,12 +22,16 @@ meshrun_error* meshrun_run_train(meshrun_runtime* runtime, const char* output_di
         return callback(context, metrics_line.c_str()) == 0;
       };
     }
+    // A CUDA run's NCCL world, joined on the rank's GPU, carries the
+    // trainer's state too (no second NCCL world for the training).
+    meshrun::Communicator* gpu_world =
+        &job->world() != &job->host_world() ? &job->world() : nullptr;
     try {
       meshrun::train::train_in_process(
           runtime->runtime.config(),
           output_dir != nullptr ? std::optional<std::string>(output_dir) : std::nullopt,
           meshrun::train::gemm_peak_meter(runtime->runtime.config().dist_env.on_cuda()),
-          job->host_world(), observer);
+          job->host_world(), observer, gpu_world);
     } catch (const meshrun::train::NonFiniteStep& stop) {
       throw meshrun::Error(MESHRUN_FAILED_PRECONDITION, stop.what());
     }

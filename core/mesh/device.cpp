@@ -63,14 +63,26 @@ int32_t launched_rank_gpu(int64_t rank) {
   return gpu_of_local_rank(local, devices.count);
 }
 
-void require_usable_devices(const Config& config, const CudaDevices& devices) {
-  if (!config.dist_env.on_cuda() || devices.count > 0) return;
+void require_usable_devices(const Config& config, const CudaDevices& devices,
+                            int64_t ranks_per_node) {
+  if (!config.dist_env.on_cuda()) return;
+  if (devices.count == 0) {
+    throw Error(MESHRUN_INVALID_ARGUMENT,
+                fmt::format("{}: dist_env.backend: \"nccl\" puts every rank on a CUDA GPU, and "
+                            "this machine has none usable ({}); set it to \"gloo\" or \"mpi\" "
+                            "to train on the CPU",
+                            config.where("dist_env.backend"), devices.why_none),
+                "dist_env.backend");
+  }
+  if (ranks_per_node <= devices.count) return;
   throw Error(MESHRUN_INVALID_ARGUMENT,
-              fmt::format("{}: dist_env.backend: \"nccl\" puts every rank on a CUDA GPU, and this "
-                          "machine has none usable ({}); set it to \"gloo\" or \"mpi\" to train "
-                          "on the CPU",
-                          config.where("dist_env.backend"), devices.why_none),
-              "dist_env.backend");
+              fmt::format("--nproc-per-node: {} ranks a node, and this machine's processes see {} "
+                          "CUDA GPU{}; dist_env.backend = \"nccl\" ({}) needs a GPU of its own "
+                          "for each rank of a node (NCCL refuses two ranks on one GPU): start at "
+                          "most {}, or let them see more (CUDA_VISIBLE_DEVICES)",
+                          ranks_per_node, devices.count, devices.count == 1 ? "" : "s",
+                          config.where("dist_env.backend"), devices.count),
+              "--nproc-per-node");
 }
 
 }  // namespace meshrun

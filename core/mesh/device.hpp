@@ -30,8 +30,12 @@ int32_t gpu_of_local_rank(int64_t local_rank, int count);
 // naming `rank` when it sees none, saying why.
 int32_t launched_rank_gpu(int64_t rank);
 
-// Throws the input error at dist_env.backend when the config asks for CUDA
-// and `devices` has none, before any rank starts.
-void require_usable_devices(const Config& config, const CudaDevices& devices);
+// Before any rank starts, when the config asks for CUDA: throws the input
+// error at dist_env.backend when `devices` has none, and at
+// --nproc-per-node when a node would start more ranks than the GPUs it
+// sees (NCCL refuses two ranks of a communicator on one GPU, "Duplicate
+// GPU detected", so local_rank % count never wraps in a run that starts).
+void require_usable_devices(const Config& config, const CudaDevices& devices,
+                            int64_t ranks_per_node = 1);
 
 }  // namespace meshrun

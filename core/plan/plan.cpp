@@ -408,7 +408,21 @@ std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan) {
                               strategy_options_json(plan.config->distributed));
 }
 
-nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
+namespace {
+
+// Ranks a node: `ranks_per_node`, or the whole world on one node.
+int64_t node_size(const Plan& plan, int64_t ranks_per_node) {
+  return ranks_per_node > 0 ? ranks_per_node : plan.mesh.world_size();
+}
+
+}  // namespace
+
+std::string rank_device(const Plan& plan, int64_t rank, int64_t ranks_per_node) {
+  if (!plan.config->dist_env.on_cuda()) return "cpu";
+  return fmt::format("cuda:{}", rank % node_size(plan, ranks_per_node));
+}
+
+nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks, int64_t ranks_per_node) {
   const MeshContext& mesh = plan.mesh;
   const Config& config = *plan.config;
   nlohmann::ordered_json json = {
@@ -435,7 +449,12 @@ nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks) {
   for (int64_t rank = 0; rank < mesh.world_size(); ++rank) {
     nlohmann::ordered_json coords = nlohmann::ordered_json::object();
     for (Axis axis : axes) coords[std::string(axis_name(axis))] = mesh.coordinate(rank, axis);
-    ranks.push_back({{"rank", rank}, {"coords", std::move(coords)}});
+    nlohmann::ordered_json entry = {{"rank", rank}, {"coords", std::move(coords)}};
+    if (config.dist_env.on_cuda()) {
+      entry["node"] = rank / node_size(plan, ranks_per_node);
+      entry["device"] = rank_device(plan, rank, ranks_per_node);
+    }
+    ranks.push_back(std::move(entry));
   }
   json["ranks"] = std::move(ranks);
   return json;
@@ -471,10 +490,14 @@ std::string axes_line(const MeshContext& mesh, std::string_view title, const aut
   return fmt::format("{:<10}({}) = ({})\n", title, names, sizes);
 }
 
-std::string rank_table(const MeshContext& mesh, bool all_ranks) {
+// The ranks' coordinates, and in a CUDA run each one's node and GPU.
+std::string rank_table(const Plan& plan, bool all_ranks, int64_t ranks_per_node) {
+  const MeshContext& mesh = plan.mesh;
+  const bool cuda = plan.config->dist_env.on_cuda();
   const auto axes = listed_axes(mesh);
   std::string table = fmt::format("{:>8}", "rank");
   for (Axis axis : axes) table += fmt::format(" {:>12}", axis_name(axis));
+  if (cuda) table += fmt::format(" {:>8} {:>8}", "node", "device");
   table += "\n";
   const int64_t world = mesh.world_size();
   const bool collapse = !all_ranks && world > 2 * kTextRankEdge;
@@ -486,6 +509,10 @@ std::string rank_table(const MeshContext& mesh, bool all_ranks) {
     }
     table += fmt::format("{:>8}", rank);
     for (Axis axis : axes) table += fmt::format(" {:>12}", mesh.coordinate(rank, axis));
+    if (cuda) {
+      table += fmt::format(" {:>8} {:>8}", rank / node_size(plan, ranks_per_node),
+                           rank_device(plan, rank, ranks_per_node));
+    }
     table += "\n";
   }
   return table;
@@ -583,16 +610,21 @@ std::string memory_line(const Plan& plan) {
 namespace {
 
 // Where the ranks compute: "cpu", or each local rank's GPU.
-std::string device_line(const Config& config) {
+std::string device_line(const Plan& plan, int64_t ranks_per_node) {
+  const Config& config = *plan.config;
   const std::string why = fmt::format("(dist_env.backend \"{}\")", config.dist_env.backend);
   if (!config.dist_env.on_cuda()) return fmt::format("{:<10}cpu, every rank {}\n", "device", why);
-  return fmt::format("{:<10}cuda: local rank l on GPU l % the GPUs its node sees {}\n", "device",
-                     why);
+  const int64_t node = node_size(plan, ranks_per_node);
+  return fmt::format(
+      "{:<10}cuda: a GPU per local rank, {} rank{} a node ({}), rank r on GPU r % {} "
+      "of node r / {} {}\n",
+      "device", node, node == 1 ? "" : "s", ranks_per_node > 0 ? "--nproc-per-node" : "one node",
+      node, node, why);
 }
 
 }  // namespace
 
-std::string plan_to_text(const Plan& plan, bool all_ranks) {
+std::string plan_to_text(const Plan& plan, bool all_ranks, int64_t ranks_per_node) {
   const MeshContext& mesh = plan.mesh;
   std::string text = fmt::format(
       "meshrun plan: {}, world size {}, strategy {} ({} mesh)\n", plan.config->source,
@@ -606,12 +638,12 @@ std::string plan_to_text(const Plan& plan, bool all_ranks) {
     text += model_lines(plan.model->description(), plan.model_plan);
     text += memory_line(plan);
   }
-  text += device_line(*plan.config);
+  text += device_line(plan, ranks_per_node);
   text += axes_line(mesh, "mesh", kMeshAxes);
   text += axes_line(mesh, "flattened", kFlattenedAxes);
   text += mesh.has_moe() ? axes_line(mesh, "moe", kMoeAxes)
                          : fmt::format("{:<10}none (ep_size 1)\n", "moe");
-  return text + rank_table(mesh, all_ranks);
+  return text + rank_table(plan, all_ranks, ranks_per_node);
 }
 
 }  // namespace meshrun

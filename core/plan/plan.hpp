@@ -85,12 +85,19 @@ int64_t pipeline_microbatches(const Config& config, int64_t dp);
 // (its plan_memory; see plan_strategy_memory). Needs a model.
 std::optional<StrategyMemoryPlan> predict_state_memory(const Plan& plan);
 
-// The plan JSON of docs/design.md. Rank coordinates are listed up to 4096 ranks, or
-// always with `all_ranks`.
-nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks);
+// Where rank `rank` of a run with `ranks_per_node` ranks a node (0: every
+// rank on one node) computes: "cpu", or for a CUDA run "cuda:N" with N its
+// local rank (the launch fills each node's ranks in order, and a CUDA run
+// has a GPU per local rank: mesh/device.hpp).
+std::string rank_device(const Plan& plan, int64_t rank, int64_t ranks_per_node);
+
+// The plan JSON of docs/design.md. Rank coordinates (with each rank's node
+// and device in a CUDA run, for `ranks_per_node` ranks a node, 0: one node)
+// are listed up to 4096 ranks, or always with `all_ranks`.
+nlohmann::ordered_json plan_to_json(const Plan& plan, bool all_ranks, int64_t ranks_per_node = 0);
 
 // The human-readable plan; large worlds show the first and last ranks only,
-// unless `all_ranks`.
-std::string plan_to_text(const Plan& plan, bool all_ranks);
+// unless `all_ranks`. A CUDA run's rank table has each rank's node and GPU.
+std::string plan_to_text(const Plan& plan, bool all_ranks, int64_t ranks_per_node = 0);
 
 }  // namespace meshrun

@@ -189,8 +189,8 @@ class BadInputTest(InputErrorAssertions):
 
     def test_a_cuda_run_is_refused_before_any_rank_starts_where_it_cannot_train(self):
         # Where the kit has no GPU compute (a build without the toolkit) the
-        # plan refuses "nccl"; where it has, the plan is made, pipelines and
-        # context parallelism are refused at their key, and without a GPU
+        # plan refuses "nccl"; where it has, the plan is made (a pipeline's
+        # too), context parallelism is refused at its key, and without a GPU
         # (this machine, CI) `meshrun train` refuses the run saying why.
         cuda = "[dist_env]\nbackend = \"nccl\"\n"
         with ConfigFile(cuda) as path:
@@ -199,7 +199,21 @@ class BadInputTest(InputErrorAssertions):
                 self.assert_input_error(planned, f"{path}:2:1", "dist_env.backend",
                                         "computes on the CPU only")
                 return
-            self.assertIn("cuda: local rank l on GPU l % the GPUs its node sees", planned.stdout)
+            self.assertIn("cuda: a GPU per local rank, 1 rank a node (one node)", planned.stdout)
+            # Each rank's node and GPU, the launch filling each node in order.
+            planned = run("plan", path, "--world-size", "4", "--nproc-per-node", "2")
+            self.assertEqual(planned.returncode, 0, planned.stderr)
+            self.assertIn("2 ranks a node (--nproc-per-node), rank r on GPU r % 2 of node r / 2",
+                          planned.stdout)
+            table = [line.split() for line in planned.stdout.splitlines()
+                     if line.split() and line.split()[0].isdigit()]
+            self.assertEqual([(row[0], row[-2], row[-1]) for row in table],
+                             [("0", "0", "cuda:0"), ("1", "0", "cuda:1"),
+                              ("2", "1", "cuda:0"), ("3", "1", "cuda:1")])
+            listed = json.loads(run("plan", path, "--world-size", "4", "--nproc-per-node", "2",
+                                    "--json").stdout)
+            self.assertEqual([(r["node"], r["device"]) for r in listed["ranks"]],
+                             [(0, "cuda:0"), (0, "cuda:1"), (1, "cuda:0"), (1, "cuda:1")])
             if not os.path.exists("/dev/nvidia0"):
                 with tempfile.TemporaryDirectory() as folder:
                     output = os.path.join(folder, "run")
@@ -208,13 +222,26 @@ class BadInputTest(InputErrorAssertions):
                                             "\"nccl\" puts every rank on a CUDA GPU",
                                             "set it to \"gloo\" or \"mpi\"")
                     self.assertFalse(os.path.exists(output))
-        refused = [("[distributed]\npp_size = 2\n[distributed.pipeline]\n", "distributed.pp_size"),
-                   ("[distributed]\ncp_size = 2\n", "distributed.cp_size")]
-        for text, key in refused:
-            with self.subTest(key=key), ConfigFile(cuda + text) as path:
-                needles = (f"{path}:4:1", key, "set it to 1 to train on GPUs")
-                self.assert_input_error(run("plan", path), *needles)
-                self.assert_input_error(run("train", path, "--nproc-per-node", "2"), *needles)
+        pipeline = "[model]\nnum_hidden_layers = 2\n[distributed]\npp_size = 2\n" \
+                   "[distributed.pipeline]\npp_schedule = \"1f1b\"\n"
+        with ConfigFile(cuda + pipeline) as path:
+            planned = run("plan", path, "--world-size", "2")
+            self.assertEqual(planned.returncode, 0, planned.stderr)
+            self.assertIn("cuda: a GPU per local rank, 2 ranks a node (one node)", planned.stdout)
+        with ConfigFile(cuda + "[distributed]\ncp_size = 2\n") as path:
+            needles = (f"{path}:4:1", "distributed.cp_size", "set it to 1 to train on GPUs")
+            self.assert_input_error(run("plan", path), *needles)
+            self.assert_input_error(run("train", path, "--nproc-per-node", "2"), *needles)
+
+    def test_a_comm_backend_without_its_plugin_is_refused_before_any_rank_starts(self):
+        with tempfile.TemporaryDirectory() as folder:
+            output = os.path.join(folder, "run")
+            example = os.path.join(SOURCE_DIR, "examples", "llama-tiny.toml")
+            result = run("train", example, "comm.backend=nosuch", "--nproc-per-node", "2",
+                         "--output", output)
+            self.assert_input_error(result, "comm.backend: the ranks join its world",
+                                    "no comm plugin named 'nosuch'", "available: ")
+            self.assertFalse(os.path.exists(output))
 
     def test_command_line_errors(self):
         example = EXAMPLES[0]

@@ -72,6 +72,9 @@ CASES = [
     ("llama megatron_fsdp, 2 ranks", "megatron-fsdp.toml", [], 2, []),
     ("mixtral, ep 2", "moe-ep.toml", [], 2, []),
     ("llama, tp 2", "tensor-parallel.toml", [], 2, []),
+    ("llama, pp 2 (1f1b)", "pipeline-1f1b.toml", [], 2, []),
+    ("llama, pp 2 (zero-bubble V)", "pipeline-1f1b.toml", [], 2,
+     ["distributed.pipeline.pp_schedule=zbv_zero_bubble"]),
 ]
 
 

@@ -1,7 +1,8 @@
 // The data-parallel trainer over two worlds of the same ranks, on the CPU:
 // the trainer's host-side collectives on the launcher's world and the
 // strategies' and the model's on another communicator (a split of it), as
-// a GPU run puts them on an NCCL world (train::train_in_worlds). The losses,
+// a GPU run puts them on an NCCL world (train::train_in_worlds), with a
+// pipeline's transfers over the state's pp too. The losses,
 // gradient norms, validation losses and exported weights must equal the
 // one-world run's bit for bit: the worlds hold the same ranks in the same
 // order, so every sum is the same sum. Run under mpirun with 2 ranks;
@@ -87,6 +88,11 @@ int main(int argc, char** argv) {
       {"llama, ddp", "llama-tiny.toml", {"distributed.strategy=ddp"}},
       {"llama, tp 2", "tensor-parallel.toml", {}},
       {"mixtral, ep 2 (the experts' own strategy)", "moe-ep.toml", {}},
+      {"llama, pp 2 (1f1b)", "pipeline-1f1b.toml", {}},
+      {"llama, pp 2 (zero-bubble V: two stages a rank, I and W)",
+       "pipeline-1f1b.toml",
+       {"distributed.pipeline.pp_schedule=zbv_zero_bubble",
+        "distributed.pipeline.pp_recv_buffer_pool=true"}},
   };
   meshrun::CommBackend backend(meshrun::PluginLoader::from_environment(), "mpi");
   Communicator world = backend.world(120.0);

@@ -681,31 +681,60 @@ TEST_CASE("config rule: the comm backend follows dist_env's device", "[config][r
                   "set dist_env.backend = \"nccl\" to train on GPUs", "cfg.toml:2:1");
 }
 
-// A CUDA run trains data-parallel only: what keeps host memory between
-// ranks (the pipeline's activations, cp's keys and values) is refused at
-// its key before any rank starts; the same sizes on the CPU are not.
-TEST_CASE("device: a CUDA run refuses pipelines and context parallelism, naming the key",
+// A CUDA run trains without context parallelism: ring and Ulysses
+// attention exchange through host memory, so cp_size > 1 is refused at its
+// key before any rank starts; the same size on the CPU is not, nor is a
+// pipeline on a GPU.
+TEST_CASE("device: a CUDA run refuses context parallelism, naming the key, and takes pipelines",
           "[device]") {
   const std::string nccl = "[dist_env]\nbackend = \"nccl\"\n";
   CHECK_NOTHROW(meshrun::train::check_gpu_training(parse(nccl)));
   CHECK_NOTHROW(meshrun::train::check_gpu_training(
-      parse("[distributed]\npp_size = 2\n[distributed.pipeline]\n")));
+      parse(nccl + "[distributed]\npp_size = 2\n[distributed.pipeline]\n")));
   CHECK_NOTHROW(meshrun::train::check_gpu_training(parse("[distributed]\ncp_size = 2\n")));
-  const std::vector<std::tuple<std::string, std::string, std::string>> refused = {
-      {"pp_size = 2\n[distributed.pipeline]", "distributed.pp_size",
-       "cfg.toml:4:1: distributed.pp_size: 2 stages"},
-      {"cp_size = 2", "distributed.cp_size", "cfg.toml:4:1: distributed.cp_size: 2 ranks"}};
-  for (const auto& [line, key, start] : refused) {
+  try {
+    meshrun::train::check_gpu_training(parse(nccl + "[distributed]\ncp_size = 2\n"));
+    FAIL("accepted cp_size = 2");
+  } catch (const meshrun::Error& error) {
+    CHECK(error.is_input_error());
+    CHECK(error.key() == "distributed.cp_size");
+    CHECK_THAT(error.what(), StartsWith("cfg.toml:4:1: distributed.cp_size: 2 ranks"));
+    CHECK_THAT(error.what(), Contains("set it to 1 to train on GPUs"));
+  }
+}
+
+// The comm plugins a run joins through are looked for before any rank
+// starts: comm.backend's, and on CUDA MPI's, whose world the trainer's host
+// memory uses; a missing one names its key, the plugins there are and the
+// folders searched.
+TEST_CASE("device: a missing comm plugin is refused at its key before any rank starts",
+          "[device]") {
+  const TempFolder folder("meshrun-test-comm-plugins");
+  const meshrun::PluginLoader loader({folder.path()});
+  const auto refusal = [&](const Config& config) -> std::pair<std::string, std::string> {
     try {
-      meshrun::train::check_gpu_training(parse(nccl + "[distributed]\n" + line + "\n"));
-      FAIL("accepted " << line);
+      meshrun::train::check_comm_plugins(config, loader);
     } catch (const meshrun::Error& error) {
       CHECK(error.is_input_error());
-      CHECK(error.key() == key);
-      CHECK_THAT(error.what(), StartsWith(start));
-      CHECK_THAT(error.what(), Contains("set it to 1 to train on GPUs"));
+      return {error.key(), error.what()};
     }
-  }
+    return {};
+  };
+  const auto [cpu_key, cpu_what] = refusal(parse("[train]\nsteps = 1\n"));
+  CHECK(cpu_key == "comm.backend");
+  CHECK_THAT(cpu_what, Contains("the ranks join its world: no comm plugin named 'mpi'"));
+  CHECK_THAT(cpu_what, Contains(folder.path()));
+
+  const std::string nccl = "[dist_env]\nbackend = \"nccl\"\n";
+  std::ofstream(folder.file("meshrun_comm_nccl.so")) << "found, not loaded";
+  const auto [cuda_key, cuda_what] = refusal(parse(nccl));
+  CHECK(cuda_key == "dist_env.backend");
+  CHECK_THAT(cuda_what, StartsWith("cfg.toml:2:1: dist_env.backend: \"nccl\" joins MPI's world"));
+  CHECK_THAT(cuda_what, Contains("no comm plugin named 'mpi'; available: nccl"));
+
+  std::ofstream(folder.file("meshrun_comm_mpi.so")) << "found, not loaded";
+  CHECK_NOTHROW(meshrun::train::check_comm_plugins(parse(nccl), loader));
+  CHECK_NOTHROW(meshrun::train::check_comm_plugins(parse(""), loader));
 }
 
 // A rank that cannot have its GPU says which rank, which device and why:
@@ -738,13 +767,27 @@ TEST_CASE("device: a rank's GPU is its local rank modulo the GPUs it sees", "[de
   CHECK(meshrun::gpu_of_local_rank(5, 2) == 1);
 }
 
-TEST_CASE("device: a CUDA run without a usable GPU is refused at dist_env.backend", "[device]") {
+TEST_CASE(
+    "device: a CUDA run without a usable GPU, or with more ranks a node than GPUs, is refused",
+    "[device]") {
   const meshrun::CudaDevices here = meshrun::cuda_devices();
   CHECK((here.count > 0) == here.why_none.empty());
   const meshrun::CudaDevices none{0, "no NVIDIA driver: libcuda.so.1 cannot be loaded"};
   CHECK_NOTHROW(meshrun::require_usable_devices(parse(""), none));
   const Config cuda = parse("[dist_env]\nbackend = \"nccl\"\n");
   CHECK_NOTHROW(meshrun::require_usable_devices(cuda, {1, ""}));
+  CHECK_NOTHROW(meshrun::require_usable_devices(cuda, {2, ""}, 2));
+  CHECK_NOTHROW(meshrun::require_usable_devices(parse(""), none, 4));
+  try {
+    meshrun::require_usable_devices(cuda, {2, ""}, 4);
+    FAIL("accepted 4 ranks on 2 GPUs");
+  } catch (const meshrun::Error& error) {
+    CHECK(error.is_input_error());
+    CHECK(error.key() == "--nproc-per-node");
+    CHECK_THAT(error.what(), StartsWith("--nproc-per-node: 4 ranks a node, and this machine's "
+                                        "processes see 2 CUDA GPUs; dist_env.backend = \"nccl\" "
+                                        "(cfg.toml:2:1) needs a GPU of its own"));
+  }
   try {
     meshrun::require_usable_devices(cuda, none);
     FAIL("accepted");

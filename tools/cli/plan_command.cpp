@@ -1,6 +1,6 @@
-// meshrun plan CONFIG [--world-size N] [--json] [--all-ranks]
-//                     [--estimate [--hardware NAME|FILE.toml] [--nproc-per-node N]
-//                      [--model-config config.json]] [key.path=value ...]
+// meshrun plan CONFIG [--world-size N] [--nproc-per-node N] [--json] [--all-ranks]
+//                     [--estimate [--hardware NAME|FILE.toml] [--model-config config.json]]
+//                     [key.path=value ...]
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -20,9 +20,9 @@ namespace meshrun::cli {
 namespace {
 
 constexpr const char* kPlanUsage =
-    "usage: meshrun plan CONFIG.toml [--world-size N] [--json] [--all-ranks]\n"
+    "usage: meshrun plan CONFIG.toml [--world-size N] [--nproc-per-node N] [--json] [--all-ranks]\n"
     "                    [--estimate [--hardware h100-sxm|h200|cpu-this-machine|FILE.toml]\n"
-    "                     [--nproc-per-node N] [--model-config config.json]] [key.path=value ...]";
+    "                     [--model-config config.json]] [key.path=value ...]";
 
 // A JSON value as the TOML of an override's value.
 std::string toml_value(const nlohmann::ordered_json& value) {
@@ -90,7 +90,7 @@ int run_plan(const Args& args) {
                              std::to_string(parsed.positionals.size()));
     }
     const bool estimate = parsed.has_flag("estimate");
-    for (const char* option : {"hardware", "nproc-per-node", "model-config"}) {
+    for (const char* option : {"hardware", "model-config"}) {
       if (!estimate && parsed.value(option)) {
         throw invalid_argument(fmt::format("option '--{}' needs '--estimate'", option));
       }
@@ -109,12 +109,12 @@ int run_plan(const Args& args) {
     const Plan plan = make_plan(config, world_size, loader);
     train::check_gpu_training(config);
     const bool all_ranks = parsed.has_flag("all-ranks");
+    const int64_t ranks_per_node =
+        parsed.value("nproc-per-node")
+            ? parse_int_option("nproc-per-node", *parsed.value("nproc-per-node"), 1, 4096)
+            : 0;
     std::optional<Estimate> estimated;
     if (estimate) {
-      const int64_t ranks_per_node =
-          parsed.value("nproc-per-node")
-              ? parse_int_option("nproc-per-node", *parsed.value("nproc-per-node"), 1, 4096)
-              : 0;
       const std::string hardware = parsed.value("hardware").value_or("cpu-this-machine");
       estimated = estimate_run(
           plan, hardware_profile(hardware, hardware == "cpu-this-machine" && ranks_per_node == 0
@@ -122,11 +122,11 @@ int run_plan(const Args& args) {
                                                : ranks_per_node));
     }
     if (parsed.has_flag("json")) {
-      nlohmann::ordered_json json = plan_to_json(plan, all_ranks);
+      nlohmann::ordered_json json = plan_to_json(plan, all_ranks, ranks_per_node);
       if (estimated) json["estimate"] = estimate_to_json(*estimated);
       std::puts(json.dump().c_str());
     } else {
-      std::fputs(plan_to_text(plan, all_ranks).c_str(), stdout);
+      std::fputs(plan_to_text(plan, all_ranks, ranks_per_node).c_str(), stdout);
       if (estimated) std::fputs(estimate_to_text(*estimated).c_str(), stdout);
     }
     return 0;

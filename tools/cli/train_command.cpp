@@ -54,8 +54,8 @@ int run_train(const Args& args) {
     const train::GemmPeakMeter gemm_peak = train::gemm_peak_meter(config.dist_env.on_cuda());
     // Bad input fails here, once, before any rank starts.
     const PluginLoader loader = PluginLoader::from_environment();
-    train::check_training_input(config,
-                                make_plan(config, expected_world_size(nproc, options), loader));
+    train::check_training_input(
+        config, make_plan(config, expected_world_size(nproc, options), loader), nproc);
     if (!launch::detect_launcher() && started_from_node_zero(parsed)) return 0;
 
     if (auto status = relaunch_if_needed(nproc, "train", args, options)) return *status;

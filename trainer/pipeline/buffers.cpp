@@ -22,9 +22,7 @@ const char* kind_name(BufferKind kind) {
   return "buffer";
 }
 
-int64_t bytes_of(const std::vector<float>& buffer) {
-  return static_cast<int64_t>(buffer.size() * sizeof(float));
-}
+int64_t bytes_of(const StateArray<float>& buffer) { return buffer.size() * int64_t(sizeof(float)); }
 
 }  // namespace
 
@@ -46,13 +44,12 @@ float* ActivationBuffers::hold(const BufferKey& key, Held held) {
 
 float* ActivationBuffers::allocate(const BufferKey& key, int64_t numel) {
   ++allocations_;
-  return hold(key, {std::vector<float>(static_cast<size_t>(numel)), false});
+  return hold(key, {StateArray<float>(numel, device_), false});
 }
 
 float* ActivationBuffers::receive(const BufferKey& key, int64_t numel) {
-  const auto pooled = std::find_if(pool_.begin(), pool_.end(), [&](const std::vector<float>& v) {
-    return static_cast<int64_t>(v.size()) == numel;
-  });
+  const auto pooled = std::find_if(pool_.begin(), pool_.end(),
+                                   [&](const StateArray<float>& v) { return v.size() == numel; });
   Held held{{}, true};
   if (pooled != pool_.end()) {
     held.values = std::move(*pooled);
@@ -60,7 +57,7 @@ float* ActivationBuffers::receive(const BufferKey& key, int64_t numel) {
     pooled_bytes_ -= bytes_of(held.values);
   } else {
     ++allocations_;
-    held.values.resize(static_cast<size_t>(numel));
+    held.values = StateArray<float>(numel, device_);
   }
   float* data = hold(key, std::move(held));
   receive_depth_ = std::max(receive_depth_, ++received_held_);
@@ -72,7 +69,7 @@ float* ActivationBuffers::find(const BufferKey& key) {
   return it == buffers_.end() ? nullptr : it->second.values.data();
 }
 
-// Extracting the node keeps the vector, and so the data pointer a pending
+// Extracting the node keeps the array, and so the data pointer a pending
 // transfer may hold, where it is.
 void ActivationBuffers::rename(const BufferKey& from, const BufferKey& to) {
   if (buffers_.contains(to)) throw invalid_argument("the " + describe(to) + " is already held");

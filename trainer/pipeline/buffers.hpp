@@ -5,6 +5,9 @@
 // other ranks are pooled instead: a released one is kept, up to the most
 // received buffers held at once so far (the schedule's receive depth), and
 // a later receive of its size takes it back without allocating or zeroing.
+// The buffers are memory of a state device (state/state_device.hpp): the
+// host's, or the rank's GPU's in a CUDA run, where a release is ordered
+// after the work already enqueued on the device's stream.
 #pragma once
 
 #include <compare>
@@ -12,6 +15,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "state/state_device.hpp"
 
 namespace meshrun::pipeline {
 
@@ -32,7 +37,11 @@ std::string describe(const BufferKey& key);
 
 class ActivationBuffers {
  public:
-  explicit ActivationBuffers(bool pool_received = false) : pool_received_(pool_received) {}
+  explicit ActivationBuffers(bool pool_received = false, StateDevice& device = host_state_device())
+      : pool_received_(pool_received), device_(device) {}
+
+  // The memory the buffers are of.
+  StateDevice& device() const { return device_; }
 
   // A new buffer of `numel` zeroed floats under `key`; refused when `key`
   // is held.
@@ -66,14 +75,15 @@ class ActivationBuffers {
 
  private:
   struct Held {
-    std::vector<float> values;
+    StateArray<float> values;
     bool received = false;
   };
   float* hold(const BufferKey& key, Held held);
 
   bool pool_received_;
+  StateDevice& device_;
   std::map<BufferKey, Held> buffers_;
-  std::vector<std::vector<float>> pool_;
+  std::vector<StateArray<float>> pool_;
   int64_t received_held_ = 0;  // received buffers held now
   int64_t receive_depth_ = 0;  // the most held at once so far
   int64_t pooled_bytes_ = 0;

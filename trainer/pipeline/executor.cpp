@@ -44,12 +44,12 @@ bool is_backward_transfer(ActionType type) {
 }  // namespace
 
 Executor::Executor(schedule::Schedule lowered, int64_t rank, Communicator& pp,
-                   std::map<int64_t, HeldStage> stages, bool pool_received)
+                   std::map<int64_t, HeldStage> stages, bool pool_received, StateDevice& device)
     : schedule_(std::move(lowered)),
       rank_(rank),
       pp_(pp),
       stages_(std::move(stages)),
-      buffers_(pool_received) {
+      buffers_(pool_received, device) {
   check_schedule();
 }
 
@@ -272,7 +272,7 @@ void Executor::send(size_t step, const Action& action) {
   const int64_t numel = backward ? stage.input_numel() : stage.output_numel();
   const int32_t peer = action.stage + (backward ? -1 : 1);
   const int32_t edge = backward ? action.stage - 1 : action.stage;
-  FlatTensor tensor(data, dtype_float32(), numel);
+  FlatTensor tensor(data, dtype_float32(), numel, buffers_.device().where());
   Request request = pp_.send(tensor.get(), schedule_.stage_rank[static_cast<size_t>(peer)],
                              tag(edge, action.microbatch, backward));
   sends_.push_back({std::move(request), key, step});
@@ -289,7 +289,7 @@ void Executor::receive(size_t step, const Action& action) {
   const int32_t peer = action.stage + (backward ? 1 : -1);
   const int32_t edge = backward ? action.stage : action.stage - 1;
   float* data = buffers_.receive(key, numel);
-  FlatTensor tensor(data, dtype_float32(), numel);
+  FlatTensor tensor(data, dtype_float32(), numel, buffers_.device().where());
   Request request = pp_.recv(tensor.get(), schedule_.stage_rank[static_cast<size_t>(peer)],
                              tag(edge, action.microbatch, backward));
   receives_.emplace(key, InFlight{std::move(request), key, step});

@@ -51,8 +51,17 @@ class Executor {
   // a transfer past either end of the pipeline or between two stages of
   // this rank, or stages of this rank whose activation sizes differ.
   // `pool_received` keeps received buffers for reuse (ActivationBuffers).
+  // The buffers handed to the stages, and sent and received over `pp`, are
+  // memory of `device`. On a GPU, `pp`'s transfers must be ordered on the
+  // stream the stages compute on (the device's): a send then follows the
+  // compute that made its buffer, and a receive precedes the compute that
+  // reads it, without events. The schedule's validation (blocking transfers
+  // matched in order between each pair of ranks) is what makes that
+  // deadlock-free and lets a backend that ignores tags, as NCCL does, pair
+  // every transfer right.
   Executor(schedule::Schedule lowered, int64_t rank, Communicator& pp,
-           std::map<int64_t, HeldStage> stages, bool pool_received = false);
+           std::map<int64_t, HeldStage> stages, bool pool_received = false,
+           StateDevice& device = host_state_device());
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 

@@ -94,4 +94,12 @@ void TokenData::validation_batch(int64_t first, int64_t count, std::vector<int32
   }
 }
 
+const int32_t* copy_to_state(StateDevice& device, const std::vector<int32_t>& ids,
+                             StateArray<int32_t>& copy) {
+  const auto count = int64_t(ids.size());
+  if (copy.size() != count) copy = StateArray<int32_t>(count, device);
+  device.copy_from_host(copy.data(), ids.data(), count * int64_t(sizeof(int32_t)));
+  return copy.data();
+}
+
 }  // namespace meshrun::train

@@ -11,8 +11,14 @@
 #include <vector>
 
 #include "config/config.hpp"
+#include "state/state_device.hpp"
 
 namespace meshrun::train {
+
+// `ids` copied into `copy` (reallocated when the size differs), memory of
+// `device`, where the model stage reads tokens and targets; returns it.
+const int32_t* copy_to_state(StateDevice& device, const std::vector<int32_t>& ids,
+                             StateArray<int32_t>& copy);
 
 class TokenData {
  public:

@@ -9,9 +9,9 @@ PipelineStage::PipelineStage(const Model& model, const ModelDescription& local,
                              const std::vector<StrategyPart>& parts,
                              const StageCommunicators& computing, const std::string& plan_json,
                              const std::string& options_json, float loss_scale,
-                             std::function<void()> after_forward)
+                             const StageDevice& device, std::function<void()> after_forward)
     : bindings_(parts, model.description().parameters.size()),
-      stage_(model, modules, *this, computing, plan_json, options_json, &local),
+      stage_(model, modules, *this, computing, plan_json, options_json, &local, device),
       loss_scale_(loss_scale),
       after_forward_(std::move(after_forward)) {}
 

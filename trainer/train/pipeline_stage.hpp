@@ -34,7 +34,7 @@ class PipelineStage : public pipeline::StageWork,
   PipelineStage(const Model& model, const ModelDescription& local,
                 const std::vector<std::string>& modules, const std::vector<StrategyPart>& parts,
                 const StageCommunicators& computing, const std::string& plan_json,
-                const std::string& options_json, float loss_scale,
+                const std::string& options_json, float loss_scale, const StageDevice& device,
                 std::function<void()> after_forward);
 
   ModelStage& compute() { return stage_; }

@@ -51,11 +51,15 @@ schedule::Schedule pipeline_schedule(const Config& config, const Plan& plan, int
   return sharded;
 }
 
-PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(context)) {
-  microbatches_ = pipeline_microbatches(ctx_.config, ctx_.data_parallel.size());
+PipelineTrainer::PipelineTrainer(PipelineContext context)
+    : ctx_(std::move(context)),
+      state_(ctx_.device.state),
+      computing_(computing_axes(ctx_.comms.state, ctx_.plan.mesh)) {
+  Communicator& pipeline = state_axis(Axis::pp);
+  microbatches_ = pipeline_microbatches(ctx_.config, host_axis(Axis::dp).size());
   build_stages();
   const auto& split = ctx_.plan.model_plan.at("pipeline");
-  schedule::Schedule schedule = pipeline_schedule(ctx_.config, ctx_.plan, ctx_.pipeline.size(),
+  schedule::Schedule schedule = pipeline_schedule(ctx_.config, ctx_.plan, pipeline.size(),
                                                   int64_t(split.size()), microbatches_);
   for (const auto& stage : split) {
     const auto index = stage.at("stage").get<size_t>();
@@ -68,27 +72,31 @@ PipelineTrainer::PipelineTrainer(PipelineContext context) : ctx_(std::move(conte
   std::map<int64_t, pipeline::HeldStage> stages;
   for (auto& held : held_)
     stages.emplace(held->index, pipeline::HeldStage{*held->work, held->work.get()});
-  executor_.emplace(std::move(schedule), ctx_.pipeline.rank(), ctx_.pipeline, std::move(stages),
-                    ctx_.config.distributed.pipeline.pp_recv_buffer_pool);
+  executor_.emplace(std::move(schedule), pipeline.rank(), pipeline, std::move(stages),
+                    ctx_.config.distributed.pipeline.pp_recv_buffer_pool, state_);
+}
+
+bool PipelineTrainer::expert_parallel() const {
+  return ctx_.plan.mesh.has_moe() && ctx_.plan.mesh.axis_size(Axis::ep) > 1;
 }
 
 PipelineTrainer::~PipelineTrainer() = default;
 
 PipelineTrainer::HeldPart& PipelineTrainer::add_part(Held& held, const StageContents& contents,
-                                                     Communicator& data_parallel,
-                                                     Communicator& shard_group,
-                                                     Communicator& replicate_group,
+                                                     const StrategyGroups& groups,
+                                                     const StrategyGroups& host,
                                                      const std::string& options) {
   const Model& model = *ctx_.plan.model;
   const ModelDescription& local = ctx_.plan.tensor_parallel->local();
   auto part = std::make_unique<HeldPart>(local, contents, state_);
   start_weights(ctx_.config, model, tensor_parallel(), part->parameters);
   part->units = stage_units(local, contents);
-  part->units.strategy.shard_group = &shard_group;
-  part->units.strategy.replicate_group = &replicate_group;
-  part->strategy = std::make_unique<Strategy>(ctx_.plan.strategy, data_parallel,
-                                              part->parameters.strategy_buffers(local), options,
-                                              &part->units.strategy);
+  part->units.strategy.shard_group = &groups.shard;
+  part->units.strategy.replicate_group = &groups.replicate;
+  StrategyBuffers buffers = part->parameters.strategy_buffers(local);
+  buffers.comm_stream = ctx_.device.comm_stream;
+  part->strategy = std::make_unique<Strategy>(ctx_.plan.strategy, groups.data_parallel,
+                                              std::move(buffers), options, &part->units.strategy);
   if (!part->strategy->sharded()) {
     throw invalid_argument(
         fmt::format("strategy {} does not shard; pipeline training needs "
@@ -96,7 +104,7 @@ PipelineTrainer::HeldPart& PipelineTrainer::add_part(Held& held, const StageCont
                     part->strategy->library().name()));
   }
   part->parameters.release();
-  part->local = sharded_parameters(*part->strategy, shard_group, replicate_group);
+  part->local = sharded_parameters(*part->strategy, host.shard, host.replicate);
   part->optimizer = std::make_unique<AdamW>(
       ctx_.config.train, decay_mask(part->local, model.description(), part->parameters.indices),
       state_);
@@ -112,24 +120,33 @@ void PipelineTrainer::build_stages() {
   const ModelDescription& local = ctx_.plan.tensor_parallel->local();
   const std::string plan_json = ctx_.plan.model_plan.dump();
   const bool scale_in_schedule = ctx_.config.distributed.pipeline.scale_grads_in_schedule;
-  Communicator* ep = ctx_.expert_shard_group != nullptr ? ctx_.computing.ep : nullptr;
-  if (ep != nullptr) alone_.emplace(ctx_.world.split(ctx_.world.rank(), 0, "self"));
+  const RankComms& comms = ctx_.comms;
+  const StrategyGroups dense_state = dense_groups(comms.state);
+  const StrategyGroups dense_host = dense_groups(comms.host);
+  if (expert_parallel()) {
+    alone_host_.emplace(alone_in(comms.host_world, nullptr));
+    if (comms.separate())
+      alone_state_.emplace(alone_in(comms.state_world, ctx_.device.comm_stream));
+  }
   const ExpertPlacement placement =
-      ep != nullptr ? ExpertPlacement{ep->rank(), ep->size()} : ExpertPlacement{};
+      expert_parallel() ? ExpertPlacement{host_axis(Axis::ep).rank(), host_axis(Axis::ep).size()}
+                        : ExpertPlacement{};
   for (const auto& split : ctx_.plan.model_plan.at("pipeline")) {
-    if (split.at("rank").get<int64_t>() != ctx_.pipeline.rank()) continue;
+    if (split.at("rank").get<int64_t>() != host_axis(Axis::pp).rank()) continue;
     auto held = std::make_unique<Held>(split.at("stage").get<int64_t>(),
                                        split.at("modules").get<std::vector<std::string>>());
     const StageContents contents = stage_contents(model, held->modules, placement);
-    if (ep == nullptr) {
-      add_part(*held, contents, ctx_.data_parallel, ctx_.shard_group, ctx_.replicate_group,
-               ctx_.strategy_options);
+    if (!expert_parallel()) {
+      add_part(*held, contents, dense_state, dense_host, ctx_.strategy_options);
     } else {
       const auto [dense, experts] = split_experts(model.description(), contents);
-      add_part(*held, dense, ctx_.data_parallel, ctx_.shard_group, ctx_.replicate_group,
-               ctx_.strategy_options);
+      add_part(*held, dense, dense_state, dense_host, ctx_.strategy_options);
       if (!experts.parameters.empty()) {
-        add_part(*held, experts, *ctx_.expert_shard_group, *ctx_.expert_shard_group, *alone_,
+        Communicator& ep_shard_state = state_axis(Axis::ep_shard);
+        Communicator& ep_shard_host = host_axis(Axis::ep_shard);
+        add_part(*held, experts,
+                 {ep_shard_state, ep_shard_state, alone_state_ ? *alone_state_ : *alone_host_},
+                 {ep_shard_host, ep_shard_host, *alone_host_},
                  expert_options(ctx_.config, ctx_.strategy_options))
             .experts = true;
       }
@@ -139,9 +156,9 @@ void PipelineTrainer::build_stages() {
       parts.push_back({*part->strategy, part->units, part->parameters.indices});
     }
     held->work = std::make_unique<PipelineStage>(
-        model, local, held->modules, parts, ctx_.computing, plan_json, ctx_.strategy_options,
+        model, local, held->modules, parts, computing_, plan_json, ctx_.strategy_options,
         scale_in_schedule ? float(1.0 / double(microbatches_)) : 1.0f,
-        [this] { sample_activations(); });
+        StageDevice{state_.where(), state_.stream()}, [this] { sample_activations(); });
     held_.push_back(std::move(held));
   }
 }
@@ -155,14 +172,17 @@ double PipelineTrainer::all_reduce(double value, ReduceOp op, Communicator& over
 
 void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   const TrainConfig& train = ctx_.config.train;
-  const int64_t share = train.global_batch_size / ctx_.data_parallel.size();
+  Communicator& data_parallel = host_axis(Axis::dp);
+  const int64_t share = train.global_batch_size / data_parallel.size();
   const int64_t micro = ctx_.config.distributed.pipeline.pp_microbatch_size;
   const int64_t seq_len = ctx_.data.seq_len();
-  ctx_.data.training_batch(uint64_t(train.seed), step, ctx_.data_parallel.rank() * share, share,
-                           tokens_, targets_);
+  ctx_.data.training_batch(uint64_t(train.seed), step, data_parallel.rank() * share, share, tokens_,
+                           targets_);
+  const int32_t* tokens = copy_to_state(state_, tokens_, stage_tokens_);
+  const int32_t* targets = copy_to_state(state_, targets_, stage_targets_);
   for (auto& held : held_) {
     held->work->compute().set_shape(micro, seq_len);
-    held->work->set_batch(tokens_.data(), targets_.data(), micro * seq_len);
+    held->work->set_batch(tokens, targets, micro * seq_len);
     for (auto& part : held->parts) state_.zero(part->local.grads, part->local.numel);
     held->work->compute().take_tensor_parallel_bytes();  // not this step's: validation's
     held->work->compute().take_context_parallel_traffic();
@@ -192,7 +212,7 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   for (auto& held : held_) {
     for (auto& part : held->parts) {
       double scale = in_schedule ? 1.0 : 1.0 / double(microbatches_);
-      if (part->experts) scale /= double(ctx_.computing.ep->size());
+      if (part->experts) scale /= double(host_axis(Axis::ep).size());
       if (scale != 1.0) state_.scale(part->local.grads, part->local.numel, float(scale));
     }
   }
@@ -215,12 +235,14 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
     }
   }
   if (!counts_model_result()) loss = 0;
-  metrics.loss = all_reduce(loss, ReduceOp::sum, ctx_.world) / double(ctx_.data_parallel.size());
+  metrics.loss =
+      all_reduce(loss, ReduceOp::sum, ctx_.comms.host_world) / double(data_parallel.size());
   // Each pipeline stage adds its layers' share of the routers' statistics.
   if (!counts_model_result()) routers.reset();
-  metrics.moe =
-      gather_expert_metrics(routers, ctx_.plan.model->description(),
-                            double(microbatches_ * ctx_.data_parallel.size()), experts, ctx_.world);
+  metrics.moe = gather_expert_metrics(routers, ctx_.plan.model->description(),
+                                      double(microbatches_ * data_parallel.size()), experts,
+                                      ctx_.comms.host_world);
+  sample_device_memory();
 }
 
 double PipelineTrainer::gradient_norm() {
@@ -236,14 +258,14 @@ double PipelineTrainer::gradient_norm() {
           state_, part->local, part->parameters.indices, tensor_parallel());
     }
   }
-  squared = all_reduce(squared, ReduceOp::sum, ctx_.shard_group);
-  if (ctx_.expert_shard_group != nullptr) {
-    experts = all_reduce(experts, ReduceOp::sum, *ctx_.expert_shard_group);
-    squared += all_reduce(experts, ReduceOp::sum, *ctx_.computing.ep);
+  squared = all_reduce(squared, ReduceOp::sum, host_axis(Axis::dp_shard_cp));
+  if (expert_parallel()) {
+    experts = all_reduce(experts, ReduceOp::sum, host_axis(Axis::ep_shard));
+    squared += all_reduce(experts, ReduceOp::sum, host_axis(Axis::ep));
   }
-  squared = all_reduce(squared, ReduceOp::sum, ctx_.pipeline);
-  if (ctx_.computing.tp->size() > 1)
-    squared = all_reduce(squared, ReduceOp::sum, *ctx_.computing.tp);
+  squared = all_reduce(squared, ReduceOp::sum, host_axis(Axis::pp));
+  if (host_axis(Axis::tp).size() > 1)
+    squared = all_reduce(squared, ReduceOp::sum, host_axis(Axis::tp));
   return std::sqrt(squared);
 }
 
@@ -276,31 +298,38 @@ std::optional<int64_t> PipelineTrainer::first_nonfinite_gradient() {
 // token losses on the rank of the last stage, else 0.
 double PipelineTrainer::forward_for_evaluation(int64_t count) {
   const auto& split = ctx_.plan.model_plan.at("pipeline");
-  const int64_t seq_len = ctx_.data.seq_len(), me = ctx_.pipeline.rank();
-  std::vector<float> input, output;
+  Communicator& pipeline = state_axis(Axis::pp);
+  const int64_t seq_len = ctx_.data.seq_len(), me = pipeline.rank();
+  const int32_t* tokens = copy_to_state(state_, tokens_, stage_tokens_);
+  const int32_t* targets = copy_to_state(state_, targets_, stage_targets_);
+  const auto sized = [&](StateArray<float>& buffer, int64_t numel) {
+    if (buffer.size() != numel) buffer = StateArray<float>(numel, state_);
+    return buffer.data();
+  };
+  const auto transfer = [&](float* data, int64_t numel) {
+    return FlatTensor(data, dtype_float32(), numel, state_.where());
+  };
+  StateArray<float> input, output;
   double sum = 0;
   auto held = held_.begin();
   for (size_t s = 0; s < split.size(); ++s) {
     if (split[s].at("rank").get<int64_t>() != me) continue;
     ModelStage& stage = (*held++)->work->compute();
     stage.set_shape(count, seq_len);
-    input.resize(size_t(stage.input_numel()));
     const bool previous_here = s > 0 && split[s - 1].at("rank").get<int64_t>() == me;
+    if (previous_here) std::swap(input, output);
+    float* in = sized(input, stage.input_numel());
     if (s > 0 && !previous_here) {
-      FlatTensor tensor(input.data(), dtype_float32(), int64_t(input.size()));
-      ctx_.pipeline.recv(tensor.get(), split[s - 1].at("rank").get<int64_t>(), int64_t(s)).wait();
+      FlatTensor tensor = transfer(in, input.size());
+      pipeline.recv(tensor.get(), split[s - 1].at("rank").get<int64_t>(), int64_t(s)).wait();
     }
-    if (previous_here) input.swap(output);
-    output.resize(size_t(stage.output_numel()));
-    const double loss =
-        stage.forward(0, tokens_.data(), targets_.data(), input.empty() ? nullptr : input.data(),
-                      output.empty() ? nullptr : output.data());
+    float* out = sized(output, stage.output_numel());
+    const double loss = stage.forward(0, tokens, targets, in, out);
     stage.discard(0);
     if (s + 1 == split.size()) sum = loss * double(count * seq_len);
     if (s + 1 < split.size() && split[s + 1].at("rank").get<int64_t>() != me) {
-      FlatTensor tensor(output.data(), dtype_float32(), int64_t(output.size()));
-      ctx_.pipeline.send(tensor.get(), split[s + 1].at("rank").get<int64_t>(), int64_t(s + 1))
-          .wait();
+      FlatTensor tensor = transfer(out, output.size());
+      pipeline.send(tensor.get(), split[s + 1].at("rank").get<int64_t>(), int64_t(s + 1)).wait();
     }
   }
   return sum;
@@ -310,7 +339,7 @@ double PipelineTrainer::forward_for_evaluation(int64_t count) {
 // micro-batches (the model sums it over cp): tp and cp rank 0's counts, as
 // do their copies of the stage's weights.
 bool PipelineTrainer::counts_model_result() const {
-  return ctx_.computing.tp->rank() == 0 && ctx_.computing.cp->rank() == 0;
+  return host_axis(Axis::tp).rank() == 0 && host_axis(Axis::cp).rank() == 0;
 }
 
 // The windows shared out over the data-parallel ranks, as Trainer does.
@@ -320,12 +349,11 @@ bool PipelineTrainer::counts_model_result() const {
 std::optional<double> PipelineTrainer::validate() {
   const int64_t windows = ctx_.data.val_windows();
   if (windows == 0) return std::nullopt;
-  const int64_t ranks = ctx_.data_parallel.size(), rank = ctx_.data_parallel.rank();
+  const int64_t ranks = host_axis(Axis::dp).size(), rank = host_axis(Axis::dp).rank();
   const int64_t begin = rank * windows / ranks, end = (rank + 1) * windows / ranks;
   const int64_t micro = ctx_.config.distributed.pipeline.pp_microbatch_size;
   const int64_t most_windows = (windows + ranks - 1) / ranks;
-  const int64_t forwards =
-      ctx_.expert_shard_group != nullptr ? (most_windows + micro - 1) / micro : 0;
+  const int64_t forwards = expert_parallel() ? (most_windows + micro - 1) / micro : 0;
   for (auto& held : held_) held->work->gather_for_evaluation();
   double sum = 0;
   int64_t done = 0;
@@ -339,7 +367,8 @@ std::optional<double> PipelineTrainer::validate() {
     forward_for_evaluation(1);
   }
   if (!counts_model_result()) sum = 0;
-  return all_reduce(sum, ReduceOp::sum, ctx_.world) / double(windows * ctx_.data.seq_len());
+  return all_reduce(sum, ReduceOp::sum, ctx_.comms.host_world) /
+         double(windows * ctx_.data.seq_len());
 }
 
 MemoryUse PipelineTrainer::memory_use() {
@@ -364,6 +393,10 @@ MemoryUse PipelineTrainer::memory_use() {
   use.buffers_reserved += executor_->pooled_buffer_bytes();
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
+  if (ctx_.device.gpu != nullptr) {
+    sample_device_memory();
+    use.device_used_peak = device_used_peak_;
+  }
   return use;
 }
 
@@ -371,6 +404,12 @@ void PipelineTrainer::sample_activations() {
   int64_t bytes = 0;
   for (auto& held : held_) bytes += held->work->compute().activation_bytes();
   activations_.sample(bytes);
+  sample_device_memory();
+}
+
+void PipelineTrainer::sample_device_memory() {
+  RankGpu* gpu = ctx_.device.gpu;
+  if (gpu != nullptr) device_used_peak_ = std::max(device_used_peak_, gpu->used_bytes());
 }
 
 // A shard's saved ranges are its replica 0's only (sharded_parameters).
@@ -404,7 +443,7 @@ void PipelineTrainer::save_checkpoint(int64_t step) {
       dir.string(), checkpoint_layout(ctx_.config.model, ctx_.plan.model->description()),
       ctx_.config.train.seed, step, rank_ranges(true),
       {{"params", state[0].data()}, {"exp_avg", state[1].data()}, {"exp_avg_sq", state[2].data()}},
-      ctx_.world);
+      ctx_.comms.host_world);
 }
 
 void PipelineTrainer::resume(const CheckpointIndex& index) {
@@ -428,11 +467,13 @@ void PipelineTrainer::export_weights() {
   std::vector<float> full(size_t(description.numel), 0.0f), stage_full(full.size());
   for (auto& held : held_) {
     for (auto& part : held->parts) {
-      std::vector<float> stage(size_t(part->parameters.numel()));
-      part->strategy->gather_parameters(stage.data(), int64_t(stage.size()));
+      const int64_t numel = part->parameters.numel();
+      StateArray<float> gathered(numel, state_);
+      part->strategy->gather_parameters(gathered.data(), numel);
+      HostView stage(state_, gathered.data(), numel);
       gather_tensor_parallel(part->parameters, stage.data(), tensor_parallel(), stage_full.data());
-      const bool writes = part->experts ? ctx_.expert_shard_group->rank() == 0
-                                        : ctx_.data_parallel.rank() == 0 && counts_model_result();
+      const bool writes = part->experts ? host_axis(Axis::ep_shard).rank() == 0
+                                        : host_axis(Axis::dp).rank() == 0 && counts_model_result();
       if (!writes) continue;
       for (const int64_t p : part->parameters.indices) {
         const ModelParameter& parameter = description.parameters[size_t(p)];
@@ -442,8 +483,8 @@ void PipelineTrainer::export_weights() {
     }
   }
   FlatTensor tensor(full.data(), dtype_float32(), int64_t(full.size()));
-  ctx_.world.all_reduce(tensor.get(), ReduceOp::sum).wait();
-  if (ctx_.world.rank() == 0) {
+  ctx_.comms.host_world.all_reduce(tensor.get(), ReduceOp::sum).wait();
+  if (ctx_.comms.host_world.rank() == 0) {
     export_consolidated(ctx_.output_dir, ctx_.config.model, description, full.data());
   }
 }
@@ -453,7 +494,7 @@ void PipelineTrainer::run(const StepObserver& observer) {
     for (auto& part : held->parts) part->strategy->broadcast_parameters();
   }
   run_training(ctx_.config, ctx_.plan.model->description(),
-               ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.world,
+               ctx_.config.train.global_batch_size * ctx_.data.seq_len(), ctx_.comms.host_world,
                ctx_.output_dir, ctx_.gemm_peak, next_step_, *this, observer);
 }
 

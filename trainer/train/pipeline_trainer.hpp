@@ -2,7 +2,9 @@
 // the plan's split puts on this rank, each an FSDP2-sharded model stage
 // over the data-parallel axis, run by the executor through the schedule
 // (a schedule plugin or pp_schedule_csv, lowered and validated), with AdamW
-// on each stage's local shard.
+// on each stage's local shard. The state, the activations and the tokens
+// are memory of the rank's state device: the host's, or its GPU's in a
+// CUDA run (whose GPU half has compiled and never run on a GPU).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +25,7 @@
 #include "train/data.hpp"
 #include "train/loop.hpp"
 #include "train/pipeline_stage.hpp"
+#include "train/rank_worlds.hpp"
 
 namespace meshrun::train {
 
@@ -30,14 +33,13 @@ struct PipelineContext {
   const Config& config;
   const TokenData& data;
   const Plan& plan;
-  Communicator& world;
-  Communicator& pipeline;         // pp
-  Communicator& data_parallel;    // dp
-  Communicator& shard_group;      // dp_shard_cp
-  Communicator& replicate_group;  // dp_replicate
-  // ep_shard with expert parallelism (the experts' FSDP2), else null.
-  Communicator* expert_shard_group = nullptr;
-  StageCommunicators computing;  // the axes the model computes over
+  // The two worlds and their axes (rank_worlds.hpp): the host's for the
+  // trainer's own collectives (the loss, the norm's shares, validation
+  // sums, the router statistics, checkpoints, the export), the state's for
+  // the strategies, the executor's transfers over pp and the model's tp, cp
+  // and ep. One world on the CPU.
+  RankComms comms;
+  RankDevice device;
   std::string strategy_options;  // the strategy's JSON options
   std::string output_dir;
   GemmPeakMeter gemm_peak;
@@ -69,10 +71,11 @@ class PipelineTrainer : public TrainingRank {
  private:
   struct Held;
   struct HeldPart;
-  // A strategy over `contents` of `held`'s stage, its shard and its AdamW.
-  HeldPart& add_part(Held& held, const StageContents& contents, Communicator& data_parallel,
-                     Communicator& shard_group, Communicator& replicate_group,
-                     const std::string& options);
+  // A strategy over `contents` of `held`'s stage, sharding over `groups`
+  // (the state's), its shard's ranges over their host twins `host`, and
+  // its AdamW.
+  HeldPart& add_part(Held& held, const StageContents& contents, const StrategyGroups& groups,
+                     const StrategyGroups& host, const std::string& options);
   void build_stages();
   double forward_for_evaluation(int64_t count);
   double all_reduce(double value, ReduceOp op, Communicator& over);
@@ -83,24 +86,35 @@ class PipelineTrainer : public TrainingRank {
   // flat layout, and the rank's local shards and moments concatenated.
   std::vector<HeldRange> rank_ranges(bool saved) const;
   TensorParallelRank tensor_parallel() const {
-    return {*ctx_.plan.tensor_parallel, *ctx_.computing.tp};
+    return {*ctx_.plan.tensor_parallel, host_axis(Axis::tp)};
   }
+  Communicator& host_axis(Axis axis) const { return ctx_.comms.host.axis(axis); }
+  Communicator& state_axis(Axis axis) const { return ctx_.comms.state.axis(axis); }
+  // With expert parallelism the experts have a strategy of their own over
+  // ep_shard (ExpertPlacement, experts.hpp).
+  bool expert_parallel() const;
+  // After a forward and at a step's end: the most of the GPU's memory in
+  // use so far.
+  void sample_device_memory();
   std::vector<ShardState> shard_states();
   // Samples what the rank's stages hold for backward together.
   void sample_activations();
 
   PipelineContext ctx_;
-  // Where the shards, gradients and moments the optimizer updates are, and
-  // the step's arithmetic on them: the host's (the trainer keeps them in
-  // host memory).
-  StateDevice& state_ = host_state_device();
-  std::optional<Communicator> alone_;  // the experts' replicate group: this rank
+  // Where the shards, gradients and moments the optimizer updates are, the
+  // activations, and the step's arithmetic on them.
+  StateDevice& state_;
+  StageCommunicators computing_;  // the state's tp, cp and ep
+  // The experts' replicate group (this rank alone) in each world.
+  std::optional<Communicator> alone_host_, alone_state_;
   int64_t microbatches_ = 0;
   std::vector<std::unique_ptr<Held>> held_;
   std::optional<pipeline::Executor> executor_;
   ActivationMeter activations_;
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;
+  StateArray<int32_t> stage_tokens_, stage_targets_;  // the state's copies
+  int64_t device_used_peak_ = 0;
 };
 
 }  // namespace meshrun::train

@@ -170,36 +170,6 @@ std::vector<std::string> module_names(const ModelDescription& description) {
   return names;
 }
 
-StageCommunicators computing_axes(MeshCommunicators& axes, const MeshContext& mesh) {
-  return {&axes.axis(Axis::tp), &axes.axis(Axis::cp),
-          mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
-}
-
-// A rank's communicators over host memory (the scalars the trainer sums,
-// checkpoints, the export, the starting weights' tp pieces) and over its
-// state's memory (the strategies' buffers, the tensors the model computes
-// on). On the CPU both are the launcher's world; on a GPU the state's is a
-// world of the comm backend (nccl) started from it.
-struct RankComms {
-  Communicator& host_world;
-  MeshCommunicators& host;
-  Communicator& state_world;
-  MeshCommunicators& state;
-
-  bool separate() const { return &host_world != &state_world; }
-};
-
-// The groups one strategy instance shards and replicates over.
-struct StrategyGroups {
-  Communicator& data_parallel;
-  Communicator& shard;
-  Communicator& replicate;
-};
-
-StrategyGroups dense_groups(MeshCommunicators& axes) {
-  return {axes.axis(Axis::dp), axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate)};
-}
-
 // Where a rank's run writes, what its mfu divides by, and who hears of
 // each step.
 struct RunOutput {
@@ -258,14 +228,6 @@ struct RankPart {
   StageUnits units;
   std::unique_ptr<Strategy> strategy;
 };
-
-// A communicator of this rank alone over `world`, its collectives on
-// `stream` when there is one.
-Communicator alone_in(Communicator& world, void* stream) {
-  Communicator alone = world.split(world.rank(), 0, "self");
-  if (stream != nullptr) alone.set_stream(stream);
-  return alone;
-}
 
 // A mixture of experts trains its experts with a strategy instance of
 // their own: over ep_shard (no replicas) with expert parallelism, else over
@@ -336,48 +298,43 @@ RunOutput run_output(const std::optional<std::string>& output_dir, const GemmPea
 }
 
 // dist_env.backend = "nccl": the state and the model on the rank's GPU, the
-// strategies and the model's collectives over a world of the comm backend
-// started from `world`, which keeps the trainer's host-side collectives.
+// strategies and the model's collectives over `gpu_world` (a world of the
+// comm backend on that GPU; started from `world` when null), `world`
+// keeping the trainer's host-side collectives.
 void train_on_gpu(const Config& config, const std::optional<std::string>& output_dir,
-                  const GemmPeakMeter& gemm_peak, Communicator& world,
+                  const GemmPeakMeter& gemm_peak, Communicator& world, Communicator* gpu_world,
                   const StepObserver& observer) {
   const std::unique_ptr<RankGpu> gpu = open_rank_gpu(launched_rank_gpu(world.rank()), world.rank());
-  CommBackend backend(PluginLoader::from_environment(), config.comm.backend);
-  Communicator gpu_world = [&] {
+  std::optional<CommBackend> backend;
+  std::optional<Communicator> started;
+  if (gpu_world == nullptr) {
+    backend.emplace(PluginLoader::from_environment(), config.comm.backend);
     const CommBootstrap bootstrap(world);
-    return backend.world(config.comm.timeout_minutes * 60.0, gpu->device(), bootstrap.get());
-  }();
-  train_in_worlds(config, output_dir, gemm_peak, world, gpu_world,
+    started.emplace(
+        backend->world(config.comm.timeout_minutes * 60.0, gpu->device(), bootstrap.get()));
+    gpu_world = &*started;
+  }
+  train_in_worlds(config, output_dir, gemm_peak, world, *gpu_world,
                   {gpu->state(), gpu->comm_stream(), gpu.get()}, observer);
 }
 
-void train_pipeline(const Config& config, const std::optional<std::string>& output_dir,
-                    const GemmPeakMeter& gemm_peak, Communicator& world,
-                    const StepObserver& observer) {
-  const Plan plan = make_plan(config, world.size(), PluginLoader::from_environment());
-  MeshCommunicators axes(world, plan.mesh);
-  const RunOutput output = run_output(output_dir, gemm_peak, world, observer);
-  const TokenData data(config);
-  const bool moe = plan.mesh.has_moe() && plan.mesh.axis_size(Axis::ep) > 1;
-  PipelineTrainer trainer({config, data, plan, world, axes.axis(Axis::pp), axes.axis(Axis::dp),
-                           axes.axis(Axis::dp_shard_cp), axes.axis(Axis::dp_replicate),
-                           moe ? &axes.axis(Axis::ep_shard) : nullptr,
-                           computing_axes(axes, plan.mesh),
-                           strategy_options_json(config.distributed), output.dir, gemm_peak});
+void train_pipeline(const Config& config, const Plan& plan, const TokenData& data,
+                    const RankComms& comms, const RankDevice& device, const RunOutput& output) {
+  PipelineTrainer trainer({config, data, plan, comms, device,
+                           strategy_options_json(config.distributed), output.dir,
+                           output.gemm_peak});
   if (!config.checkpoint.resume_from.empty()) {
     trainer.resume(read_index(config, plan.model->description()));
   }
-  announce(config, world, *plan.model, output.dir);
-  trainer.run(observer);
+  announce(config, comms.host_world, *plan.model, output.dir);
+  trainer.run(output.observer);
 }
 
 void train_in_world(const Config& config, const std::optional<std::string>& output_dir,
                     const GemmPeakMeter& gemm_peak, Communicator& world,
-                    const StepObserver& observer) {
-  if (config.distributed.pp_size > 1) {
-    train_pipeline(config, output_dir, gemm_peak, world, observer);
-  } else if (config.dist_env.on_cuda()) {
-    train_on_gpu(config, output_dir, gemm_peak, world, observer);
+                    const StepObserver& observer, Communicator* gpu_world = nullptr) {
+  if (config.dist_env.on_cuda()) {
+    train_on_gpu(config, output_dir, gemm_peak, world, gpu_world, observer);
   } else {
     train_in_worlds(config, output_dir, gemm_peak, world, world, {host_state_device()}, observer);
   }
@@ -385,7 +342,29 @@ void train_in_world(const Config& config, const std::optional<std::string>& outp
 
 }  // namespace
 
-void check_training_input(const Config& config, const Plan& plan) {
+void check_comm_plugins(const Config& config, const PluginLoader& loader) {
+  struct Needed {
+    std::string name;
+    const char* key;
+    const char* why;
+  };
+  std::vector<Needed> needed{{config.comm.backend, "comm.backend", "the ranks join its world"}};
+  if (config.dist_env.on_cuda()) {
+    needed.push_back({"mpi", "dist_env.backend",
+                      "\"nccl\" joins MPI's world for the trainer's host memory and starts "
+                      "NCCL's from it"});
+  }
+  for (const auto& [name, key, why] : needed) {
+    if (loader.find(PluginKind::comm, name)) continue;
+    try {
+      loader.load(PluginKind::comm, name);
+    } catch (const Error& error) {
+      throw config_error(config, key, fmt::format("{}: {}", why, error.what()));
+    }
+  }
+}
+
+void check_training_input(const Config& config, const Plan& plan, int64_t ranks_per_node) {
   const TokenData data(config);
   check_batch(config, plan.mesh.axis_size(Axis::dp));
   check_sequence_parallel(config, plan);
@@ -397,30 +376,19 @@ void check_training_input(const Config& config, const Plan& plan) {
   if (!config.model.checkpoint.empty()) read_consolidated(config, description);
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
   check_gpu_training(config);
-  if (config.dist_env.on_cuda()) require_usable_devices(config, cuda_devices());
+  check_comm_plugins(config, PluginLoader::from_environment());
+  if (config.dist_env.on_cuda()) require_usable_devices(config, cuda_devices(), ranks_per_node);
 }
 
 void check_gpu_training(const Config& config) {
-  if (!config.dist_env.on_cuda()) return;
-  struct HostOnly {
-    const char* key;
-    int64_t size;
-    const char* why;  // the memory it keeps on the host, and what trains on the CPU only
-  };
-  const DistributedConfig& d = config.distributed;
-  for (const auto& [key, size, why] :
-       {HostOnly{"distributed.pp_size", d.pp_size,
-                 "stages: the pipeline executor keeps the activations it sends between stages "
-                 "in host memory, so pipelines train"},
-        HostOnly{"distributed.cp_size", d.cp_size,
-                 "ranks: ring and Ulysses attention exchange keys and values through host "
-                 "memory, so context parallelism trains"}}) {
-    if (size <= 1) continue;
-    throw config_error(config, key,
-                       fmt::format("{} {} on the CPU only (dist_env.backend = \"gloo\" or "
-                                   "\"mpi\"); set it to 1 to train on GPUs",
-                                   size, why));
-  }
+  const int64_t cp = config.distributed.cp_size;
+  if (!config.dist_env.on_cuda() || cp <= 1) return;
+  throw config_error(config, "distributed.cp_size",
+                     fmt::format("{} ranks: ring and Ulysses attention exchange keys and values "
+                                 "through host memory, so context parallelism trains on the CPU "
+                                 "only (dist_env.backend = \"gloo\" or \"mpi\"); set it to 1 "
+                                 "to train on GPUs",
+                                 cp));
 }
 
 void train_in_worlds(const Config& config, const std::optional<std::string>& output_dir,
@@ -436,13 +404,20 @@ void train_in_worlds(const Config& config, const std::optional<std::string>& out
       for (const Axis axis : strategy_axes(plan.mesh)) {
         own_state_axes->axis(axis).set_stream(device.comm_stream);
       }
+      // The executor's transfers run in the stages' order on their stream
+      // (pipeline::Executor).
+      own_state_axes->axis(Axis::pp).set_stream(device.state.stream());
     }
   }
   MeshCommunicators& state_axes = own_state_axes ? *own_state_axes : host_axes;
   const RunOutput output = run_output(output_dir, gemm_peak, host_world, observer);
   const TokenData data(config);
-  train_data_parallel(config, plan, data, {host_world, host_axes, state_world, state_axes}, device,
-                      output);
+  const RankComms comms{host_world, host_axes, state_world, state_axes};
+  if (plan.mesh.axis_size(Axis::pp) > 1) {
+    train_pipeline(config, plan, data, comms, device, output);
+  } else {
+    train_data_parallel(config, plan, data, comms, device, output);
+  }
 }
 
 int train_rank(const Config& config, const std::optional<std::string>& output_dir,
@@ -468,9 +443,9 @@ int train_rank(const Config& config, const std::optional<std::string>& output_di
 
 void train_in_process(const Config& config, const std::optional<std::string>& output_dir,
                       const GemmPeakMeter& gemm_peak, Communicator& world,
-                      const StepObserver& observer) {
+                      const StepObserver& observer, Communicator* gpu_world) {
   check_training_input(config, make_plan(config, world.size(), PluginLoader::from_environment()));
-  train_in_world(config, output_dir, gemm_peak, world, observer);
+  train_in_world(config, output_dir, gemm_peak, world, observer, gpu_world);
 }
 
 }  // namespace meshrun::train

@@ -125,8 +125,8 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     for (auto& part : parts_) part->spec.strategy.begin_micro_batch(k == micro_batches - 1);
     ctx_.data.training_batch(uint64_t(train.seed), step, first + k * train.micro_batch_size,
                              train.micro_batch_size, tokens_, targets_);
-    loss_sum += stage_.forward(0, on_state(tokens_, stage_tokens_),
-                               on_state(targets_, stage_targets_), nullptr, nullptr);
+    loss_sum += stage_.forward(0, copy_to_state(state_, tokens_, stage_tokens_),
+                               copy_to_state(state_, targets_, stage_targets_), nullptr, nullptr);
     activations_.sample(stage_.activation_bytes());
     sample_device_memory();
     stage_.backward(0, 1.0f, nullptr, nullptr);
@@ -225,17 +225,12 @@ std::optional<double> Trainer::validate() {
   return all_reduce(sum, ReduceOp::sum, ctx_.data_parallel) / double(windows * seq_len);
 }
 
-const int32_t* Trainer::on_state(const std::vector<int32_t>& ids, StateArray<int32_t>& copy) {
-  if (copy.size() != int64_t(ids.size())) copy = StateArray<int32_t>(int64_t(ids.size()), state_);
-  state_.copy_from_host(copy.data(), ids.data(), int64_t(ids.size() * sizeof(int32_t)));
-  return copy.data();
-}
-
 // A forward of `count` sequences in tokens_/targets_ that keeps nothing.
 double Trainer::evaluate(int64_t count) {
   stage_.set_shape(count, ctx_.data.seq_len());
-  const double loss = stage_.forward(0, on_state(tokens_, stage_tokens_),
-                                     on_state(targets_, stage_targets_), nullptr, nullptr);
+  const double loss =
+      stage_.forward(0, copy_to_state(state_, tokens_, stage_tokens_),
+                     copy_to_state(state_, targets_, stage_targets_), nullptr, nullptr);
   stage_.discard(0);
   return loss;
 }

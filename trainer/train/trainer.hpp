@@ -106,8 +106,6 @@ class Trainer : public TrainingRank {
   };
 
   double all_reduce(double value, ReduceOp op, Communicator& over);
-  // `ids` copied into `copy` (resized to fit), the state device's memory.
-  const int32_t* on_state(const std::vector<int32_t>& ids, StateArray<int32_t>& copy);
   double evaluate(int64_t count);
   bool sharded() const { return ctx_.parts.front().strategy.sharded(); }
   std::vector<ShardState> shard_states();
