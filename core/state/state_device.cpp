@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
+#include <stdexcept>
+
+#include <fmt/format.h>
 
 #include "state/local_parameters.hpp"
 #include "state/optimizer.hpp"
@@ -17,7 +21,12 @@ class HostStateDevice : public StateDevice {
   void* stream() const override { return nullptr; }
   void* allocate(int64_t bytes) override {
     if (bytes == 0) return nullptr;
-    return new std::byte[size_t(bytes)]();
+    try {
+      return new std::byte[size_t(bytes)]();
+    } catch (const std::bad_alloc&) {
+      throw std::runtime_error(fmt::format(
+          "out of memory: the host's memory (cpu) cannot give the {} bytes asked for", bytes));
+    }
   }
   void release(void* memory) noexcept override { delete[] static_cast<std::byte*>(memory); }
   void copy_from_host(void* to, const void* from, int64_t bytes) override {

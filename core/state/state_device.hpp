@@ -10,9 +10,10 @@
 // Pointers are of the device's memory. A GPU's calls are enqueued on its
 // stream in call order and return without waiting, except those that hand
 // a value to the host (the norm, the finiteness check, the copies to the
-// host), which wait for it. The host's calls throw nothing but
-// std::bad_alloc; a GPU's throw std::runtime_error naming the call and the
-// CUDA error (an out-of-memory naming the device and the bytes asked for).
+// host), which wait for it. The host's calls throw nothing but an
+// allocation's std::runtime_error naming the bytes asked for; a GPU's throw
+// std::runtime_error naming the call and the CUDA error (an out-of-memory
+// naming the device and the bytes asked for).
 //
 // Kept to C++17: nvcc compiles the GPU's against it.
 #pragma once

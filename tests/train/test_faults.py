@@ -9,6 +9,8 @@
   pipeline or ring attention (transfers in flight) as without.
 - SIGINT ends every rank: status 130, "interrupted"; --timeout ends the job
   with status 124.
+- A rank whose memory cannot hold the model names the rank, the device and
+  the bytes, and no output folder is left.
 
 Run by ctest: test_faults.py MESHRUN_EXE [TestClass ...]
 """
@@ -17,6 +19,7 @@ import concurrent.futures
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -160,6 +163,31 @@ class BadInput(TrainTest, InputErrorAssertions):
         ]:
             with self.subTest(args=args):
                 self.assert_input_error(train(self.runs, "bad", 1, *args)[0], *needles)
+
+
+class OutOfMemory(TrainTest):
+    """A rank whose memory cannot hold the model (an address-space limit
+    below it, as a small machine has): every rank names itself, the device
+    and the bytes asked for, the job ends with status 3, and the output
+    folder, whose name was chosen but where nothing was written yet, is not
+    left behind."""
+
+    def test_a_rank_out_of_memory_at_setup_names_the_bytes_and_leaves_no_folder(self):
+        limit = 6 << 30  # the model's weights alone are 26 GB
+        big = ("model.hidden_size=8192", "model.intermediate_size=22016",
+               "model.num_hidden_layers=8", "model.num_attention_heads=64",
+               "model.num_key_value_heads=8", "train.steps=2")
+        output = os.path.join(self.runs.root, "out-of-memory")
+        result = subprocess.run(
+            [MESHRUN, "train", self.runs.config, "--nproc-per-node", "2", "--output", output,
+             *big], capture_output=True, text=True, errors="replace", timeout=120,
+            env=environment(),
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        self.assertEqual(result.returncode, 3, result.stderr)
+        for rank in (0, 1):
+            self.assertRegex(result.stderr, rf"(?m)rank {rank}: out of memory: the host's memory "
+                                            r"\(cpu\) cannot give the \d+ bytes asked for$")
+        self.assertFalse(os.path.exists(output), os.listdir(self.runs.root))
 
 
 class Hangs(TrainTest):

@@ -132,7 +132,11 @@ void run_training(const Config& config, const ModelDescription& description,
   const TrainConfig& train = config.train;
   const bool writer = world.rank() == 0;
   std::optional<MetricsLog> log;
+  // Made once the rank's setup has succeeded, so that a run that fails
+  // before its first step (a checkpoint that cannot be read, a GPU out of
+  // memory) leaves no folder behind.
   if (writer) {
+    std::filesystem::create_directories(output_dir);
     log.emplace((std::filesystem::path(output_dir) / "metrics.jsonl").string(), first_step);
   }
   NonFiniteSteps nonfinite(train, description, writer);

@@ -56,7 +56,7 @@ class NonFiniteStep : public std::runtime_error {
 using StepObserver = std::function<bool(const std::string& metrics_line)>;
 
 // Trains steps [first_step, train.steps) of `rank` of a model described by
-// `description`; rank 0 of `world` writes OUTPUT/metrics.jsonl and the
+// `description`; rank 0 of `world` makes OUTPUT and writes OUTPUT/metrics.jsonl and the
 // progress lines; mfu divides by what `gemm_peak` measures. Every rank
 // decides alike whether a step is non-finite: the loss and the gradient
 // norm are reduced over the ranks. A run stopped by `observer` ends as the

@@ -289,12 +289,11 @@ std::vector<Axis> strategy_axes(const MeshContext& mesh) {
   return axes;
 }
 
-// The output folder (made by rank 0), the gemm peak and the observer.
+// The output folder's name (run_training makes it), the gemm peak and the
+// observer.
 RunOutput run_output(const std::optional<std::string>& output_dir, const GemmPeakMeter& gemm_peak,
                      Communicator& world, const StepObserver& observer) {
-  RunOutput output{output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
-  if (world.rank() == 0) std::filesystem::create_directories(output.dir);
-  return output;
+  return {output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
 }
 
 // dist_env.backend = "nccl": the state and the model on the rank's GPU, the
