@@ -15,7 +15,8 @@ loss by at most 6e-4 relative, so the bound leaves room for the GPU's
 other order of summation; a learning rate 10% off (as a gradient
 direction slightly wrong) exceeds it from step 4, and a gradient scaled
 wrongly shows in the norm. The GPU run must also report
-mem.device_used_peak, and the CPU run must not.
+mem.device_used_peak and mem.device_allocated_peak, and the CPU run must
+not.
 
 Runs 1-rank cases on one GPU (in the process meshrun starts) and 2-rank
 cases where there are two GPUs and mpirun. Skips (exit 77) saying why
@@ -126,10 +127,11 @@ def compare(name, cpu, gpu):
             elif key in c and relative(g[key], c[key]) > bound:
                 failures.append(f"{name} step {c['step']}: {key} {g[key]:.6g} on the GPU, "
                                 f"{c[key]:.6g} on the CPU (bound {bound} relative)")
-        if g["mem"].get("device_used_peak", 0) <= 0:
-            failures.append(f"{name} step {g['step']}: no mem.device_used_peak")
-        if "device_used_peak" in c["mem"]:
-            failures.append(f"{name} step {c['step']}: mem.device_used_peak on the CPU")
+        for key in ("device_used_peak", "device_allocated_peak"):
+            if g["mem"].get(key, 0) <= 0:
+                failures.append(f"{name} step {g['step']}: no mem.{key}")
+            if key in c["mem"]:
+                failures.append(f"{name} step {c['step']}: mem.{key} on the CPU")
     print(f"{name}: losses " + ", ".join(f"{c['loss']:.5f}/{g['loss']:.5f}"
                                           for c, g in zip(cpu, gpu)) + " (cpu/gpu)")
     return failures

@@ -4,6 +4,7 @@
 // This code has compiled but never run on a GPU (docs/testing.md).
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <stdexcept>
@@ -43,14 +44,24 @@ class CudaRankGpu : public RankGpu {
   int32_t device() const override { return device_; }
   StateDevice& state() override { return *state_; }
   void* comm_stream() const override { return comm_; }
-  int64_t used_bytes() override {
+  void sample_memory() override {
     size_t free = 0, total = 0;
     check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    return static_cast<int64_t>(total - free);
+    used_peak_ = std::max(used_peak_, static_cast<int64_t>(total - free));
+  }
+  GpuMemoryPeaks memory_peaks() override {
+    sample_memory();
+    cudaMemPool_t pool = nullptr;
+    check(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool");
+    unsigned long long high = 0;  // cuuint64_t, as the attribute is
+    check(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high),
+          "cudaMemPoolGetAttribute (used high)");
+    return {used_peak_, static_cast<int64_t>(high)};
   }
 
  private:
   int32_t device_;
+  int64_t used_peak_ = 0;
   cudaStream_t compute_ = nullptr;
   cudaStream_t comm_ = nullptr;
   std::unique_ptr<StateDevice> state_;

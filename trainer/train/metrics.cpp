@@ -91,6 +91,9 @@ std::string metrics_line(const StepMetrics& m) {
                  {"peak_rss", m.mem.peak_rss},
                  {"peak_rss_at_start", m.mem.peak_rss_at_start}};
   if (m.mem.device_used_peak) line["mem"]["device_used_peak"] = *m.mem.device_used_peak;
+  if (m.mem.device_allocated_peak) {
+    line["mem"]["device_allocated_peak"] = *m.mem.device_allocated_peak;
+  }
   if (m.mem.experts) {
     line["mem"]["experts"] = {{"params", m.mem.experts->params},
                               {"buffers_peak", m.mem.experts->buffers_peak}};
@@ -104,6 +107,13 @@ std::string progress_line(const StepMetrics& m, int64_t steps, double eta_second
                                  m.loss, m.tokens_per_s, eta / 60, eta % 60);
   if (m.val_loss) line += fmt::format(" val_loss {:.4f}", *m.val_loss);
   return line;
+}
+
+void report_device_memory(RankGpu* gpu, MemoryUse& use) {
+  if (gpu == nullptr) return;
+  const GpuMemoryPeaks peaks = gpu->memory_peaks();
+  use.device_used_peak = peaks.used;
+  use.device_allocated_peak = peaks.allocated;
 }
 
 }  // namespace meshrun::train

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "state/durable_io.hpp"
+#include "train/rank_gpu.hpp"
 
 namespace meshrun::train {
 
@@ -26,16 +27,21 @@ struct MemoryUse {
   int64_t activations_peak = 0;  // the most `activations` has been so far
   int64_t peak_rss = 0;
   int64_t peak_rss_at_start = 0;  // peak_rss when the first step began
-  // On a GPU: the most of its memory in use (total - free, the CUDA context
-  // and every allocation included) at the trainer's samples, after each
-  // forward and at each step's end; absent on the CPU.
+  // On a GPU (GpuMemoryPeaks, train/rank_gpu.hpp): the most of its memory
+  // in use at the trainer's samples, after each forward and at each step's
+  // end, and its stream-ordered pool's high-water mark; absent on the CPU.
   std::optional<int64_t> device_used_peak;
+  std::optional<int64_t> device_allocated_peak;
   // A mixture of experts' share (its experts' own strategy): the experts'
   // shard and the most of them gathered at once; absent for a dense model.
   struct Experts {
     int64_t params = 0;
     int64_t buffers_peak = 0;
   };
+
+  // The GPU's memory peaks into `use` (device_used_peak,
+  // device_allocated_peak); nothing without a GPU (null).
+  void report_device_memory(RankGpu* gpu, MemoryUse& use);
   std::optional<Experts> experts;
 };
 

@@ -242,7 +242,6 @@ void PipelineTrainer::train_step(int64_t step, StepMetrics& metrics) {
   metrics.moe = gather_expert_metrics(routers, ctx_.plan.model->description(),
                                       double(microbatches_ * data_parallel.size()), experts,
                                       ctx_.comms.host_world);
-  sample_device_memory();
 }
 
 double PipelineTrainer::gradient_norm() {
@@ -393,10 +392,7 @@ MemoryUse PipelineTrainer::memory_use() {
   use.buffers_reserved += executor_->pooled_buffer_bytes();
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
-  if (ctx_.device.gpu != nullptr) {
-    sample_device_memory();
-    use.device_used_peak = device_used_peak_;
-  }
+  report_device_memory(ctx_.device.gpu, use);
   return use;
 }
 
@@ -404,12 +400,7 @@ void PipelineTrainer::sample_activations() {
   int64_t bytes = 0;
   for (auto& held : held_) bytes += held->work->compute().activation_bytes();
   activations_.sample(bytes);
-  sample_device_memory();
-}
-
-void PipelineTrainer::sample_device_memory() {
-  RankGpu* gpu = ctx_.device.gpu;
-  if (gpu != nullptr) device_used_peak_ = std::max(device_used_peak_, gpu->used_bytes());
+  if (ctx_.device.gpu != nullptr) ctx_.device.gpu->sample_memory();
 }
 
 // A shard's saved ranges are its replica 0's only (sharded_parameters).

@@ -93,9 +93,6 @@ class PipelineTrainer : public TrainingRank {
   // With expert parallelism the experts have a strategy of their own over
   // ep_shard (ExpertPlacement, experts.hpp).
   bool expert_parallel() const;
-  // After a forward and at a step's end: the most of the GPU's memory in
-  // use so far.
-  void sample_device_memory();
   std::vector<ShardState> shard_states();
   // Samples what the rank's stages hold for backward together.
   void sample_activations();
@@ -114,7 +111,6 @@ class PipelineTrainer : public TrainingRank {
   int64_t next_step_ = 0;
   std::vector<int32_t> tokens_, targets_;
   StateArray<int32_t> stage_tokens_, stage_targets_;  // the state's copies
-  int64_t device_used_peak_ = 0;
 };
 
 }  // namespace meshrun::train

@@ -24,6 +24,19 @@
 
 namespace meshrun::train {
 
+// The GPU's memory as a run's metrics report it (mem.device_*).
+struct GpuMemoryPeaks {
+  // The most of the GPU's memory in use at the samples (cudaMemGetInfo:
+  // total - free, every allocation of the process and the CUDA context
+  // included).
+  int64_t used = 0;
+  // The high-water mark of the device's stream-ordered pool since the
+  // GPU was opened (cudaMemPoolAttrUsedMemHigh): the state, the
+  // activations and a pipeline's buffers, allocated stream-ordered; the
+  // strategies' buffers (cudaMalloc'd, mem.buffers_*) are not in it.
+  int64_t allocated = 0;
+};
+
 class RankGpu {
  public:
   virtual ~RankGpu() = default;
@@ -35,9 +48,11 @@ class RankGpu {
   virtual StateDevice& state() = 0;
   // The stream the strategies' collectives run on (a cudaStream_t).
   virtual void* comm_stream() const = 0;
-  // Bytes of the GPU's memory in use now (cudaMemGetInfo: total - free,
-  // every allocation of the process and the CUDA context included).
-  virtual int64_t used_bytes() = 0;
+  // Samples the GPU's memory in use (GpuMemoryPeaks::used), at the points
+  // the trainer holds most.
+  virtual void sample_memory() = 0;
+  // The peaks so far (sampling once more).
+  virtual GpuMemoryPeaks memory_peaks() = 0;
 };
 
 // The library's file name, looked for in the library folder (library_dir),

@@ -128,7 +128,7 @@ void Trainer::train_step(int64_t step, StepMetrics& metrics) {
     loss_sum += stage_.forward(0, copy_to_state(state_, tokens_, stage_tokens_),
                                copy_to_state(state_, targets_, stage_targets_), nullptr, nullptr);
     activations_.sample(stage_.activation_bytes());
-    sample_device_memory();
+    if (ctx_.gpu != nullptr) ctx_.gpu->sample_memory();
     stage_.backward(0, 1.0f, nullptr, nullptr);
   }
   const auto sync_start = Clock::now();
@@ -265,17 +265,8 @@ MemoryUse Trainer::memory_use() {
   }
   activations_.report(use);
   use.peak_rss = peak_rss_bytes();
-  if (ctx_.gpu != nullptr) {
-    sample_device_memory();
-    use.device_used_peak = device_used_peak_;
-  }
+  report_device_memory(ctx_.gpu, use);
   return use;
-}
-
-// cudaMemGetInfo at the points the model holds most (after a forward) and at
-// each step's end: the GPU's peak as far as these samples see it.
-void Trainer::sample_device_memory() {
-  if (ctx_.gpu != nullptr) device_used_peak_ = std::max(device_used_peak_, ctx_.gpu->used_bytes());
 }
 
 // The consolidated weights on rank 0: a sharded strategy gathers each part

@@ -115,8 +115,6 @@ class Trainer : public TrainingRank {
   TensorParallelRank tensor_parallel() const {
     return {ctx_.tensor_parallel, ctx_.tensor_parallel_host};
   }
-  // After a forward: the most of the GPU's memory in use so far.
-  void sample_device_memory();
 
   TrainContext ctx_;
   StateDevice& state_;  // ctx_.state
@@ -124,7 +122,6 @@ class Trainer : public TrainingRank {
   ModelStage stage_;
   std::vector<std::unique_ptr<Part>> parts_;
   ActivationMeter activations_;
-  int64_t device_used_peak_ = 0;
   int64_t next_step_ = 0;
   // A micro-batch's tokens and targets as the data give them (host), and
   // their copies in the state device's memory, which the stage reads.
