@@ -123,11 +123,7 @@ void PipelineTrainer::build_stages() {
   const RankComms& comms = ctx_.comms;
   const StrategyGroups dense_state = dense_groups(comms.state);
   const StrategyGroups dense_host = dense_groups(comms.host);
-  if (expert_parallel()) {
-    alone_host_.emplace(alone_in(comms.host_world, nullptr));
-    if (comms.separate())
-      alone_state_.emplace(alone_in(comms.state_world, ctx_.device.comm_stream));
-  }
+  if (expert_parallel()) expert_groups_.emplace(comms, ctx_.device.comm_stream);
   const ExpertPlacement placement =
       expert_parallel() ? ExpertPlacement{host_axis(Axis::ep).rank(), host_axis(Axis::ep).size()}
                         : ExpertPlacement{};
@@ -142,11 +138,7 @@ void PipelineTrainer::build_stages() {
       const auto [dense, experts] = split_experts(model.description(), contents);
       add_part(*held, dense, dense_state, dense_host, ctx_.strategy_options);
       if (!experts.parameters.empty()) {
-        Communicator& ep_shard_state = state_axis(Axis::ep_shard);
-        Communicator& ep_shard_host = host_axis(Axis::ep_shard);
-        add_part(*held, experts,
-                 {ep_shard_state, ep_shard_state, alone_state_ ? *alone_state_ : *alone_host_},
-                 {ep_shard_host, ep_shard_host, *alone_host_},
+        add_part(*held, experts, expert_groups_->state(), expert_groups_->host(),
                  expert_options(ctx_.config, ctx_.strategy_options))
             .experts = true;
       }

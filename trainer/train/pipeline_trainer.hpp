@@ -101,9 +101,8 @@ class PipelineTrainer : public TrainingRank {
   // Where the shards, gradients and moments the optimizer updates are, the
   // activations, and the step's arithmetic on them.
   StateDevice& state_;
-  StageCommunicators computing_;  // the state's tp, cp and ep
-  // The experts' replicate group (this rank alone) in each world.
-  std::optional<Communicator> alone_host_, alone_state_;
+  StageCommunicators computing_;               // the state's tp, cp and ep
+  std::optional<ExpertGroups> expert_groups_;  // with expert parallelism
   int64_t microbatches_ = 0;
   std::vector<std::unique_ptr<Held>> held_;
   std::optional<pipeline::Executor> executor_;

@@ -8,6 +8,8 @@
 // (nccl) started from it.
 #pragma once
 
+#include <optional>
+
 #include "comm/comm.hpp"
 #include "mesh/mesh.hpp"
 #include "model/model.hpp"
@@ -53,12 +55,31 @@ inline StageCommunicators computing_axes(MeshCommunicators& axes, const MeshCont
           mesh.has_moe() ? &axes.axis(Axis::ep) : nullptr};
 }
 
-// A communicator of this rank alone over `world`, its collectives on
-// `stream` when there is one (an expert part's replicate group).
-inline Communicator alone_in(Communicator& world, void* stream) {
-  Communicator alone = world.split(world.rank(), 0, "self");
-  if (stream != nullptr) alone.set_stream(stream);
-  return alone;
-}
+// The groups of the experts' own strategy under expert parallelism, in
+// both worlds: ep_shard, without replicas (each rank replicates alone).
+// Making it is collective over both worlds; it must outlive the strategy.
+class ExpertGroups {
+ public:
+  ExpertGroups(const RankComms& comms, void* comm_stream)
+      : comms_(comms), alone_host_(comms.host_world.split(comms.host_world.rank(), 0, "self")) {
+    if (!comms.separate()) return;
+    alone_state_.emplace(comms.state_world.split(comms.state_world.rank(), 0, "self"));
+    if (comm_stream != nullptr) alone_state_->set_stream(comm_stream);
+  }
+  // The strategy's groups, and their host twins (the shard's ranges, the norm).
+  StrategyGroups state() {
+    Communicator& ep_shard = comms_.state.axis(Axis::ep_shard);
+    return {ep_shard, ep_shard, alone_state_ ? *alone_state_ : alone_host_};
+  }
+  StrategyGroups host() {
+    Communicator& ep_shard = comms_.host.axis(Axis::ep_shard);
+    return {ep_shard, ep_shard, alone_host_};
+  }
+
+ private:
+  RankComms comms_;
+  Communicator alone_host_;
+  std::optional<Communicator> alone_state_;
+};
 
 }  // namespace meshrun::train

@@ -264,18 +264,13 @@ void train_data_parallel(const Config& config, const Plan& plan, const TokenData
                 {dense_part, expert_part});
     return;
   }
-  Communicator& ep_shard_host = comms.host.axis(Axis::ep_shard);
-  Communicator alone_host = alone_in(comms.host_world, nullptr);
-  std::optional<Communicator> alone_state;
-  if (comms.separate()) alone_state = alone_in(comms.state_world, device.comm_stream);
-  Communicator& ep_shard_state = comms.state.axis(Axis::ep_shard);
-  RankPart experts(config, plan, tp, expert_contents,
-                   {ep_shard_state, ep_shard_state, alone_state ? *alone_state : alone_host},
+  ExpertGroups groups(comms, device.comm_stream);
+  RankPart experts(config, plan, tp, expert_contents, groups.state(),
                    expert_options(config, options), device);
-  TrainPart expert_part = experts.train_part({ep_shard_host, ep_shard_host, alone_host});
+  TrainPart expert_part = experts.train_part(groups.host());
   expert_part.norm_across = &comms.host.axis(Axis::ep);
   expert_part.gradient_scale = float(1.0 / double(comms.host.axis(Axis::ep).size()));
-  expert_part.exports = ep_shard_host.rank() == 0;
+  expert_part.exports = comms.host.axis(Axis::ep_shard).rank() == 0;
   run_trainer(config, plan, data, comms, device, output, modules, options,
               {dense_part, expert_part});
 }
@@ -287,13 +282,6 @@ std::vector<Axis> strategy_axes(const MeshContext& mesh) {
   std::vector<Axis> axes{Axis::dp, Axis::dp_shard_cp, Axis::dp_replicate};
   if (mesh.has_moe()) axes.push_back(Axis::ep_shard);
   return axes;
-}
-
-// The output folder's name (run_training makes it), the gemm peak and the
-// observer.
-RunOutput run_output(const std::optional<std::string>& output_dir, const GemmPeakMeter& gemm_peak,
-                     Communicator& world, const StepObserver& observer) {
-  return {output_dir ? *output_dir : default_output_dir(world), gemm_peak, observer};
 }
 
 // dist_env.backend = "nccl": the state and the model on the rank's GPU, the
@@ -409,7 +397,9 @@ void train_in_worlds(const Config& config, const std::optional<std::string>& out
     }
   }
   MeshCommunicators& state_axes = own_state_axes ? *own_state_axes : host_axes;
-  const RunOutput output = run_output(output_dir, gemm_peak, host_world, observer);
+  // The folder's name: run_training makes it.
+  const RunOutput output{output_dir ? *output_dir : default_output_dir(host_world), gemm_peak,
+                         observer};
   const TokenData data(config);
   const RankComms comms{host_world, host_axes, state_world, state_axes};
   if (plan.mesh.axis_size(Axis::pp) > 1) {
