@@ -396,10 +396,10 @@ ModelStage::ModelStage(const Model& model, const std::vector<std::string>& modul
   setup.options_json = options_json.c_str();
   setup.device = device.device;
   setup.compute_stream = device.stream;
-  // The collectives a stage on a GPU starts over tp and ep move its memory,
-  // ordered with its kernels on the stream it computes on.
+  // The collectives a stage on a GPU starts over tp, cp and ep move its
+  // memory, ordered with its kernels on the stream it computes on.
   if (device.device.device_type == kDLCUDA) {
-    for (Communicator* comm : {comms.tp, comms.ep}) {
+    for (Communicator* comm : {comms.tp, comms.cp, comms.ep}) {
       if (comm != nullptr) comm->set_stream(device.stream);
     }
   }

@@ -96,6 +96,13 @@ class HostCompute : public Compute {
   void accumulate(float* sum, const float* addend, int64_t count) override {
     kernels::residual_forward(sum, sum, addend, count);
   }
+  void copy_rows(float* to, int64_t ld_to, const float* from, int64_t ld_from, int64_t rows,
+                 int64_t width) override {
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(from + r * ld_from, width, to + r * ld_to);
+  }
+  void fill(float* values, int64_t count, float value) override {
+    std::fill_n(values, count, value);
+  }
   void round_to_bfloat16(float* values, int64_t count) override {
     kernels::round_to_bfloat16(values, values, count);
   }
@@ -155,6 +162,29 @@ class HostCompute : public Compute {
                           float* scratch) override {
     kernels::attention_backward(d_qkv, scratch, scratch + shape.scores_size(), d_out, qkv, lse,
                                 shape);
+  }
+
+  int64_t ring_attention_scratch(const kernels::AttentionShape& g, int64_t chunk) const override {
+    return kernels::ring_scratch_size(g, chunk);
+  }
+  void ring_attention_merge(const kernels::AttentionShape& g, const kernels::RingBlock& block,
+                            float* acc, float* row_max, float* row_sum, const float* qkv,
+                            const float* kv, float* scratch) override {
+    kernels::ring_merge(g, block, acc, row_max, row_sum, qkv, kv, scratch);
+  }
+  void ring_attention_finish(const kernels::AttentionShape& g, float* out, float* lse,
+                             const float* row_max, const float* row_sum) override {
+    kernels::ring_finish(g, out, lse, row_max, row_sum);
+  }
+  void ring_attention_output_dots(const kernels::AttentionShape& g, float* dots, const float* out,
+                                  const float* d_out) override {
+    kernels::ring_output_dots(g, dots, out, d_out);
+  }
+  void ring_attention_block_backward(const kernels::AttentionShape& g,
+                                     const kernels::RingBlock& block, float* d_qkv, float* d_kv,
+                                     const float* qkv, const float* kv, const float* d_out,
+                                     const float* lse, const float* dots, float* scratch) override {
+    kernels::ring_block_backward(g, block, d_qkv, d_kv, qkv, kv, d_out, lse, dots, scratch);
   }
 
   double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,

@@ -16,17 +16,18 @@
 // bfloat16 and the products summed in float32, on either device.
 //
 // The kit's layer (kit/composed.cpp) calls its kernels through this, and
-// so do the embedding, attention on one cp rank and the loss (plain and
+// so do the embedding, attention (on one cp rank and over several: ring
+// and Ulysses, common/context_parallel.hpp) and the loss (plain and
 // vocabulary-parallel) and a mixture of experts' steps; a stage's buffers
-// are this memory (common/buffer.hpp). Attention over cp ranks still
-// computes on the host, and the GPU's compute has not run inside a model
-// (docs/testing.md).
+// are this memory (common/buffer.hpp). The GPU's compute has not run
+// inside a model (docs/testing.md).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "common/layers.hpp"
+#include "common/ring_attention.hpp"
 
 namespace meshrun::models {
 
@@ -101,6 +102,12 @@ class Compute {
     copy_bytes(to, from, count * int64_t(sizeof(float)));
   }
   void zero(float* values, int64_t count) { zero_bytes(values, count * int64_t(sizeof(float))); }
+  // A strided copy within the compute's memory: `rows` rows of `width`
+  // floats, ld_to apart in `to` and ld_from apart in `from` (not
+  // overlapping); values[i] = value.
+  virtual void copy_rows(float* to, int64_t ld_to, const float* from, int64_t ld_from, int64_t rows,
+                         int64_t width) = 0;
+  virtual void fill(float* values, int64_t count, float value) = 0;
   // Each value rounded to bfloat16 (nearest even), in place: what keeping
   // it in bfloat16 leaves (common/kept_activations.hpp).
   virtual void round_to_bfloat16(float* values, int64_t count) = 0;
@@ -148,6 +155,27 @@ class Compute {
   virtual void attention_backward(const kernels::AttentionShape& shape, float* d_qkv,
                                   const float* d_out, const float* qkv, const float* out,
                                   const float* lse, float* scratch) = 0;
+
+  // Ring attention's steps over cp ranks on the gathered shape g, with
+  // common/ring_attention.hpp's layouts and math: a key/value block merged
+  // into the running softmax (acc, row_max, row_sum); the forward's end
+  // (out = acc in place, and lse); the backward's row dots; a block's part
+  // of the gradients, added into d_qkv's queries and d_kv. `scratch` holds
+  // ring_attention_scratch(g, block.chunk) floats of the compute's memory.
+  virtual int64_t ring_attention_scratch(const kernels::AttentionShape& g, int64_t chunk) const = 0;
+  virtual void ring_attention_merge(const kernels::AttentionShape& g,
+                                    const kernels::RingBlock& block, float* acc, float* row_max,
+                                    float* row_sum, const float* qkv, const float* kv,
+                                    float* scratch) = 0;
+  virtual void ring_attention_finish(const kernels::AttentionShape& g, float* out, float* lse,
+                                     const float* row_max, const float* row_sum) = 0;
+  virtual void ring_attention_output_dots(const kernels::AttentionShape& g, float* dots,
+                                          const float* out, const float* d_out) = 0;
+  virtual void ring_attention_block_backward(const kernels::AttentionShape& g,
+                                             const kernels::RingBlock& block, float* d_qkv,
+                                             float* d_kv, const float* qkv, const float* kv,
+                                             const float* d_out, const float* lse,
+                                             const float* dots, float* scratch) = 0;
 
   // Softmax cross-entropy over the whole vocabulary: the logits become
   // probabilities; returns the mean over rows of the natural-log loss (a

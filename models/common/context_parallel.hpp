@@ -35,20 +35,26 @@
 
 namespace meshrun::models {
 
-// The ranks context parallelism spans: point-to-point transfers that run
-// while the caller computes, and a sum.
+// The ranks context parallelism spans, over memory of the stage's compute
+// (common/compute.hpp): all-to-alls that run while the caller computes,
+// and a sum.
 class ContextParallelGroup {
  public:
   virtual ~ContextParallelGroup() = default;
   virtual int64_t size() const = 0;
   virtual int64_t rank() const = 0;
+  // Sums `count` floats over the group, in place.
   virtual void all_reduce_sum(float* data, int64_t count) = 0;
-  // Start sending `count` floats to / receiving them from group rank `peer`;
-  // the buffers must stay untouched until wait_started() returns, which
-  // completes every transfer started. Transfers between two ranks with the
-  // same tag match in the order they were started.
-  virtual void start_send(const float* data, int64_t count, int64_t peer, int64_t tag) = 0;
-  virtual void start_recv(float* data, int64_t count, int64_t peer, int64_t tag) = 0;
+  // Starts sending send_counts[k] floats to group rank k and receiving
+  // recv_counts[k] from it (send and recv hold them in rank order, a rank's
+  // own included); the buffers must stay untouched until wait_started()
+  // returns, which completes every all-to-all started. Every rank starts
+  // the same all-to-alls in the same order. One all-to-all, not a send and
+  // a receive, so that a backend that runs its transfers on a stream in
+  // order (NCCL) pairs both directions at once instead of blocking in the
+  // receive.
+  virtual void start_all_to_all(const float* send, const std::vector<int64_t>& send_counts,
+                                float* recv, const std::vector<int64_t>& recv_counts) = 0;
   virtual void wait_started() = 0;
 };
 
@@ -58,8 +64,8 @@ class SingleContextRank : public ContextParallelGroup {
   int64_t size() const override { return 1; }
   int64_t rank() const override { return 0; }
   void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {}
-  void start_send(const float* data, int64_t count, int64_t peer, int64_t tag) override;
-  void start_recv(float* data, int64_t count, int64_t peer, int64_t tag) override;
+  void start_all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
+                        const std::vector<int64_t>& recv_counts) override;
   void wait_started() override {}
 };
 
@@ -96,13 +102,14 @@ struct SequenceShard {
 
 // Causal grouped-query attention over a stage's rows (the AttentionShape of
 // common/layers.hpp, with seq_len the rank's local_len()): the plain kernels
-// on one rank, ring, Ulysses or both over cp ranks. Holds the scratch of
-// one layer's call; a pass shares one over its layers.
+// on one rank, ring, Ulysses or both over cp ranks, every step a call of
+// the stage's compute on its memory (the host's or a GPU's). Holds the
+// scratch of one layer's call; a pass shares one over its layers.
 class SequenceAttention {
  public:
   // Throws std::invalid_argument (family first) when Ulysses' degree does
-  // not divide the local heads or key/value heads. On one rank attention
-  // computes on `compute` (which must outlive it); over cp ranks on the host.
+  // not divide the local heads or key/value heads. `compute` (which must
+  // outlive it) computes and holds its buffers; the cp group moves them.
   SequenceAttention(const kernels::AttentionShape& shape, const ContextParallel& cp,
                     const char* family, Compute& compute = host_compute());
 
@@ -119,14 +126,19 @@ class SequenceAttention {
  private:
   // Over the ring, on this rank's gathered rows (its own without Ulysses).
   void ring_forward(const float* qkv, float* out, float* lse);
-  void finish_softmax(float* out, float* lse) const;
   void ring_backward(const float* qkv, const float* out, const float* d_out, float* d_qkv,
                      const float* lse);
-  void output_dots(const float* out, const float* d_out);
-  void block_gradients(const float* qkv, const float* d_out, float* d_qkv, const float* lse,
-                       int64_t source);
+  // Starts sending `send` to the next ring member and receiving the
+  // previous one's into `recv`, both of the key/value blocks' size.
+  void start_ring_exchange(const float* send, float* recv);
   // The cp rank of the ring member `direction` (+1 next, -1 previous) away.
   int64_t ring_neighbour(int64_t direction) const;
+  // The query chunks of this rank's gathered rows, the key chunks of ring
+  // member `source`'s.
+  kernels::RingBlock ring_block(int64_t source) const;
+  // kv = the k and v columns of gathered qkv rows; and back.
+  void pack_key_values(float* kv, const float* qkv);
+  void unpack_key_values(float* qkv, const float* kv);
   // Ulysses' all-to-all: local rows of all heads to gathered rows of the
   // member's heads (`to_heads`), or back; `widths` are the column groups
   // of a local row (q, k, v; or the output), each split by heads.
@@ -141,15 +153,16 @@ class SequenceAttention {
   SequenceShard sequence_;
   int64_t ring_index_ = 0, ulysses_index_ = 0;
   std::vector<int64_t> positions_;
-  Buffer<float> scratch_;  // the compute's, on one rank
-  std::vector<float> scores_, d_scores_;
+  // The plain kernels' scratch on one rank, the ring's over several.
+  Buffer<float> scratch_;
   // Gathered qkv, output (the softmax's running sum in forward), its
-  // gradient and the query gradient; the row maxima and sums.
-  std::vector<float> qkv_, out_, d_out_, d_qkv_, row_max_, row_sum_;
+  // gradient and the query gradient; the row maxima and sums (the row
+  // dots in backward).
+  Buffer<float> qkv_, out_, d_out_, d_qkv_, row_max_, row_sum_;
   // The key/value block computed on and the next, their gradients' partial
   // sums, received and sent.
-  std::vector<float> kv_, kv_next_, d_kv_, d_kv_in_, d_kv_out_;
-  std::vector<float> send_, recv_;  // Ulysses' packed rows
+  Buffer<float> kv_, kv_next_, d_kv_, d_kv_in_, d_kv_out_;
+  Buffer<float> send_, recv_;  // Ulysses' packed rows
 };
 
 }  // namespace meshrun::models

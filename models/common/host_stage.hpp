@@ -109,7 +109,8 @@ class HostCommunicator {
                                     float* recv, const std::vector<int64_t>& recv_counts) {
     if (!MESHRUN_HAS_FIELD(meshrun_comm_api, api_, all_to_all) || api_->all_to_all == nullptr) {
       throw plugin::Error(MESHRUN_UNIMPLEMENTED,
-                          "expert parallelism needs the comm backend's all_to_all (ABI 1.7)");
+                          "expert and context parallelism need the comm backend's all_to_all "
+                          "(ABI 1.7)");
     }
     int64_t sent = 0, received = 0;
     for (const int64_t count : send_counts) sent += count;
@@ -179,22 +180,20 @@ class HostTensorParallelGroup : public TensorParallelGroup {
   std::vector<meshrun_request*> started_;  // by start_*, until wait_started
 };
 
-// The stage's cp group, over host memory: ring and Ulysses attention and
-// the loss's sum compute there (common/context_parallel.hpp).
+// The stage's cp group, on the stage's device: ring and Ulysses attention
+// (common/context_parallel.hpp) and the loss's sum move its memory.
 class HostContextParallelGroup : public ContextParallelGroup {
  public:
   explicit HostContextParallelGroup(const meshrun_model_stage_setup& setup)
-      : comm_(setup.comm, setup.cp, DLDevice{kDLCPU, 0}) {}
+      : comm_(setup.comm, setup.cp, plugin::stage_device(setup)) {}
   int64_t size() const override { return comm_.size(); }
   int64_t rank() const override { return comm_.rank(); }
   void all_reduce_sum(float* data, int64_t count) override {
     comm_.finish(comm_.start_all_reduce(data, count, MESHRUN_REDUCE_SUM));
   }
-  void start_send(const float* data, int64_t count, int64_t peer, int64_t tag) override {
-    started_.push_back(comm_.start_send(data, count, peer, tag));
-  }
-  void start_recv(float* data, int64_t count, int64_t peer, int64_t tag) override {
-    started_.push_back(comm_.start_recv(data, count, peer, tag));
+  void start_all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
+                        const std::vector<int64_t>& recv_counts) override {
+    started_.push_back(comm_.start_all_to_all(send, send_counts, recv, recv_counts));
   }
   void wait_started() override { comm_.finish_all(started_); }
 

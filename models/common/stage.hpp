@@ -314,6 +314,9 @@ class TransformerStage {
   // memory), checked, in `local`.
   void take_rows(const int32_t* full, Buffer<int32_t>& local, const char* what) const;
   std::string microbatch_name(int32_t mb) const;
+  // The mean of the cp ranks' losses, summed in the compute's memory (where
+  // the cp group moves values).
+  double context_parallel_mean(double loss);
   Microbatch& forwarded(int32_t mb, const char* action);
   // Stage layer i's activations: the microbatch's own, or the scratch of a
   // fully recomputed layer.

@@ -203,8 +203,6 @@ TransformerStage<Family>::TransformerStage(Config config, StageLayout layout, St
       bfloat16_activations_(bfloat16_activations) {
   require(kAnyCompute || &compute_ == &host_compute(), Family::kName,
           "the model computes on the host's memory only");
-  require(cp_.size() == 1 || &compute_ == &host_compute(), Family::kName,
-          "attention over context-parallel ranks (cp_size > 1) computes on the host only");
   Family::check_config(config_);
   check_layout();
   check_checkpointing(checkpointing);
@@ -367,6 +365,16 @@ void TransformerStage<Family>::take_rows(const int32_t* full, Buffer<int32_t>& l
 }
 
 template <class Family>
+double TransformerStage<Family>::context_parallel_mean(double loss) {
+  auto value = float(loss);
+  Buffer<float> sum(1, compute_);
+  compute_.copy_from_host(sum.data(), &value, sizeof value);
+  cp_.group->all_reduce_sum(sum.data(), 1);
+  compute_.copy_to_host(&value, sum.data(), sizeof value);
+  return double(value) / double(cp_.size());
+}
+
+template <class Family>
 std::string TransformerStage<Family>::microbatch_name(int32_t mb) const {
   return std::string(Family::kName) + " stage: microbatch " + std::to_string(mb);
 }
@@ -484,11 +492,7 @@ double TransformerStage<Family>::forward(int32_t mb, const int32_t* tokens, cons
           saved.stream(layer_count(), output), saved.targets.data(), *saved.head);
     });
     if (!rounded.empty()) kept_head_->keep(rounded, saved.head_copies);
-    if (cp_.size() > 1) {
-      auto sum = float(loss);
-      cp_.group->all_reduce_sum(&sum, 1);
-      loss = double(sum) / double(cp_.size());
-    }
+    if (cp_.size() > 1) loss = context_parallel_mean(loss);
   }
   if (holds_root()) hooks_.post_forward(root, nullptr, 0);
   microbatches_.emplace(mb, std::move(state));

@@ -6,7 +6,8 @@
 // bfloat16 matmul precision (the weight's bfloat16 copy given or not), the
 // bias, the element-wise helpers, the norms, the activations, the
 // embedding (whole and a vocabulary shard), rotary (a partial rotary_dim
-// too), attention, and cross-entropy (whole and the vocabulary-parallel
+// too), attention (one rank's, and ring attention's steps over cp ranks),
+// the strided copy and fill, and cross-entropy (whole and the vocabulary-parallel
 // steps, with the mean loss each returns) and a mixture of experts' steps
 // (8 experts, top 2: the experts chosen, the slot order and the tokens per
 // expert exactly), on shapes that leave partial blocks (37 rows, 70
@@ -171,6 +172,11 @@ void check_vectors(Compute& gpu) {
           compute.zero(p.floats[5], count - 1);
           compute.round_to_bfloat16(p.floats[1], count);
         });
+  check("strided copy, fill", gpu, {{values(count, 1), values(count, 2), values(count, 3)}, {}, {}},
+        [](Compute& compute, const Pointers& p) {
+          compute.copy_rows(p.floats[1] + 7, dim, p.floats[0] + 100, dim, kRows, 150);
+          compute.fill(p.floats[2], count - 1, -1e30f);
+        });
 }
 
 void check_norms(Compute& gpu) {
@@ -263,6 +269,53 @@ void check_attention(Compute& gpu) {
     compute.attention_forward(shape, p.floats[2], p.floats[3], p.floats[0], p.scratch);
     compute.attention_backward(shape, p.floats[4], p.floats[1], p.floats[0], p.floats[2],
                                p.floats[3], p.scratch);
+  });
+}
+
+// Ring attention's steps over cp ranks: 4 chunks of 20 rows a side (tiles
+// of 32 rows cross chunks), the queries' chunks {0, 7, 2, 5} (a rank's
+// gathered rows under cp 4, Ulysses 2), one block of the same chunks (the
+// causal diagonal) and one of chunks {1, 6, 3, 4} (every query sees some of
+// it, chunk 0 none, chunk 7 all): both merged, finished, and both blocks'
+// gradients added up.
+void check_ring_attention(Compute& gpu) {
+  kernels::AttentionShape g;
+  g.batch = 2;
+  g.seq_len = 80;
+  g.heads = 4;
+  g.kv_heads = 2;
+  g.head_dim = 40;
+  g.query_block = 16;
+  const kernels::RingBlock own{20, {0, 7, 2, 5}, {0, 7, 2, 5}};
+  const kernels::RingBlock other{20, {0, 7, 2, 5}, {1, 6, 3, 4}};
+  const auto rows = size_t(g.batch * g.seq_len), stats = size_t(g.lse_size());
+  const auto kv = rows * size_t(2 * g.kv_dim()), q = rows * size_t(g.q_dim());
+  Operands operands{
+      {values(rows * size_t(g.qkv_dim()), 1), values(kv, 2), values(kv, 3), values(q, 4),
+       values(stats, 5), values(stats, 6), values(stats, 7), values(q, 8), values(stats, 9),
+       values(rows * size_t(g.qkv_dim()), 10), values(kv, 11)},
+      {},
+      {},
+      std::max(meshrun::models::host_compute().ring_attention_scratch(g, own.chunk),
+               gpu.ring_attention_scratch(g, own.chunk))};
+  check("ring attention", gpu, operands, [&](Compute& compute, const Pointers& p) {
+    float *acc = p.floats[3], *row_max = p.floats[4], *row_sum = p.floats[5];
+    compute.zero(acc, int64_t(q));
+    compute.fill(row_max, int64_t(stats), -1e30f);
+    compute.zero(row_sum, int64_t(stats));
+    for (const auto& [block, keys] :
+         {std::pair{&own, p.floats[1]}, std::pair{&other, p.floats[2]}}) {
+      compute.ring_attention_merge(g, *block, acc, row_max, row_sum, p.floats[0], keys, p.scratch);
+    }
+    compute.ring_attention_finish(g, acc, p.floats[6], row_max, row_sum);
+    compute.ring_attention_output_dots(g, p.floats[8], acc, p.floats[7]);
+    compute.zero(p.floats[9], int64_t(rows) * g.qkv_dim());
+    compute.zero(p.floats[10], int64_t(kv));
+    for (const auto& [block, keys] :
+         {std::pair{&own, p.floats[1]}, std::pair{&other, p.floats[2]}}) {
+      compute.ring_attention_block_backward(g, *block, p.floats[9], p.floats[10], p.floats[0], keys,
+                                            p.floats[7], p.floats[6], p.floats[8], p.scratch);
+    }
   });
 }
 
@@ -403,6 +456,7 @@ int main() {
     check_embedding(*gpu);
     check_rotation(*gpu);
     check_attention(*gpu);
+    check_ring_attention(*gpu);
     check_cross_entropy(*gpu);
     check_experts(*gpu);
   }

@@ -232,7 +232,7 @@ class Hangs(TrainTest):
         # shared-memory collective, the wait for the peer ("rank 1 ... did
         # not arrive within"): which comes first depends on the step's timing.
         self.assertRegex(stderr, r"(?m)^meshrun: error: rank 0: .*(send|recv|all_reduce|"
-                                 r"all_gather|reduce_scatter|broadcast).*did not "
+                                 r"all_to_all|all_gather|reduce_scatter|broadcast).*did not "
                                  r"(complete|arrive) within")
         self.assertEqual(stderr.splitlines()[-1], "meshrun: error: rank 0 exited with status 3")
 

@@ -2,7 +2,8 @@
 // the trainer's host-side collectives on the launcher's world and the
 // strategies' and the model's on another communicator (a split of it), as
 // a GPU run puts them on an NCCL world (train::train_in_worlds), with a
-// pipeline's transfers over the state's pp too. The losses,
+// pipeline's transfers over the state's pp and context parallelism's
+// all-to-alls and loss sum over the state's cp too. The losses,
 // gradient norms, validation losses and exported weights must equal the
 // one-world run's bit for bit: the worlds hold the same ranks in the same
 // order, so every sum is the same sum. Run under mpirun with 2 ranks;
@@ -87,6 +88,10 @@ int main(int argc, char** argv) {
       {"llama, fsdp2 (bfloat16 gathers)", "llama-tiny.toml", {}},
       {"llama, ddp", "llama-tiny.toml", {"distributed.strategy=ddp"}},
       {"llama, tp 2", "tensor-parallel.toml", {}},
+      {"llama, cp 2 (ring)", "llama-tiny.toml", {"distributed.cp_size=2"}},
+      {"llama, cp 2 (Ulysses)",
+       "llama-tiny.toml",
+       {"distributed.cp_size=2", "distributed.cp_ulysses_degree=2"}},
       {"mixtral, ep 2 (the experts' own strategy)", "moe-ep.toml", {}},
       {"llama, pp 2 (1f1b)", "pipeline-1f1b.toml", {}},
       {"llama, pp 2 (zero-bubble V: two stages a rank, I and W)",

@@ -164,6 +164,13 @@ class FencedCompute : public Compute {
   void accumulate(float* sum, const float* addend, int64_t count) override {
     inside(__func__, {sum, addend}, [&] { host().accumulate(sum, addend, count); });
   }
+  void copy_rows(float* to, int64_t ld_to, const float* from, int64_t ld_from, int64_t rows,
+                 int64_t width) override {
+    inside(__func__, {to, from}, [&] { host().copy_rows(to, ld_to, from, ld_from, rows, width); });
+  }
+  void fill(float* values, int64_t count, float value) override {
+    inside(__func__, {values}, [&] { host().fill(values, count, value); });
+  }
   void round_to_bfloat16(float* values, int64_t count) override {
     inside(__func__, {values}, [&] { host().round_to_bfloat16(values, count); });
   }
@@ -227,6 +234,37 @@ class FencedCompute : public Compute {
                           float* scratch) override {
     inside(__func__, {d_qkv, d_out, qkv, out, lse, scratch},
            [&] { host().attention_backward(shape, d_qkv, d_out, qkv, out, lse, scratch); });
+  }
+  int64_t ring_attention_scratch(const meshrun::kernels::AttentionShape& g,
+                                 int64_t chunk) const override {
+    return host().ring_attention_scratch(g, chunk);
+  }
+  void ring_attention_merge(const meshrun::kernels::AttentionShape& g,
+                            const meshrun::kernels::RingBlock& block, float* acc, float* row_max,
+                            float* row_sum, const float* qkv, const float* kv,
+                            float* scratch) override {
+    inside(__func__, {acc, row_max, row_sum, qkv, kv, scratch},
+           [&] { host().ring_attention_merge(g, block, acc, row_max, row_sum, qkv, kv, scratch); });
+  }
+  void ring_attention_finish(const meshrun::kernels::AttentionShape& g, float* out, float* lse,
+                             const float* row_max, const float* row_sum) override {
+    inside(__func__, {out, lse, row_max, row_sum},
+           [&] { host().ring_attention_finish(g, out, lse, row_max, row_sum); });
+  }
+  void ring_attention_output_dots(const meshrun::kernels::AttentionShape& g, float* dots,
+                                  const float* out, const float* d_out) override {
+    inside(__func__, {dots, out, d_out},
+           [&] { host().ring_attention_output_dots(g, dots, out, d_out); });
+  }
+  void ring_attention_block_backward(const meshrun::kernels::AttentionShape& g,
+                                     const meshrun::kernels::RingBlock& block, float* d_qkv,
+                                     float* d_kv, const float* qkv, const float* kv,
+                                     const float* d_out, const float* lse, const float* dots,
+                                     float* scratch) override {
+    inside(__func__, {d_qkv, d_kv, qkv, kv, d_out, lse, dots, scratch}, [&] {
+      host().ring_attention_block_backward(g, block, d_qkv, d_kv, qkv, kv, d_out, lse, dots,
+                                           scratch);
+    });
   }
   double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
                                int64_t vocab) override {

@@ -681,28 +681,6 @@ TEST_CASE("config rule: the comm backend follows dist_env's device", "[config][r
                   "set dist_env.backend = \"nccl\" to train on GPUs", "cfg.toml:2:1");
 }
 
-// A CUDA run trains without context parallelism: ring and Ulysses
-// attention exchange through host memory, so cp_size > 1 is refused at its
-// key before any rank starts; the same size on the CPU is not, nor is a
-// pipeline on a GPU.
-TEST_CASE("device: a CUDA run refuses context parallelism, naming the key, and takes pipelines",
-          "[device]") {
-  const std::string nccl = "[dist_env]\nbackend = \"nccl\"\n";
-  CHECK_NOTHROW(meshrun::train::check_gpu_training(parse(nccl)));
-  CHECK_NOTHROW(meshrun::train::check_gpu_training(
-      parse(nccl + "[distributed]\npp_size = 2\n[distributed.pipeline]\n")));
-  CHECK_NOTHROW(meshrun::train::check_gpu_training(parse("[distributed]\ncp_size = 2\n")));
-  try {
-    meshrun::train::check_gpu_training(parse(nccl + "[distributed]\ncp_size = 2\n"));
-    FAIL("accepted cp_size = 2");
-  } catch (const meshrun::Error& error) {
-    CHECK(error.is_input_error());
-    CHECK(error.key() == "distributed.cp_size");
-    CHECK_THAT(error.what(), StartsWith("cfg.toml:4:1: distributed.cp_size: 2 ranks"));
-    CHECK_THAT(error.what(), Contains("set it to 1 to train on GPUs"));
-  }
-}
-
 // The comm plugins a run joins through are looked for before any rank
 // starts: comm.backend's, and on CUDA MPI's, whose world the trainer's host
 // memory uses; a missing one names its key, the plugins there are and the

@@ -14,7 +14,6 @@
 #include "errors.hpp"
 #include "estimate/estimate.hpp"
 #include "plan/plan.hpp"
-#include "train/run.hpp"
 
 namespace meshrun::cli {
 namespace {
@@ -107,7 +106,6 @@ int run_plan(const Args& args) {
                                                                std::numeric_limits<int32_t>::max())
                                             : default_world_size(config);
     const Plan plan = make_plan(config, world_size, loader);
-    train::check_gpu_training(config);
     const bool all_ranks = parsed.has_flag("all-ranks");
     const int64_t ranks_per_node =
         parsed.value("nproc-per-node")

@@ -362,20 +362,8 @@ void check_training_input(const Config& config, const Plan& plan, int64_t ranks_
   const ModelDescription& description = plan.model->description();
   if (!config.model.checkpoint.empty()) read_consolidated(config, description);
   if (!config.checkpoint.resume_from.empty()) read_index(config, description);
-  check_gpu_training(config);
   check_comm_plugins(config, PluginLoader::from_environment());
   if (config.dist_env.on_cuda()) require_usable_devices(config, cuda_devices(), ranks_per_node);
-}
-
-void check_gpu_training(const Config& config) {
-  const int64_t cp = config.distributed.cp_size;
-  if (!config.dist_env.on_cuda() || cp <= 1) return;
-  throw config_error(config, "distributed.cp_size",
-                     fmt::format("{} ranks: ring and Ulysses attention exchange keys and values "
-                                 "through host memory, so context parallelism trains on the CPU "
-                                 "only (dist_env.backend = \"gloo\" or \"mpi\"); set it to 1 "
-                                 "to train on GPUs",
-                                 cp));
 }
 
 void train_in_worlds(const Config& config, const std::optional<std::string>& output_dir,

@@ -19,8 +19,8 @@ namespace meshrun::train {
 // file and its size against data.seq_len, the batch sizes against the
 // data-parallel size of `plan`, whether the strategy can train, the model,
 // the checkpoints to start from, the comm plugins (check_comm_plugins), and
-// for a CUDA run check_gpu_training and whether this machine has a GPU
-// (mesh/device.hpp) for each of `ranks_per_node` ranks a node.
+// for a CUDA run whether this machine has a GPU (mesh/device.hpp) for each
+// of `ranks_per_node` ranks a node.
 // Throws input errors naming the key.
 void check_training_input(const Config& config, const Plan& plan, int64_t ranks_per_node = 1);
 
@@ -29,13 +29,6 @@ void check_training_input(const Config& config, const Plan& plan, int64_t ranks_
 // Throws the input error naming comm.backend or dist_env.backend, the
 // plugins there are and the folders searched.
 void check_comm_plugins(const Config& config, const PluginLoader& loader);
-
-// For a CUDA run (dist_env.backend = "nccl"), throws the input error of
-// what cannot train on GPUs yet, naming its key: context parallelism
-// (cp_size > 1, whose attention exchanges keys and values through host
-// memory). Does nothing for a CPU run. `meshrun plan` checks it too;
-// whether this machine has a GPU is train's alone to check.
-void check_gpu_training(const Config& config);
 
 // One rank over two worlds of the same ranks in the same order:
 // `host_world` carries the trainer's own collectives on host memory (the

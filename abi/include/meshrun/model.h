@@ -300,9 +300,10 @@ typedef struct meshrun_model_stage_setup {
    * writes (output, grad_input, gradients, the hidden states a hook sees)
    * is ready for the work the host enqueues on it after the call, and it
    * waits on the host only to return a value (forward's loss). The host
-   * sets the tp and ep communicators' stream (meshrun/comm.h set_stream)
-   * to it, so the collectives the stage starts over them are ordered with
-   * its kernels. Ignored on the CPU. Borrowed until stage_destroy. */
+   * sets the tp, cp and ep communicators' stream (meshrun/comm.h
+   * set_stream) to it, so the collectives the stage starts over them are
+   * ordered with its kernels. Ignored on the CPU. Borrowed until
+   * stage_destroy. */
   void* compute_stream;
 } meshrun_model_stage_setup;
 

@@ -5,6 +5,7 @@
 // its own row's output elements (i = lane + kWarp k) in registers.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "common/cuda/attention.hpp"
 
@@ -283,6 +284,237 @@ __global__ void attention_key_gradient(float* d_qkv, const float* row_dots, cons
   }
 }
 
+// The ring kernels' layout: the attention's, the keys and values from a
+// block [seq_len, 2 kv_dim] (k heads, then v heads), and where the rows of
+// both sides lie in their sequence.
+struct RingLayout : Layout {
+  RingChunks chunks;
+  RingLayout(const AttentionDims& dims, const RingChunks& chunks) : Layout(dims), chunks(chunks) {}
+  __device__ int64_t block_ld() const { return 2 * kv_dim; }
+  __device__ int64_t block_k_column(int64_t h) const { return (h / group()) * head_dim; }
+  __device__ int64_t block_v_column(int64_t h) const { return block_k_column(h) + kv_dim; }
+  __device__ int64_t query_position(int64_t t) const {
+    return chunks.query[t / chunks.chunk] * chunks.chunk + t % chunks.chunk;
+  }
+  __device__ int64_t key_position(int64_t s) const {
+    return chunks.key[s / chunks.chunk] * chunks.chunk + s % chunks.chunk;
+  }
+  // The latest query position of the kRows rows from first_row, and the
+  // earliest key position of a tile of kWarp rows from first_row (each the
+  // same for every thread of a block, so skipping on them keeps the
+  // block's __syncthreads together).
+  __device__ int64_t last_query(int64_t first_row) const {
+    int64_t last = -1;
+    for (int64_t t = first_row; t < first_row + kRows && t < seq_len; ++t) {
+      if (query_position(t) > last) last = query_position(t);
+    }
+    return last;
+  }
+  __device__ int64_t first_key(int64_t first_row, int64_t rows) const {
+    int64_t first = INT64_MAX;
+    for (int64_t s = first_row; s < first_row + rows && s < seq_len; ++s) {
+      if (key_position(s) < first) first = key_position(s);
+    }
+    return first;
+  }
+  __device__ int64_t last_query_of_tile(int64_t first_row) const {
+    int64_t last = -1;
+    for (int64_t t = first_row; t < first_row + kWarp && t < seq_len; ++t) {
+      if (query_position(t) > last) last = query_position(t);
+    }
+    return last;
+  }
+};
+
+// Streams the tiles of the key/value block that some query row of the
+// thread block's rows sees through `keys` and `values`, calling f(s0), the
+// tile's first row, in each warp whose row exists.
+template <class F>
+__device__ void for_seen_key_tiles(const RingLayout& layout, const Place& place, int64_t h,
+                                   const float* block, float* keys, float* values, F&& f) {
+  const int64_t last_query = layout.last_query(place.first_row);
+  for (int64_t s0 = 0; s0 < layout.seq_len; s0 += kWarp) {
+    if (layout.first_key(s0, kWarp) > last_query) continue;
+    __syncthreads();
+    load_tile(keys, block, layout.block_ld(), layout.block_k_column(h), s0, layout);
+    load_tile(values, block, layout.block_ld(), layout.block_v_column(h), s0, layout);
+    __syncthreads();
+    if (place.active) f(s0);
+  }
+}
+
+// Per query row t of head h, over the block's keys s it sees (key position
+// <= query position), the online softmax step of ring_merge: the running
+// maximum, sum and output read from memory and written back.
+__global__ void ring_merge_kernel(float* acc, float* row_max, float* row_sum, const float* qkv,
+                                  const float* kv, RingLayout layout) {
+  extern __shared__ float shared_floats[];
+  const Place place(layout);
+  const Shared shared(shared_floats, layout, place);
+  const int64_t d = layout.head_dim, stride = layout.tile_stride(), h = place.head, t = place.row,
+                b = place.batch, T = layout.seq_len;
+  float *keys = shared.tile[0], *values = shared.tile[1], *query = shared.own[0];
+  const float* block = kv + b * T * layout.block_ld();
+  load_own_row(query, qkv + b * T * layout.qkv_dim, layout.qkv_dim, layout.q_column(h), t, layout);
+  const int64_t stats = (b * layout.heads + h) * T + t;
+  float* acc_row = acc + (b * T + t) * layout.q_dim + h * d;
+  float output[kPerLane] = {};
+  float running_max = 0, running_sum = 0;
+  int64_t position = -1;
+  if (place.active) {
+    for (int k = 0; k < kPerLane; ++k) {
+      const int64_t i = place.lane + kWarp * k;
+      if (i < d) output[k] = acc_row[i];
+    }
+    running_max = row_max[stats];
+    running_sum = row_sum[stats];
+    position = layout.query_position(t);
+  }
+  for_seen_key_tiles(layout, place, h, block, keys, values, [&](int64_t s0) {
+    const int64_t s = s0 + place.lane;
+    const bool seen = s < T && layout.key_position(s) <= position;
+    const float score = seen ? dot(query, keys + place.lane * stride, d) * layout.scale : -INFINITY;
+    const float tile_max = warp_max(score);
+    if (tile_max == -INFINITY) return;  // the row sees none of the tile
+    const float new_max = fmaxf(running_max, tile_max);
+    const float p = seen ? expf(score - new_max) : 0.0f;
+    const float correction = expf(running_max - new_max);
+    running_sum = running_sum * correction + warp_sum(p);
+    for (float& value : output) value *= correction;
+    accumulate_rows(output, p, values, layout);
+    running_max = new_max;
+  });
+  if (!place.active) return;
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = place.lane + kWarp * k;
+    if (i < d) acc_row[i] = output[k];
+  }
+  if (place.lane == 0) {
+    row_max[stats] = running_max;
+    row_sum[stats] = running_sum;
+  }
+}
+
+// Per row and head (index (b heads + h) seq_len + t): Y = acc / l in place
+// and L = m + log l (ring_finish).
+__global__ void ring_finish_kernel(float* out, float* lse, const float* row_max,
+                                   const float* row_sum, Layout layout, int64_t count) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < count;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = e % layout.seq_len, h = e / layout.seq_len % layout.heads,
+                  b = e / (layout.seq_len * layout.heads);
+    float* y = out + (b * layout.seq_len + t) * layout.q_dim + h * layout.head_dim;
+    const float inverse = 1.0f / row_sum[e];
+    for (int64_t i = 0; i < layout.head_dim; ++i) y[i] *= inverse;
+    lse[e] = row_max[e] + logf(row_sum[e]);
+  }
+}
+
+// Per row and head: D = dY . Y (ring_output_dots).
+__global__ void ring_output_dots_kernel(float* dots, const float* out, const float* d_out,
+                                        Layout layout, int64_t count) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < count;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = e % layout.seq_len, h = e / layout.seq_len % layout.heads,
+                  b = e / (layout.seq_len * layout.heads);
+    const int64_t at = (b * layout.seq_len + t) * layout.q_dim + h * layout.head_dim;
+    dots[e] = dot(d_out + at, out + at, layout.head_dim);
+  }
+}
+
+// Per query row t of head h, over the block's keys it sees, with P_ts =
+// e^(S_ts - L_t): dQ_t += sum_s P_ts (dY_t . V_s - D_t) K_s / sqrt(d).
+__global__ void ring_query_gradient(float* d_qkv, const float* qkv, const float* kv,
+                                    const float* d_out, const float* lse, const float* dots,
+                                    RingLayout layout) {
+  extern __shared__ float shared_floats[];
+  const Place place(layout);
+  const Shared shared(shared_floats, layout, place);
+  const int64_t d = layout.head_dim, stride = layout.tile_stride(), h = place.head, t = place.row,
+                b = place.batch, T = layout.seq_len;
+  float *keys = shared.tile[0], *values = shared.tile[1];
+  float *query = shared.own[0], *dy = shared.own[1];
+  const float* block = kv + b * T * layout.block_ld();
+  load_own_row(query, qkv + b * T * layout.qkv_dim, layout.qkv_dim, layout.q_column(h), t, layout);
+  load_own_row(dy, d_out + b * T * layout.q_dim, layout.q_dim, h * d, t, layout);
+  const int64_t stats = (b * layout.heads + h) * T + t;
+  float row_lse = 0, row_dot = 0;
+  int64_t position = -1;
+  if (place.active) {
+    row_lse = lse[stats];
+    row_dot = dots[stats];
+    position = layout.query_position(t);
+  }
+  float gradient[kPerLane] = {};
+  for_seen_key_tiles(layout, place, h, block, keys, values, [&](int64_t s0) {
+    const int64_t s = s0 + place.lane;
+    float d_score = 0;
+    if (s < T && layout.key_position(s) <= position) {
+      const float p = expf(dot(query, keys + place.lane * stride, d) * layout.scale - row_lse);
+      d_score = p * (dot(dy, values + place.lane * stride, d) - row_dot);
+    }
+    accumulate_rows(gradient, d_score, keys, layout);
+  });
+  if (!place.active) return;
+  float* dq = d_qkv + (b * T + t) * layout.qkv_dim + layout.q_column(h);
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = place.lane + kWarp * k;
+    if (i < d) dq[i] += gradient[k] * layout.scale;
+  }
+}
+
+// Per block key row s of kv head g, over the query heads of its group and
+// the query rows t that see it: dV_s += sum P_ts dY_t; dK_s += sum dS_ts
+// Q_t / sqrt(d).
+__global__ void ring_key_gradient(float* d_kv, const float* qkv, const float* kv,
+                                  const float* d_out, const float* lse, const float* dots,
+                                  RingLayout layout) {
+  extern __shared__ float shared_floats[];
+  const Place place(layout);
+  const Shared shared(shared_floats, layout, place);
+  const int64_t d = layout.head_dim, stride = layout.tile_stride(), s = place.row, b = place.batch,
+                T = layout.seq_len, group = layout.heads / layout.kv_heads;
+  const int64_t first_head = place.head * group;
+  float *queries = shared.tile[0], *output_grads = shared.tile[1];
+  float *key = shared.own[0], *value = shared.own[1];
+  const float* block = kv + b * T * layout.block_ld();
+  const float* seq = qkv + b * T * layout.qkv_dim;
+  const float* dy_seq = d_out + b * T * layout.q_dim;
+  load_own_row(key, block, layout.block_ld(), layout.block_k_column(first_head), s, layout);
+  load_own_row(value, block, layout.block_ld(), layout.block_v_column(first_head), s, layout);
+  const int64_t position = place.active ? layout.key_position(s) : INT64_MAX;
+  const int64_t first_key = layout.first_key(place.first_row, kRows);
+  float dk[kPerLane] = {}, dv[kPerLane] = {};
+  for (int64_t h = first_head; h < first_head + group; ++h) {
+    const float* row_lse = lse + (b * layout.heads + h) * T;
+    const float* row_dots = dots + (b * layout.heads + h) * T;
+    for (int64_t t0 = 0; t0 < T; t0 += kWarp) {
+      if (layout.last_query_of_tile(t0) < first_key) continue;
+      __syncthreads();
+      load_tile(queries, seq, layout.qkv_dim, layout.q_column(h), t0, layout);
+      load_tile(output_grads, dy_seq, layout.q_dim, h * d, t0, layout);
+      __syncthreads();
+      if (!place.active) continue;
+      const int64_t t = t0 + place.lane;
+      float p = 0, d_score = 0;
+      if (t < T && layout.query_position(t) >= position) {
+        p = expf(dot(queries + place.lane * stride, key, d) * layout.scale - row_lse[t]);
+        d_score = p * (dot(output_grads + place.lane * stride, value, d) - row_dots[t]);
+      }
+      accumulate_rows(dv, p, output_grads, layout);
+      accumulate_rows(dk, d_score, queries, layout);
+    }
+  }
+  if (!place.active) return;
+  float* row = d_kv + (b * T + s) * layout.block_ld();
+  for (int k = 0; k < kPerLane; ++k) {
+    const int64_t i = place.lane + kWarp * k;
+    if (i >= d) continue;
+    row[layout.block_k_column(first_head) + i] += dk[k] * layout.scale;
+    row[layout.block_v_column(first_head) + i] += dv[k];
+  }
+}
+
 // first_i' = first_i cos - second_i sin',  second_i' = second_i cos + first_i sin',
 // sin' = direction sin (the backward turns by -angle).
 __global__ void rotate_kernel(float* x, const float* cos, const float* sin, int64_t rows,
@@ -315,6 +547,17 @@ cudaError_t rotate(float* x, const float* cos, const float* sin, int64_t batch, 
 bool valid(const AttentionDims& dims) {
   return dims.head_dim >= 1 && dims.head_dim <= kMaxAttentionHeadDim && dims.kv_heads >= 1 &&
          dims.heads % dims.kv_heads == 0 && dims.batch >= 0 && dims.seq_len >= 0;
+}
+
+bool valid(const AttentionDims& dims, const RingChunks& chunks) {
+  return valid(dims) && chunks.count >= 1 && chunks.count <= kMaxRingChunks && chunks.chunk >= 1 &&
+         chunks.chunk * chunks.count == dims.seq_len;
+}
+
+int64_t row_heads(const AttentionDims& dims) { return dims.batch * dims.heads * dims.seq_len; }
+
+int elementwise_blocks(int64_t count) {
+  return int(std::min<int64_t>((count + kBlock - 1) / kBlock, kMaxBlocks));
 }
 
 dim3 grid(const AttentionDims& dims, int64_t heads) {
@@ -356,6 +599,52 @@ cudaError_t attention_backward(float* d_qkv, float* row_dots, const float* d_out
       d_qkv, row_dots, d_out, out, qkv, lse, layout);
   attention_key_gradient<<<grid(dims, dims.kv_heads), kRows * kWarp, bytes, stream>>>(
       d_qkv, row_dots, d_out, qkv, lse, layout);
+  return cudaGetLastError();
+}
+
+cudaError_t ring_attention_merge(float* acc, float* row_max, float* row_sum, const float* qkv,
+                                 const float* kv, const AttentionDims& dims,
+                                 const RingChunks& chunks, cudaStream_t stream) {
+  if (!valid(dims, chunks)) return cudaErrorInvalidValue;
+  if (dims.batch == 0) return cudaSuccess;
+  ring_merge_kernel<<<grid(dims, dims.heads), kRows * kWarp, Shared::bytes(dims), stream>>>(
+      acc, row_max, row_sum, qkv, kv, RingLayout(dims, chunks));
+  return cudaGetLastError();
+}
+
+cudaError_t ring_attention_finish(float* out, float* lse, const float* row_max,
+                                  const float* row_sum, const AttentionDims& dims,
+                                  cudaStream_t stream) {
+  if (!valid(dims)) return cudaErrorInvalidValue;
+  const int64_t count = row_heads(dims);
+  if (count == 0) return cudaSuccess;
+  ring_finish_kernel<<<elementwise_blocks(count), kBlock, 0, stream>>>(out, lse, row_max, row_sum,
+                                                                       Layout(dims), count);
+  return cudaGetLastError();
+}
+
+cudaError_t ring_attention_output_dots(float* dots, const float* out, const float* d_out,
+                                       const AttentionDims& dims, cudaStream_t stream) {
+  if (!valid(dims)) return cudaErrorInvalidValue;
+  const int64_t count = row_heads(dims);
+  if (count == 0) return cudaSuccess;
+  ring_output_dots_kernel<<<elementwise_blocks(count), kBlock, 0, stream>>>(dots, out, d_out,
+                                                                            Layout(dims), count);
+  return cudaGetLastError();
+}
+
+cudaError_t ring_attention_block_backward(float* d_qkv, float* d_kv, const float* qkv,
+                                          const float* kv, const float* d_out, const float* lse,
+                                          const float* dots, const AttentionDims& dims,
+                                          const RingChunks& chunks, cudaStream_t stream) {
+  if (!valid(dims, chunks)) return cudaErrorInvalidValue;
+  if (dims.batch == 0) return cudaSuccess;
+  const RingLayout layout(dims, chunks);
+  const size_t bytes = Shared::bytes(dims);
+  ring_query_gradient<<<grid(dims, dims.heads), kRows * kWarp, bytes, stream>>>(
+      d_qkv, qkv, kv, d_out, lse, dots, layout);
+  ring_key_gradient<<<grid(dims, dims.kv_heads), kRows * kWarp, bytes, stream>>>(
+      d_kv, qkv, kv, d_out, lse, dots, layout);
   return cudaGetLastError();
 }
 

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -208,6 +209,18 @@ class CudaCompute : public Compute {
   void accumulate(float* sum, const float* addend, int64_t count) override {
     check(gpu::add(sum, sum, addend, count, stream_), "accumulate");
   }
+  void copy_rows(float* to, int64_t ld_to, const float* from, int64_t ld_from, int64_t rows,
+                 int64_t width) override {
+    if (rows == 0 || width == 0) return;
+    constexpr size_t kFloat = sizeof(float);
+    check(
+        cudaMemcpy2DAsync(to, size_t(ld_to) * kFloat, from, size_t(ld_from) * kFloat,
+                          size_t(width) * kFloat, size_t(rows), cudaMemcpyDeviceToDevice, stream_),
+        "copy_rows");
+  }
+  void fill(float* values, int64_t count, float value) override {
+    check(gpu::fill(values, count, value, stream_), "fill");
+  }
   void round_to_bfloat16(float* values, int64_t count) override {
     check(gpu::round_to_bfloat16(values, count, stream_), "round_to_bfloat16");
   }
@@ -273,6 +286,38 @@ class CudaCompute : public Compute {
                           float* scratch) override {
     check(gpu::attention_backward(d_qkv, scratch, d_out, out, qkv, lse, dims_of(shape), stream_),
           "attention_backward");
+  }
+
+  // The kernels keep nothing between calls but what their operands hold.
+  int64_t ring_attention_scratch(const kernels::AttentionShape& /*g*/,
+                                 int64_t /*chunk*/) const override {
+    return 0;
+  }
+  void ring_attention_merge(const kernels::AttentionShape& g, const kernels::RingBlock& block,
+                            float* acc, float* row_max, float* row_sum, const float* qkv,
+                            const float* kv, float* /*scratch*/) override {
+    check(gpu::ring_attention_merge(acc, row_max, row_sum, qkv, kv, dims_of(g), ring_chunks(block),
+                                    stream_),
+          "ring_attention_merge");
+  }
+  void ring_attention_finish(const kernels::AttentionShape& g, float* out, float* lse,
+                             const float* row_max, const float* row_sum) override {
+    check(gpu::ring_attention_finish(out, lse, row_max, row_sum, dims_of(g), stream_),
+          "ring_attention_finish");
+  }
+  void ring_attention_output_dots(const kernels::AttentionShape& g, float* dots, const float* out,
+                                  const float* d_out) override {
+    check(gpu::ring_attention_output_dots(dots, out, d_out, dims_of(g), stream_),
+          "ring_attention_output_dots");
+  }
+  void ring_attention_block_backward(const kernels::AttentionShape& g,
+                                     const kernels::RingBlock& block, float* d_qkv, float* d_kv,
+                                     const float* qkv, const float* kv, const float* d_out,
+                                     const float* lse, const float* dots,
+                                     float* /*scratch*/) override {
+    check(gpu::ring_attention_block_backward(d_qkv, d_kv, qkv, kv, d_out, lse, dots, dims_of(g),
+                                             ring_chunks(block), stream_),
+          "ring_attention_block_backward");
   }
 
   double cross_entropy_forward(float* logits, const int32_t* targets, int64_t rows,
@@ -402,6 +447,22 @@ class CudaCompute : public Compute {
 
   static gpu::AttentionDims dims_of(const kernels::AttentionShape& shape) {
     return {shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim};
+  }
+  // Throws when a side spans more chunks than the kernels take (a Ulysses
+  // degree above kMaxRingChunks / 2).
+  static gpu::RingChunks ring_chunks(const kernels::RingBlock& block) {
+    const size_t count = block.query_chunks.size();
+    if (count > size_t(gpu::kMaxRingChunks) || block.key_chunks.size() != count) {
+      throw std::runtime_error("cuda compute: ring attention over " + std::to_string(count) +
+                               " chunks a side; the kernels take at most " +
+                               std::to_string(gpu::kMaxRingChunks));
+    }
+    gpu::RingChunks chunks;
+    chunks.chunk = block.chunk;
+    chunks.count = int32_t(count);
+    std::copy(block.query_chunks.begin(), block.query_chunks.end(), chunks.query);
+    std::copy(block.key_chunks.begin(), block.key_chunks.end(), chunks.key);
+    return chunks;
   }
 
   // The mean of the rows' losses, summed in double in row order as the

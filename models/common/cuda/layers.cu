@@ -230,6 +230,13 @@ __global__ void add_kernel(float* out, const float* x, const float* delta, int64
   }
 }
 
+__global__ void fill_kernel(float* values, int64_t count, float value) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    values[i] = value;
+  }
+}
+
 __global__ void round_to_bfloat16_kernel(float* values, int64_t count) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -446,6 +453,12 @@ cudaError_t add(float* out, const float* x, const float* delta, int64_t count,
                 cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   add_kernel<<<element_blocks(count), kBlock, 0, stream>>>(out, x, delta, count);
+  return cudaGetLastError();
+}
+
+cudaError_t fill(float* values, int64_t count, float value, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  fill_kernel<<<element_blocks(count), kBlock, 0, stream>>>(values, count, value);
   return cudaGetLastError();
 }
 

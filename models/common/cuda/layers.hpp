@@ -57,6 +57,9 @@ cudaError_t bias_backward(float* d_bias, const float* dy, int64_t rows, int64_t 
 // accumulated in place).
 cudaError_t add(float* out, const float* x, const float* delta, int64_t count, cudaStream_t stream);
 
+// values[i] = value.
+cudaError_t fill(float* values, int64_t count, float value, cudaStream_t stream);
+
 // Each value rounded to bfloat16 (nearest even), in place, as
 // numeric/bfloat16.hpp's round_to_bfloat16.
 cudaError_t round_to_bfloat16(float* values, int64_t count, cudaStream_t stream);
