@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <new>
+#include <stdexcept>
+#include <string>
 
 #include "common/experts.hpp"
 #include "numeric/bfloat16.hpp"
@@ -35,7 +36,10 @@ class HostCompute : public Compute {
   void* allocate(int64_t bytes) override {
     if (bytes == 0) return nullptr;
     void* memory = std::calloc(size_t(bytes), 1);
-    if (memory == nullptr) throw std::bad_alloc();
+    if (memory == nullptr) {
+      throw std::runtime_error("out of memory: the host's memory (cpu) cannot give the " +
+                               std::to_string(bytes) + " bytes asked for");
+    }
     return memory;
   }
   void release(void* memory) noexcept override { std::free(memory); }

@@ -59,8 +59,8 @@ class Compute {
 
   // Memory of the compute's device (what common/buffer.hpp holds):
   // allocate gives `bytes` zeroed (a GPU's zeroing enqueued on its stream)
-  // and throws std::bad_alloc (the host's) or std::runtime_error naming
-  // the device, the bytes asked for and what is free (a GPU's); release
+  // and throws std::runtime_error naming the device and the bytes asked
+  // for (a GPU's also what is free) when it cannot; release
   // gives it back (a GPU's once the stream is done with it) and throws
   // nothing. 0 bytes gives null.
   virtual void* allocate(int64_t bytes) = 0;

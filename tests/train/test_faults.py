@@ -10,7 +10,9 @@
 - SIGINT ends every rank: status 130, "interrupted"; --timeout ends the job
   with status 124.
 - A rank whose memory cannot hold the model names the rank, the device and
-  the bytes, and no output folder is left.
+  the bytes, and no output folder is left; one whose memory cannot hold a
+  step's activations names them too, with the step, and no step is
+  recorded.
 
 Run by ctest: test_faults.py MESHRUN_EXE [TestClass ...]
 """
@@ -170,24 +172,45 @@ class OutOfMemory(TrainTest):
     below it, as a small machine has): every rank names itself, the device
     and the bytes asked for, the job ends with status 3, and the output
     folder, whose name was chosen but where nothing was written yet, is not
-    left behind."""
+    left behind. One whose memory holds the model but not a step's
+    activations says the same with the step and the model's call, and
+    records no step."""
+
+    def train_in_6_gib(self, name, *overrides):
+        """Two ranks, each under a 6 GiB address-space limit."""
+        limit = 6 << 30
+        output = os.path.join(self.runs.root, name)
+        result = subprocess.run(
+            [MESHRUN, "train", self.runs.config, "--nproc-per-node", "2", "--output", output,
+             *overrides], capture_output=True, text=True, errors="replace", timeout=120,
+            env=environment(),
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        return result, output
 
     def test_a_rank_out_of_memory_at_setup_names_the_bytes_and_leaves_no_folder(self):
-        limit = 6 << 30  # the model's weights alone are 26 GB
+        # The model's weights alone are 26 GB.
         big = ("model.hidden_size=8192", "model.intermediate_size=22016",
                "model.num_hidden_layers=8", "model.num_attention_heads=64",
                "model.num_key_value_heads=8", "train.steps=2")
-        output = os.path.join(self.runs.root, "out-of-memory")
-        result = subprocess.run(
-            [MESHRUN, "train", self.runs.config, "--nproc-per-node", "2", "--output", output,
-             *big], capture_output=True, text=True, errors="replace", timeout=120,
-            env=environment(),
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        result, output = self.train_in_6_gib("out-of-memory", *big)
         self.assertEqual(result.returncode, 3, result.stderr)
         for rank in (0, 1):
             self.assertRegex(result.stderr, rf"(?m)rank {rank}: out of memory: the host's memory "
                                             r"\(cpu\) cannot give the \d+ bytes asked for$")
         self.assertFalse(os.path.exists(output), os.listdir(self.runs.root))
+
+    def test_a_rank_out_of_memory_in_a_step_names_the_bytes(self):
+        # The weights fit; a micro-batch's MLP rows need 17 GB.
+        wide = ("model.intermediate_size=262144", "train.global_batch_size=512",
+                "train.micro_batch_size=256", "train.steps=2")
+        result, output = self.train_in_6_gib("out-of-memory-in-a-step", *wide)
+        self.assertEqual(result.returncode, 3, result.stderr)
+        for rank in (0, 1):
+            self.assertRegex(result.stderr, rf"(?m)rank {rank}: step 1: model llama \S+: out of "
+                                            r"memory: the host's memory \(cpu\) cannot give the "
+                                            r"\d+ bytes asked for$")
+        with open(os.path.join(output, "metrics.jsonl")) as f:
+            self.assertEqual(f.read(), "")
 
 
 class Hangs(TrainTest):
