@@ -1,20 +1,26 @@
 // Ring, Ulysses and hybrid attention over cp ranks (SequenceAttention,
-// models/common/context_parallel.hpp) with every rank on the GPU's compute
-// against the same ranks on the host's: cp ranks run as threads of one
-// process, each with its own stream on GPU 0, their all-to-alls moving the
+// models/common/context_parallel.hpp), and a kit model's whole stage over
+// cp ranks, with every rank on the GPU's compute against the same ranks on
+// the host's: cp ranks run as threads of one process, each with its own
+// stream on GPU 0, their all-to-alls and the loss's sum moving the
 // compute's memory through the host (tests/unit/threaded_cp.hpp), so the
-// whole attention path over cp — the ring's block kernels, the strided
-// copies of packing and Ulysses' regrouping, the swaps and sums of the
-// gradients' travel — runs on one GPU, without NCCL (which refuses two
-// ranks of a communicator on one GPU). Ring 2 and 4 (query blocks of 64 and
-// 3 on the host), Ulysses 2, ring 2 x Ulysses 2. Without a usable GPU it
-// exits 77.
+// whole cp path — the ring's block kernels, the strided copies of packing
+// and Ulysses' regrouping, the gradients' travel, the stage's rows of the
+// tokens, its positions and the loss's sum — runs on one GPU, without NCCL
+// (which refuses two ranks of a communicator on one GPU). Attention: ring
+// 2 and 4 (query blocks of 64 and 3 on the host), Ulysses 2, ring 2 x
+// Ulysses 2. Stages (tests/unit/cp_stage.hpp, float32): Qwen2- and
+// Phi-like on ring 2, GPT-2-like on ring 2 and Ulysses 2. Without a usable
+// GPU it exits 77.
 //
-// Tolerance: |gpu - cpu| <= 1e-5 + 1e-4 |cpu| per element of each rank's
-// output and q/k/v gradients, the GPU compute test's bound for attention
-// (test_cuda_compute.cpp): the ring's steps are those kernels' sums over
-// other blocks of keys, merged by log-sum-exp in the same order on both
-// sides, with values of spread 1.
+// Tolerance: attention |gpu - cpu| <= 1e-5 + 1e-4 |cpu| per element of
+// each rank's output and q/k/v gradients, the GPU compute test's bound for
+// attention (test_cuda_compute.cpp): the ring's steps are those kernels'
+// sums over other blocks of keys, merged by log-sum-exp in the same order on
+// both sides, with values of spread 1. Stages: the losses and every
+// gradient within the kit stage test's float32 bound, 1e-4 + 1e-3 |cpu|
+// (test_cuda_kit_stage.cpp, where it is justified for a two-layer forward
+// and backward; cp changes which rows a rank holds, not the chain).
 //
 // This test has compiled but never run on a GPU (docs/testing.md).
 #include <cuda_runtime.h>
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include "common/cuda/compute.hpp"
+#include "cp_stage.hpp"
 #include "threaded_cp.hpp"
 #include "usable_devices.hpp"
 
@@ -47,10 +54,15 @@ std::shared_ptr<meshrun::models::Compute> gpu_compute() {
           }};
 }
 
-// Whether every element of every rank agrees within the bound; prints the
+struct Bound {
+  double absolute, relative;
+};
+
+// Whether every element of every rank agrees within `bound`; prints the
 // largest difference.
-bool agree(const std::string& what, const std::vector<std::vector<float>>& gpu,
-           const std::vector<std::vector<float>>& cpu) {
+template <class Values>
+bool agree(const std::string& what, const std::vector<Values>& gpu, const std::vector<Values>& cpu,
+           Bound bound) {
   double worst = 0;
   bool within = gpu.size() == cpu.size();
   for (size_t rank = 0; within && rank < cpu.size(); ++rank) {
@@ -58,41 +70,73 @@ bool agree(const std::string& what, const std::vector<std::vector<float>>& gpu,
     for (size_t i = 0; within && i < cpu[rank].size(); ++i) {
       const double error = std::abs(double(gpu[rank][i]) - double(cpu[rank][i]));
       worst = std::max(worst, error);
-      within = error <= 1e-5 + 1e-4 * std::abs(double(cpu[rank][i]));
+      within = error <= bound.absolute + bound.relative * std::abs(double(cpu[rank][i]));
     }
   }
   std::printf("%s %s (largest difference %.3g)\n", within ? "PASS" : "FAIL", what.c_str(), worst);
   return within;
 }
 
+// Attention over cp ranks: failures.
+int check_attention(const char* name, int64_t ring, int64_t ulysses, int64_t query_block) {
+  const int64_t cp = ring * ulysses;
+  const AttentionShape full{2, 40 * cp, 4, 2, 40, 64};
+  const auto rows = size_t(full.batch * full.seq_len);
+  const std::vector<float> qkv = threaded_cp::random_values(rows * size_t(full.qkv_dim()), 1);
+  const std::vector<float> d_out = threaded_cp::random_values(rows * size_t(full.q_dim()), 2);
+  const RankResults cpu =
+      threaded_cp::over_cp_ranks(full, ring, ulysses, query_block, qkv, d_out, {});
+  const RankResults gpu =
+      threaded_cp::over_cp_ranks(full, ring, ulysses, query_block, qkv, d_out, gpu_compute);
+  const Bound bound{1e-5, 1e-4};
+  return (agree(std::string(name) + ": output", gpu.out, cpu.out, bound) ? 0 : 1) +
+         (agree(std::string(name) + ": q/k/v gradients", gpu.d_qkv, cpu.d_qkv, bound) ? 0 : 1);
+}
+
+// A kit stage over cp ranks: failures.
+int check_stage(const std::string& family, int64_t ring, int64_t ulysses) {
+  const compute_stage::Composition c = compute_stage::composition(family);
+  const compute_stage::Values weights = compute_stage::random_weights(c, 7);
+  const std::vector<compute_stage::Tokens> data = cp_stage::two_microbatches_of_tokens();
+  const cp_stage::StageResults cpu = cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, {});
+  const cp_stage::StageResults gpu =
+      cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, gpu_compute);
+  const std::string name =
+      family + " stage, ring " + std::to_string(ring) + " x Ulysses " + std::to_string(ulysses);
+  const Bound bound{1e-4, 1e-3};
+  int failures = agree(name + ": losses", gpu.losses, cpu.losses, bound) ? 0 : 1;
+  for (const auto& [parameter, values] : cpu.gradients[0]) {
+    std::vector<std::vector<float>> on_gpu, on_cpu;
+    for (size_t rank = 0; rank < cpu.gradients.size(); ++rank) {
+      on_gpu.push_back(gpu.gradients[rank].at(parameter));
+      on_cpu.push_back(cpu.gradients[rank].at(parameter));
+    }
+    failures += agree(name + ": gradient of " + parameter, on_gpu, on_cpu, bound) ? 0 : 1;
+  }
+  return failures;
+}
+
 }  // namespace
 
 int main() {
   if (!usable_cuda_devices()) return kSkip;
-  struct Case {
-    const char* name;
-    int64_t ring, ulysses, query_block;
-  };
   int failures = 0;
-  for (const Case& c : {Case{"ring 2", 2, 1, 64}, Case{"ring 4", 4, 1, 3},
-                        Case{"Ulysses 2", 1, 2, 64}, Case{"ring 2 x Ulysses 2", 2, 2, 5}}) {
-    const int64_t cp = c.ring * c.ulysses;
-    const AttentionShape full{2, 40 * cp, 4, 2, 40, 64};
-    const auto rows = size_t(full.batch * full.seq_len);
-    const std::vector<float> qkv = threaded_cp::random_values(rows * size_t(full.qkv_dim()), 1);
-    const std::vector<float> d_out = threaded_cp::random_values(rows * size_t(full.q_dim()), 2);
+  const auto counted = [&failures](const char* what, auto&& check) {
     try {
-      const RankResults cpu =
-          threaded_cp::over_cp_ranks(full, c.ring, c.ulysses, c.query_block, qkv, d_out, {});
-      const RankResults gpu = threaded_cp::over_cp_ranks(full, c.ring, c.ulysses, c.query_block,
-                                                         qkv, d_out, gpu_compute);
-      failures += agree(std::string(c.name) + ": output", gpu.out, cpu.out) ? 0 : 1;
-      failures += agree(std::string(c.name) + ": q/k/v gradients", gpu.d_qkv, cpu.d_qkv) ? 0 : 1;
+      failures += check();
     } catch (const std::exception& error) {
-      std::printf("FAIL %s: %s\n", c.name, error.what());
+      std::printf("FAIL %s: %s\n", what, error.what());
       ++failures;
     }
-  }
-  std::printf("%d of the context-parallel attention checks failed\n", failures);
+  };
+  counted("ring 2", [] { return check_attention("ring 2", 2, 1, 64); });
+  counted("ring 4", [] { return check_attention("ring 4", 4, 1, 3); });
+  counted("Ulysses 2", [] { return check_attention("Ulysses 2", 1, 2, 64); });
+  counted("ring 2 x Ulysses 2", [] { return check_attention("ring 2 x Ulysses 2", 2, 2, 5); });
+  counted("qwen2 stage", [] { return check_stage("qwen2", 2, 1); });
+  counted("phi stage", [] { return check_stage("phi", 2, 1); });
+  counted("gpt2 stage, ring", [] { return check_stage("gpt2", 2, 1); });
+  counted("gpt2 stage, Ulysses", [] { return check_stage("gpt2", 1, 2); });
+  std::printf("%d of the context-parallel checks on the GPU failed\n", failures);
   return failures == 0 ? 0 : 1;
 }

@@ -10,8 +10,11 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
+#include "cp_stage.hpp"
 #include "fenced_compute.hpp"
 #include "threaded_cp.hpp"
 
@@ -27,6 +30,10 @@ using threaded_cp::RankResults;
 using threaded_cp::SequenceAttention;
 using threaded_cp::SequenceShard;
 using threaded_cp::ThreadGroup;
+
+std::shared_ptr<meshrun::models::Compute> fenced_compute() {
+  return std::make_shared<fenced::FencedCompute>();
+}
 
 void check_against_one_rank(int64_t ring, int64_t ulysses, int64_t query_block) {
   const int64_t cp = ring * ulysses;
@@ -54,14 +61,65 @@ void check_against_one_rank(int64_t ring, int64_t ulysses, int64_t query_block) 
       REQUIRE(host.d_qkv[size_t(rank)][i] == Approx(want_d_qkv[i]).margin(2e-5).epsilon(2e-5));
     }
   }
-  const RankResults fenced = over_cp_ranks(full, ring, ulysses, query_block, qkv, d_out, [] {
-    return std::make_shared<fenced::FencedCompute>();
-  });
+  const RankResults fenced =
+      over_cp_ranks(full, ring, ulysses, query_block, qkv, d_out, fenced_compute);
   CHECK(fenced.out == host.out);
   CHECK(fenced.d_qkv == host.d_qkv);
 }
 
 }  // namespace
+
+TEST_CASE("ring attention over cp ranks computes one rank's attention") {
+  check_against_one_rank(2, 1, 64);
+  check_against_one_rank(4, 1, 3);
+}
+
+// A kit stage over cp ranks as a cp run's ranks each have it, handed the
+// whole micro-batch: every rank's loss is the one-rank stage's (the mean
+// over all rows, summed over the group) and the mean of their gradients
+// (each of the mean over the rank's rows) is its gradient, float32 sums in
+// another order: 2e-5 as attention's. On fenced computes the same bits as
+// on the host's: the stage's cp path (its rows of the tokens, the
+// positions, attention, the loss's sum) touches the compute's memory
+// through its calls only.
+TEST_CASE("a kit stage over cp ranks trains as one rank, in its compute's memory only",
+          "[kit][device]") {
+  const auto [family, ring, ulysses] =
+      GENERATE(std::tuple<std::string, int64_t, int64_t>{"qwen2", 2, 1},
+               std::tuple<std::string, int64_t, int64_t>{"phi", 2, 1},
+               std::tuple<std::string, int64_t, int64_t>{"gpt2", 2, 1},
+               std::tuple<std::string, int64_t, int64_t>{"gpt2", 1, 2});
+  CAPTURE(family, ring, ulysses);
+  const compute_stage::Composition c = compute_stage::composition(family);
+  const compute_stage::Values weights = compute_stage::random_weights(c, 7);
+  const std::vector<compute_stage::Tokens> data = cp_stage::two_microbatches_of_tokens();
+  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
+  compute_stage::ComputeStage one(c, whole, {}, false, meshrun::models::host_compute(), weights);
+  const std::vector<double> one_losses = compute_stage::two_microbatches(
+      one.stage(), data, kit_test::kBatch, cp_stage::kSeqLen, meshrun::models::host_compute());
+  const compute_stage::Values one_gradients = one.gradients();
+
+  const cp_stage::StageResults host = cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, {});
+  const auto ranks = double(ring * ulysses);
+  for (const std::vector<double>& losses : host.losses) {
+    REQUIRE(losses.size() == one_losses.size());
+    for (size_t mb = 0; mb < losses.size(); ++mb) {
+      CHECK(losses[mb] == Approx(one_losses[mb]).margin(2e-5).epsilon(2e-5));
+    }
+  }
+  for (const auto& [name, expected] : one_gradients) {
+    for (size_t i = 0; i < expected.size(); ++i) {
+      double mean = 0;
+      for (const compute_stage::Values& gradients : host.gradients) mean += gradients.at(name)[i];
+      CAPTURE(name, i);
+      CHECK(mean / ranks == Approx(expected[i]).margin(2e-5).epsilon(2e-5));
+    }
+  }
+  const cp_stage::StageResults fenced =
+      cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, fenced_compute);
+  CHECK(fenced.losses == host.losses);
+  CHECK(fenced.gradients == host.gradients);
+}
 
 TEST_CASE("a cp rank keeps chunks i and 2 cp - 1 - i of each sequence") {
   const SequenceShard first{2, 0, 8}, second{2, 1, 8};
@@ -71,11 +129,6 @@ TEST_CASE("a cp rank keeps chunks i and 2 cp - 1 - i of each sequence") {
   std::vector<int32_t> local(8);
   second.select(tokens.data(), local.data(), 2);
   CHECK(local == std::vector<int32_t>{12, 13, 14, 15, 22, 23, 24, 25});
-}
-
-TEST_CASE("ring attention over cp ranks computes one rank's attention") {
-  check_against_one_rank(2, 1, 64);
-  check_against_one_rank(4, 1, 3);
 }
 
 TEST_CASE("Ulysses attention over cp ranks computes one rank's attention") {

@@ -67,8 +67,20 @@ class ThreadGroup : public ContextParallelGroup {
       : mail_(mail), size_(size), rank_(rank), compute_(compute) {}
   int64_t size() const override { return size_; }
   int64_t rank() const override { return rank_; }
-  void all_reduce_sum(float* /*data*/, int64_t /*count*/) override {
-    throw std::logic_error("attention does not all-reduce");
+  // Every rank's values summed in rank order, so every rank gets the same
+  // bits.
+  void all_reduce_sum(float* data, int64_t count) override {
+    const int64_t bytes = count * int64_t(sizeof(float));
+    std::vector<float> mine(static_cast<size_t>(count)), sum(mine.size(), 0.0f);
+    compute_.copy_to_host(mine.data(), data, bytes);
+    for (int64_t peer = 0; peer < size_; ++peer) {
+      if (peer != rank_) mail_.post(rank_, peer, mine);
+    }
+    for (int64_t peer = 0; peer < size_; ++peer) {
+      const std::vector<float> part = peer == rank_ ? mine : mail_.take(peer, rank_);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
+    }
+    compute_.copy_from_host(data, sum.data(), bytes);
   }
   void start_all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                         const std::vector<int64_t>& recv_counts) override {
@@ -154,15 +166,12 @@ inline std::vector<float> from(Compute& compute, const Buffer<float>& buffer) {
   return values;
 }
 
-// Attention forward and backward of `full`'s sequences over cp = ring x
-// ulysses threads, each given its rows of qkv and d_out.
-inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64_t ulysses,
-                                 int64_t query_block, const std::vector<float>& qkv,
-                                 const std::vector<float>& d_out, const ComputeMaker& make) {
-  const int64_t cp = ring * ulysses;
+// Runs rank(rank, its compute, its group) for each of cp threads, each on
+// the compute `make` gives it; throws std::runtime_error naming a rank
+// whose call threw.
+template <class Rank>
+void on_cp_threads(int64_t cp, const ComputeMaker& make, Rank&& rank_call) {
   Mailboxes mail;
-  RankResults results{std::vector<std::vector<float>>(size_t(cp)),
-                      std::vector<std::vector<float>>(size_t(cp))};
   std::vector<std::thread> threads;
   std::vector<std::string> failures(static_cast<size_t>(cp));
   for (int64_t rank = 0; rank < cp; ++rank) {
@@ -171,22 +180,7 @@ inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64
         const std::shared_ptr<Compute> own = make ? make() : nullptr;
         Compute& compute = own ? *own : meshrun::models::host_compute();
         ThreadGroup group(mail, cp, rank, compute);
-        AttentionShape local = full;
-        local.seq_len = full.seq_len / cp;
-        local.query_block = query_block;
-        SequenceAttention attention(local, ContextParallel{&group, ring, ulysses}, "test", compute);
-        const SequenceShard shard{cp, rank, full.seq_len};
-        const Buffer<float> my_qkv =
-            on(compute, local_rows(qkv, shard, full.batch, full.qkv_dim()));
-        const Buffer<float> my_d_out =
-            on(compute, local_rows(d_out, shard, full.batch, full.q_dim()));
-        Buffer<float> my_out(my_d_out.size(), compute), my_lse(size_t(local.lse_size()), compute);
-        Buffer<float> my_d_qkv(my_qkv.size(), compute);
-        attention.forward(my_out.data(), my_lse.data(), my_qkv.data());
-        attention.backward(my_d_qkv.data(), my_d_out.data(), my_qkv.data(), my_out.data(),
-                           my_lse.data());
-        results.out[size_t(rank)] = from(compute, my_out);
-        results.d_qkv[size_t(rank)] = from(compute, my_d_qkv);
+        rank_call(rank, compute, group);
       } catch (const std::exception& error) {
         failures[size_t(rank)] = error.what();
       }
@@ -198,6 +192,32 @@ inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64
       throw std::runtime_error("cp rank " + std::to_string(rank) + ": " + failures[size_t(rank)]);
     }
   }
+}
+
+// Attention forward and backward of `full`'s sequences over cp = ring x
+// ulysses threads, each given its rows of qkv and d_out.
+inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64_t ulysses,
+                                 int64_t query_block, const std::vector<float>& qkv,
+                                 const std::vector<float>& d_out, const ComputeMaker& make) {
+  const int64_t cp = ring * ulysses;
+  RankResults results{std::vector<std::vector<float>>(size_t(cp)),
+                      std::vector<std::vector<float>>(size_t(cp))};
+  on_cp_threads(cp, make, [&](int64_t rank, Compute& compute, ThreadGroup& group) {
+    AttentionShape local = full;
+    local.seq_len = full.seq_len / cp;
+    local.query_block = query_block;
+    SequenceAttention attention(local, ContextParallel{&group, ring, ulysses}, "test", compute);
+    const SequenceShard shard{cp, rank, full.seq_len};
+    const Buffer<float> my_qkv = on(compute, local_rows(qkv, shard, full.batch, full.qkv_dim()));
+    const Buffer<float> my_d_out = on(compute, local_rows(d_out, shard, full.batch, full.q_dim()));
+    Buffer<float> my_out(my_d_out.size(), compute), my_lse(size_t(local.lse_size()), compute);
+    Buffer<float> my_d_qkv(my_qkv.size(), compute);
+    attention.forward(my_out.data(), my_lse.data(), my_qkv.data());
+    attention.backward(my_d_qkv.data(), my_d_out.data(), my_qkv.data(), my_out.data(),
+                       my_lse.data());
+    results.out[size_t(rank)] = from(compute, my_out);
+    results.d_qkv[size_t(rank)] = from(compute, my_d_qkv);
+  });
   return results;
 }
 
