@@ -87,19 +87,19 @@ class BindingHooks : public meshrun::models::StageHooks {
 };
 
 // The stage of `layout` on `compute` (which must outlive it), its
-// parameters `weights` and its gradients zero, both in the compute's memory;
-// over the cp ranks of `cp` (whose group moves the compute's memory) when
-// given.
+// parameters `weights` (those of its experts, over ep ranks) and its
+// gradients zero, both in the compute's memory; over the cp or ep ranks of
+// `cp` and `ep` (whose groups move the compute's memory) when given.
 class ComputeStage : public BindingHooks {
  public:
   ComputeStage(const Composition& c, const meshrun::models::StageLayout& layout,
                const meshrun::models::Checkpointing& checkpointing, bool bfloat16,
                meshrun::models::Compute& compute, const Values& weights,
-               const meshrun::models::ContextParallel& cp = {})
+               const meshrun::models::ContextParallel& cp = {},
+               const meshrun::models::ExpertParallel& ep = {})
       : compute_(compute),
         stage_(std::make_unique<Stage>(c, layout, *this, checkpointing, nullptr,
-                                       meshrun::models::Placements{}, cp,
-                                       meshrun::models::ExpertParallel{}, bfloat16, compute)) {
+                                       meshrun::models::Placements{}, cp, ep, bfloat16, compute)) {
     views_ = stage_->parameters();
     int64_t total = 0;
     for (const ParameterView& view : views_) total += view.numel;

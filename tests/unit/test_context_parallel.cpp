@@ -14,22 +14,22 @@
 #include <tuple>
 #include <vector>
 
-#include "cp_stage.hpp"
 #include "fenced_compute.hpp"
-#include "threaded_cp.hpp"
+#include "threaded_ranks.hpp"
+#include "threaded_stages.hpp"
 
 namespace {
 
-using threaded_cp::AttentionShape;
-using threaded_cp::ContextParallel;
-using threaded_cp::local_rows;
-using threaded_cp::Mailboxes;
-using threaded_cp::over_cp_ranks;
-using threaded_cp::random_values;
-using threaded_cp::RankResults;
-using threaded_cp::SequenceAttention;
-using threaded_cp::SequenceShard;
-using threaded_cp::ThreadGroup;
+using threaded_ranks::AttentionShape;
+using threaded_ranks::ContextParallel;
+using threaded_ranks::local_rows;
+using threaded_ranks::Mailboxes;
+using threaded_ranks::over_cp_ranks;
+using threaded_ranks::random_values;
+using threaded_ranks::RankResults;
+using threaded_ranks::SequenceAttention;
+using threaded_ranks::SequenceShard;
+using threaded_ranks::ThreadGroup;
 
 std::shared_ptr<meshrun::models::Compute> fenced_compute() {
   return std::make_shared<fenced::FencedCompute>();
@@ -92,14 +92,16 @@ TEST_CASE("a kit stage over cp ranks trains as one rank, in its compute's memory
   CAPTURE(family, ring, ulysses);
   const compute_stage::Composition c = compute_stage::composition(family);
   const compute_stage::Values weights = compute_stage::random_weights(c, 7);
-  const std::vector<compute_stage::Tokens> data = cp_stage::two_microbatches_of_tokens();
+  const std::vector<compute_stage::Tokens> data = threaded_stages::two_microbatches_of_tokens();
   const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
   compute_stage::ComputeStage one(c, whole, {}, false, meshrun::models::host_compute(), weights);
-  const std::vector<double> one_losses = compute_stage::two_microbatches(
-      one.stage(), data, kit_test::kBatch, cp_stage::kSeqLen, meshrun::models::host_compute());
+  const std::vector<double> one_losses =
+      compute_stage::two_microbatches(one.stage(), data, kit_test::kBatch, threaded_stages::kSeqLen,
+                                      meshrun::models::host_compute());
   const compute_stage::Values one_gradients = one.gradients();
 
-  const cp_stage::StageResults host = cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, {});
+  const threaded_stages::StageResults host =
+      threaded_stages::over_cp_ranks(c, ring, ulysses, weights, data, {});
   const auto ranks = double(ring * ulysses);
   for (const std::vector<double>& losses : host.losses) {
     REQUIRE(losses.size() == one_losses.size());
@@ -115,8 +117,8 @@ TEST_CASE("a kit stage over cp ranks trains as one rank, in its compute's memory
       CHECK(mean / ranks == Approx(expected[i]).margin(2e-5).epsilon(2e-5));
     }
   }
-  const cp_stage::StageResults fenced =
-      cp_stage::over_cp_ranks(c, ring, ulysses, weights, data, fenced_compute);
+  const threaded_stages::StageResults fenced =
+      threaded_stages::over_cp_ranks(c, ring, ulysses, weights, data, fenced_compute);
   CHECK(fenced.losses == host.losses);
   CHECK(fenced.gradients == host.gradients);
 }

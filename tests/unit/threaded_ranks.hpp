@@ -1,9 +1,10 @@
-// Context-parallel attention (models/common/context_parallel.hpp) over cp
-// ranks run as threads of one process: an in-memory group moving the
-// all-to-alls' pieces through the host, each rank on a compute of its own
-// (the host's, a fenced one, a GPU's), for the tests that check ring and
-// Ulysses attention against one rank's (tests/unit) and the GPU's against
-// the host's (tests/gpu).
+// Model-parallel ranks run as threads of one process: an in-memory group
+// that serves as a stage's cp group and its ep group, moving the
+// all-to-alls' pieces and the sums through the host, each rank on a compute
+// of its own (the host's, a fenced one, a GPU's). What the tests of
+// context and expert parallelism without MPI run: ring and Ulysses
+// attention against one rank's (tests/unit), a stage over such ranks
+// (threaded_stages.hpp), and the GPU's against the host's (tests/gpu).
 #pragma once
 
 #include <condition_variable>
@@ -21,15 +22,17 @@
 
 #include "common/buffer.hpp"
 #include "common/context_parallel.hpp"
+#include "common/expert_parallel.hpp"
 #include "common/layers.hpp"
 
-namespace threaded_cp {
+namespace threaded_ranks {
 
 using meshrun::kernels::AttentionShape;
 using meshrun::models::Buffer;
 using meshrun::models::Compute;
 using meshrun::models::ContextParallel;
 using meshrun::models::ContextParallelGroup;
+using meshrun::models::ExpertParallelGroup;
 using meshrun::models::SequenceAttention;
 using meshrun::models::SequenceShard;
 
@@ -56,11 +59,12 @@ class Mailboxes {
   std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<float>>> boxes_;
 };
 
-// A cp rank of the threads, over its compute's memory: an all-to-all's
+// A rank of the threads, over its compute's memory: an all-to-all's
 // pieces are copied out at its start, the received ones land in
-// wait_started. Throws std::logic_error for counts of the wrong size or a
-// message of another length than expected.
-class ThreadGroup : public ContextParallelGroup {
+// wait_started (at once for the ep group's all_to_all). Throws
+// std::logic_error for counts of the wrong size or a message of another
+// length than expected.
+class ThreadGroup : public ContextParallelGroup, public ExpertParallelGroup {
  public:
   ThreadGroup(Mailboxes& mail, int64_t size, int64_t rank,
               Compute& compute = meshrun::models::host_compute())
@@ -98,6 +102,11 @@ class ThreadGroup : public ContextParallelGroup {
       send += count;
       recv += receiving;
     }
+  }
+  void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
+                  const std::vector<int64_t>& recv_counts) override {
+    start_all_to_all(send, send_counts, recv, recv_counts);
+    wait_started();
   }
   void wait_started() override {
     for (const Pending& p : pending_) {
@@ -166,20 +175,20 @@ inline std::vector<float> from(Compute& compute, const Buffer<float>& buffer) {
   return values;
 }
 
-// Runs rank(rank, its compute, its group) for each of cp threads, each on
-// the compute `make` gives it; throws std::runtime_error naming a rank
-// whose call threw.
+// Runs rank_call(rank, its compute, its group) for each of `ranks`
+// threads, each on the compute `make` gives it; throws std::runtime_error
+// naming a rank whose call threw.
 template <class Rank>
-void on_cp_threads(int64_t cp, const ComputeMaker& make, Rank&& rank_call) {
+void on_threads(int64_t ranks, const ComputeMaker& make, Rank&& rank_call) {
   Mailboxes mail;
   std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<size_t>(cp));
-  for (int64_t rank = 0; rank < cp; ++rank) {
+  std::vector<std::string> failures(static_cast<size_t>(ranks));
+  for (int64_t rank = 0; rank < ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
         const std::shared_ptr<Compute> own = make ? make() : nullptr;
         Compute& compute = own ? *own : meshrun::models::host_compute();
-        ThreadGroup group(mail, cp, rank, compute);
+        ThreadGroup group(mail, ranks, rank, compute);
         rank_call(rank, compute, group);
       } catch (const std::exception& error) {
         failures[size_t(rank)] = error.what();
@@ -187,9 +196,9 @@ void on_cp_threads(int64_t cp, const ComputeMaker& make, Rank&& rank_call) {
     });
   }
   for (std::thread& thread : threads) thread.join();
-  for (int64_t rank = 0; rank < cp; ++rank) {
+  for (int64_t rank = 0; rank < ranks; ++rank) {
     if (!failures[size_t(rank)].empty()) {
-      throw std::runtime_error("cp rank " + std::to_string(rank) + ": " + failures[size_t(rank)]);
+      throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures[size_t(rank)]);
     }
   }
 }
@@ -202,7 +211,7 @@ inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64
   const int64_t cp = ring * ulysses;
   RankResults results{std::vector<std::vector<float>>(size_t(cp)),
                       std::vector<std::vector<float>>(size_t(cp))};
-  on_cp_threads(cp, make, [&](int64_t rank, Compute& compute, ThreadGroup& group) {
+  on_threads(cp, make, [&](int64_t rank, Compute& compute, ThreadGroup& group) {
     AttentionShape local = full;
     local.seq_len = full.seq_len / cp;
     local.query_block = query_block;
@@ -221,4 +230,4 @@ inline RankResults over_cp_ranks(const AttentionShape& full, int64_t ring, int64
   return results;
 }
 
-}  // namespace threaded_cp
+}  // namespace threaded_ranks
