@@ -1,21 +1,21 @@
-// Context and expert parallelism on one GPU: ring, Ulysses and hybrid
-// attention over cp ranks (SequenceAttention,
-// models/common/context_parallel.hpp), a kit model's whole stage over cp
-// ranks and a mixture's over ep ranks, with every rank on the GPU's compute
-// against the same ranks on the host's. The ranks run as threads of one
-// process, each with its own stream on GPU 0, their all-to-alls and sums
-// moving the compute's memory through the host
-// (tests/unit/threaded_ranks.hpp), so the whole cp and ep paths — the
-// ring's block kernels, the strided copies of packing and Ulysses'
-// regrouping, the gradients' travel, a stage's rows of the tokens, its
-// positions and the loss's sum; the experts' dispatch and combine over
-// ranks — run on one GPU, without NCCL (which refuses two ranks of a
-// communicator on one GPU). Attention: ring 2 and 4 (query blocks of 64
-// and 3 on the host), Ulysses 2, ring 2 x Ulysses 2. Stages
-// (tests/unit/threaded_stages.hpp, float32): Qwen2- and Phi-like on ring 2,
-// GPT-2-like on ring 2 and Ulysses 2, and a Mixtral-like layer of 4
-// experts on ep 2, each rank its own tokens. Without a usable GPU it exits
-// 77.
+// Tensor, context and expert parallelism on one GPU: ring, Ulysses and
+// hybrid attention over cp ranks (SequenceAttention,
+// models/common/context_parallel.hpp), and a kit model's whole stage over
+// tp, cp and ep ranks, with every rank on the GPU's compute against the
+// same ranks on the host's. The ranks run as threads of one process, each
+// with its own stream on GPU 0, their collectives moving the compute's
+// memory through the host (tests/unit/threaded_ranks.hpp), so the whole tp,
+// cp and ep paths — the column- and row-parallel projections and the
+// vocabulary-parallel loss; the ring's block kernels, the strided copies of
+// packing and Ulysses' regrouping, the gradients' travel, a stage's rows of
+// the tokens, its positions and the loss's sum; the experts' dispatch and
+// combine over ranks — run on one GPU, without NCCL (which refuses two
+// ranks of a communicator on one GPU). Attention: ring 2 and 4 (query
+// blocks of 64 and 3 on the host), Ulysses 2, ring 2 x Ulysses 2. Stages
+// (tests/unit/threaded_stages.hpp, float32): a Qwen2-like layer on tp 2;
+// Qwen2- and Phi-like on ring 2, GPT-2-like on ring 2 and Ulysses 2; a
+// Mixtral-like layer of 4 experts on ep 2, each rank its own tokens.
+// Without a usable GPU it exits 77.
 //
 // Tolerance: attention |gpu - cpu| <= 1e-5 + 1e-4 |cpu| per element of
 // each rank's output and q/k/v gradients, the GPU compute test's bound for
@@ -24,10 +24,10 @@
 // on both sides, with values of spread 1. Stages: the losses and every
 // gradient within the kit stage test's float32 bound, 1e-4 + 1e-3 |cpu|
 // (test_cuda_kit_stage.cpp, where it is justified for a two-layer forward
-// and backward; cp and ep change which rows a rank holds and where an
-// expert computes, not the chain). The experts chosen must be the same on
-// both devices (a tie the two orders of summation break apart would show
-// as a gradient far off).
+// and backward; tp, cp and ep change which rows and columns a rank holds
+// and where an expert computes, not the chain). The experts chosen must
+// be the same on both devices (a tie the two orders of summation break
+// apart would show as a gradient far off).
 //
 // This test has compiled but never run on a GPU (docs/testing.md).
 #include <cuda_runtime.h>
@@ -120,6 +120,17 @@ int check_cp_stage(const std::string& family, int64_t ring, int64_t ulysses) {
       threaded_stages::over_cp_ranks(c, ring, ulysses, weights, data, {}));
 }
 
+// A kit stage over tp 2, every parameter placed as the family computes it:
+// failures.
+int check_tp_stage() {
+  const compute_stage::Composition c = threaded_stages::qwen2_for_tp();
+  const compute_stage::Values weights = compute_stage::random_weights(c, 7);
+  const std::vector<compute_stage::Tokens> data = threaded_stages::two_microbatches_of_tokens();
+  return compare_stages("qwen2 stage, tp 2",
+                        threaded_stages::over_tp_ranks(c, 2, weights, data, gpu_compute),
+                        threaded_stages::over_tp_ranks(c, 2, weights, data, {}));
+}
+
 // A mixture's stage over ep 2, each rank its own tokens: failures.
 int check_ep_stage() {
   const compute_stage::Composition c = threaded_stages::four_experts();
@@ -153,7 +164,8 @@ int main() {
   counted("phi stage", [] { return check_cp_stage("phi", 2, 1); });
   counted("gpt2 stage, ring", [] { return check_cp_stage("gpt2", 2, 1); });
   counted("gpt2 stage, Ulysses", [] { return check_cp_stage("gpt2", 1, 2); });
+  counted("qwen2 stage, tp 2", [] { return check_tp_stage(); });
   counted("mixtral stage, ep 2", [] { return check_ep_stage(); });
-  std::printf("%d of the context- and expert-parallel checks on the GPU failed\n", failures);
+  std::printf("%d of the model-parallel checks on the GPU failed\n", failures);
   return failures == 0 ? 0 : 1;
 }

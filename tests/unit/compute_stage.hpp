@@ -86,20 +86,29 @@ class BindingHooks : public meshrun::models::StageHooks {
   std::vector<ParameterView> views_;
 };
 
+// The model-parallel ranks a stage computes over (whose groups move its
+// compute's memory): none by default.
+struct Parallel {
+  meshrun::models::TensorParallelGroup* tp = nullptr;
+  meshrun::models::Placements placements;
+  meshrun::models::ContextParallel cp;
+  meshrun::models::ExpertParallel ep;
+};
+
 // The stage of `layout` on `compute` (which must outlive it), its
-// parameters `weights` (those of its experts, over ep ranks) and its
-// gradients zero, both in the compute's memory; over the cp or ep ranks of
-// `cp` and `ep` (whose groups move the compute's memory) when given.
+// parameters `weights` (over tp ranks its pieces, over ep ranks those of
+// its experts) and its gradients zero, both in the compute's memory, over
+// the ranks of `parallel`.
 class ComputeStage : public BindingHooks {
  public:
   ComputeStage(const Composition& c, const meshrun::models::StageLayout& layout,
                const meshrun::models::Checkpointing& checkpointing, bool bfloat16,
                meshrun::models::Compute& compute, const Values& weights,
-               const meshrun::models::ContextParallel& cp = {},
-               const meshrun::models::ExpertParallel& ep = {})
+               const Parallel& parallel = {})
       : compute_(compute),
-        stage_(std::make_unique<Stage>(c, layout, *this, checkpointing, nullptr,
-                                       meshrun::models::Placements{}, cp, ep, bfloat16, compute)) {
+        stage_(std::make_unique<Stage>(c, layout, *this, checkpointing, parallel.tp,
+                                       parallel.placements, parallel.cp, parallel.ep, bfloat16,
+                                       compute)) {
     views_ = stage_->parameters();
     int64_t total = 0;
     for (const ParameterView& view : views_) total += view.numel;

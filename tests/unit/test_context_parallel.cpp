@@ -93,23 +93,18 @@ TEST_CASE("a kit stage over cp ranks trains as one rank, in its compute's memory
   const compute_stage::Composition c = compute_stage::composition(family);
   const compute_stage::Values weights = compute_stage::random_weights(c, 7);
   const std::vector<compute_stage::Tokens> data = threaded_stages::two_microbatches_of_tokens();
-  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-  compute_stage::ComputeStage one(c, whole, {}, false, meshrun::models::host_compute(), weights);
-  const std::vector<double> one_losses =
-      compute_stage::two_microbatches(one.stage(), data, kit_test::kBatch, threaded_stages::kSeqLen,
-                                      meshrun::models::host_compute());
-  const compute_stage::Values one_gradients = one.gradients();
+  const threaded_stages::OneRank one = threaded_stages::one_rank(c, weights, data);
 
   const threaded_stages::StageResults host =
       threaded_stages::over_cp_ranks(c, ring, ulysses, weights, data, {});
   const auto ranks = double(ring * ulysses);
   for (const std::vector<double>& losses : host.losses) {
-    REQUIRE(losses.size() == one_losses.size());
+    REQUIRE(losses.size() == one.losses.size());
     for (size_t mb = 0; mb < losses.size(); ++mb) {
-      CHECK(losses[mb] == Approx(one_losses[mb]).margin(2e-5).epsilon(2e-5));
+      CHECK(losses[mb] == Approx(one.losses[mb]).margin(2e-5).epsilon(2e-5));
     }
   }
-  for (const auto& [name, expected] : one_gradients) {
+  for (const auto& [name, expected] : one.gradients) {
     for (size_t i = 0; i < expected.size(); ++i) {
       double mean = 0;
       for (const compute_stage::Values& gradients : host.gradients) mean += gradients.at(name)[i];

@@ -22,17 +22,6 @@ namespace {
 
 using compute_stage::Values;
 
-// The whole-model stage on the host's compute, every expert local.
-threaded_stages::StageResults one_rank(const compute_stage::Composition& c, const Values& weights,
-                                       const std::vector<compute_stage::Tokens>& data) {
-  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-  compute_stage::ComputeStage stage(c, whole, {}, false, meshrun::models::host_compute(), weights);
-  return {
-      {compute_stage::two_microbatches(stage.stage(), data, kit_test::kBatch,
-                                       threaded_stages::kSeqLen, meshrun::models::host_compute())},
-      {stage.gradients()}};
-}
-
 bool is_expert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
 
 }  // namespace
@@ -47,8 +36,8 @@ TEST_CASE(
   const std::vector<std::vector<compute_stage::Tokens>> data{
       threaded_stages::two_microbatches_of_tokens(1),
       threaded_stages::two_microbatches_of_tokens(3)};
-  std::vector<threaded_stages::StageResults> alone;
-  for (const auto& tokens : data) alone.push_back(one_rank(c, weights, tokens));
+  std::vector<threaded_stages::OneRank> alone;
+  for (const auto& tokens : data) alone.push_back(threaded_stages::one_rank(c, weights, tokens));
 
   const threaded_stages::StageResults host =
       threaded_stages::over_ep_ranks(c, ep, weights, data, {});
@@ -56,16 +45,16 @@ TEST_CASE(
   for (int64_t rank = 0; rank < ep; ++rank) {
     CAPTURE(rank);
     const auto& losses = host.losses[size_t(rank)];
-    REQUIRE(losses.size() == alone[size_t(rank)].losses[0].size());
+    REQUIRE(losses.size() == alone[size_t(rank)].losses.size());
     for (size_t mb = 0; mb < losses.size(); ++mb) {
-      CHECK(losses[mb] == Approx(alone[size_t(rank)].losses[0][mb]).margin(2e-5).epsilon(2e-5));
+      CHECK(losses[mb] == Approx(alone[size_t(rank)].losses[mb]).margin(2e-5).epsilon(2e-5));
     }
     for (const auto& [name, values] : host.gradients[size_t(rank)]) {
       experts_held += is_expert(name) ? 1 : 0;
       for (size_t i = 0; i < values.size(); ++i) {
         double expected = 0;
         for (int64_t r = 0; r < ep; ++r) {
-          if (is_expert(name) || r == rank) expected += alone[size_t(r)].gradients[0].at(name)[i];
+          if (is_expert(name) || r == rank) expected += alone[size_t(r)].gradients.at(name)[i];
         }
         CAPTURE(name, i);
         CHECK(values[i] == Approx(expected).margin(2e-5).epsilon(2e-5));
@@ -73,7 +62,7 @@ TEST_CASE(
     }
   }
   size_t experts = 0;
-  for (const auto& [name, values] : alone[0].gradients[0]) experts += is_expert(name) ? 1 : 0;
+  for (const auto& [name, values] : alone[0].gradients) experts += is_expert(name) ? 1 : 0;
   CHECK(experts_held == experts);  // each expert's parameters on one rank
 
   const threaded_stages::StageResults fenced = threaded_stages::over_ep_ranks(

@@ -1,8 +1,8 @@
 // Model-parallel ranks run as threads of one process: an in-memory group
-// that serves as a stage's cp group and its ep group, moving the
-// all-to-alls' pieces and the sums through the host, each rank on a compute
+// that serves as a stage's tp, cp and ep group, moving the collectives'
+// pieces through the host (sums in rank order), each rank on a compute
 // of its own (the host's, a fenced one, a GPU's). What the tests of
-// context and expert parallelism without MPI run: ring and Ulysses
+// tensor, context and expert parallelism without MPI run: ring and Ulysses
 // attention against one rank's (tests/unit), a stage over such ranks
 // (threaded_stages.hpp), and the GPU's against the host's (tests/gpu).
 #pragma once
@@ -24,6 +24,7 @@
 #include "common/context_parallel.hpp"
 #include "common/expert_parallel.hpp"
 #include "common/layers.hpp"
+#include "common/tensor_parallel.hpp"
 
 namespace threaded_ranks {
 
@@ -35,6 +36,7 @@ using meshrun::models::ContextParallelGroup;
 using meshrun::models::ExpertParallelGroup;
 using meshrun::models::SequenceAttention;
 using meshrun::models::SequenceShard;
+using meshrun::models::TensorParallelGroup;
 
 // Messages between the threads of one run, by (from, to), in order.
 class Mailboxes {
@@ -64,27 +66,45 @@ class Mailboxes {
 // wait_started (at once for the ep group's all_to_all). Throws
 // std::logic_error for counts of the wrong size or a message of another
 // length than expected.
-class ThreadGroup : public ContextParallelGroup, public ExpertParallelGroup {
+class ThreadGroup : public TensorParallelGroup,
+                    public ContextParallelGroup,
+                    public ExpertParallelGroup {
  public:
   ThreadGroup(Mailboxes& mail, int64_t size, int64_t rank,
               Compute& compute = meshrun::models::host_compute())
       : mail_(mail), size_(size), rank_(rank), compute_(compute) {}
   int64_t size() const override { return size_; }
   int64_t rank() const override { return rank_; }
-  // Every rank's values summed in rank order, so every rank gets the same
-  // bits.
+  // Every rank's values combined in rank order, so every rank gets the
+  // same bits.
   void all_reduce_sum(float* data, int64_t count) override {
-    const int64_t bytes = count * int64_t(sizeof(float));
-    std::vector<float> mine(static_cast<size_t>(count)), sum(mine.size(), 0.0f);
-    compute_.copy_to_host(mine.data(), data, bytes);
-    for (int64_t peer = 0; peer < size_; ++peer) {
-      if (peer != rank_) mail_.post(rank_, peer, mine);
+    combine(data, count, [](float a, float b) { return a + b; });
+  }
+  void all_reduce_max(float* data, int64_t count) override {
+    combine(data, count, [](float a, float b) { return a > b ? a : b; });
+  }
+  void all_gather(const float* send, float* recv, int64_t count) override {
+    const std::vector<std::vector<float>> parts = gathered(send, count);
+    for (int64_t r = 0; r < size_; ++r) {
+      compute_.copy_from_host(recv + r * count, parts[size_t(r)].data(), bytes(count));
     }
+  }
+  void reduce_scatter_sum(const float* send, float* recv, int64_t count) override {
+    std::vector<float> mine;
+    for (int64_t peer = 0; peer < size_; ++peer) {
+      std::vector<float> piece = host_copy(send + peer * count, count);
+      if (peer == rank_) {
+        mine = std::move(piece);
+      } else {
+        mail_.post(rank_, peer, std::move(piece));
+      }
+    }
+    std::vector<float> sum(mine.size(), 0.0f);
     for (int64_t peer = 0; peer < size_; ++peer) {
       const std::vector<float> part = peer == rank_ ? mine : mail_.take(peer, rank_);
       for (size_t i = 0; i < sum.size(); ++i) sum[i] += part[i];
     }
-    compute_.copy_from_host(data, sum.data(), bytes);
+    compute_.copy_from_host(recv, sum.data(), bytes(count));
   }
   void start_all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                         const std::vector<int64_t>& recv_counts) override {
@@ -94,9 +114,7 @@ class ThreadGroup : public ContextParallelGroup, public ExpertParallelGroup {
     for (int64_t peer = 0; peer < size_; ++peer) {
       const int64_t count = send_counts[size_t(peer)], receiving = recv_counts[size_t(peer)];
       if (count > 0) {
-        std::vector<float> piece(static_cast<size_t>(count));
-        compute_.copy_to_host(piece.data(), send, count * int64_t(sizeof(float)));
-        mail_.post(rank_, peer, std::move(piece));
+        mail_.post(rank_, peer, host_copy(send, count));
       }
       if (receiving > 0) pending_.push_back({recv, receiving, peer});
       send += count;
@@ -116,12 +134,40 @@ class ThreadGroup : public ContextParallelGroup, public ExpertParallelGroup {
                                std::to_string(p.peer) + ", " + std::to_string(p.count) +
                                " expected");
       }
-      compute_.copy_from_host(p.data, message.data(), p.count * int64_t(sizeof(float)));
+      compute_.copy_from_host(p.data, message.data(), bytes(p.count));
     }
     pending_.clear();
   }
 
  private:
+  static int64_t bytes(int64_t count) { return count * int64_t(sizeof(float)); }
+  std::vector<float> host_copy(const float* data, int64_t count) {
+    std::vector<float> values(static_cast<size_t>(count));
+    compute_.copy_to_host(values.data(), data, bytes(count));
+    return values;
+  }
+  // Every rank's `count` floats at `data`, in rank order.
+  std::vector<std::vector<float>> gathered(const float* data, int64_t count) {
+    std::vector<float> mine = host_copy(data, count);
+    for (int64_t peer = 0; peer < size_; ++peer) {
+      if (peer != rank_) mail_.post(rank_, peer, mine);
+    }
+    std::vector<std::vector<float>> parts;
+    for (int64_t peer = 0; peer < size_; ++peer) {
+      parts.push_back(peer == rank_ ? mine : mail_.take(peer, rank_));
+    }
+    return parts;
+  }
+  template <class Op>
+  void combine(float* data, int64_t count, Op op) {
+    const std::vector<std::vector<float>> parts = gathered(data, count);
+    std::vector<float> result = parts[0];
+    for (size_t r = 1; r < parts.size(); ++r) {
+      for (size_t i = 0; i < result.size(); ++i) result[i] = op(result[i], parts[r][i]);
+    }
+    compute_.copy_from_host(data, result.data(), bytes(count));
+  }
+
   struct Pending {
     float* data;
     int64_t count, peer;

@@ -1,11 +1,13 @@
-// A kit model's whole stage (compute_stage.hpp) over cp or ep ranks run as
+// A kit model's whole stage (compute_stage.hpp) over tp, cp or ep ranks run as
 // threads (threaded_ranks.hpp), each rank's stage on a compute of its own:
-// what the tests of a stage's context and expert parallelism without MPI
+// what the tests of a stage's tensor, context and expert parallelism without MPI
 // run, on the host's and fenced computes (tests/unit) and on a GPU's
 // (tests/gpu).
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "compute_stage.hpp"
@@ -30,6 +32,23 @@ struct StageResults {
   std::vector<compute_stage::Values> gradients;
 };
 
+// One rank's losses and gradients: the reference.
+struct OneRank {
+  std::vector<double> losses;
+  compute_stage::Values gradients;
+};
+
+// Two micro-batches of `data` through the whole-model stage of `c` on the
+// host's compute, in float32, without model parallelism.
+inline OneRank one_rank(const compute_stage::Composition& c, const compute_stage::Values& weights,
+                        const std::vector<compute_stage::Tokens>& data) {
+  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
+  compute_stage::ComputeStage stage(c, whole, {}, false, meshrun::models::host_compute(), weights);
+  std::vector<double> losses = compute_stage::two_microbatches(
+      stage.stage(), data, kit_test::kBatch, kSeqLen, meshrun::models::host_compute());
+  return {std::move(losses), stage.gradients()};
+}
+
 // Two micro-batches of `data` (whole sequences of kSeqLen, as every cp rank
 // is handed them) through the whole-model stage of `c` in float32, over
 // cp = ring x ulysses threads on the computes `make` gives.
@@ -44,8 +63,9 @@ inline StageResults over_cp_ranks(const compute_stage::Composition& c, int64_t r
       cp, make,
       [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
         const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights,
-                                          threaded_ranks::ContextParallel{&group, ring, ulysses});
+        compute_stage::Parallel parallel;
+        parallel.cp = threaded_ranks::ContextParallel{&group, ring, ulysses};
+        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights, parallel);
         results.losses[size_t(rank)] = compute_stage::two_microbatches(
             stage.stage(), data, kit_test::kBatch, kSeqLen, compute);
         results.gradients[size_t(rank)] = stage.gradients();
@@ -73,10 +93,89 @@ inline StageResults over_ep_ranks(const compute_stage::Composition& c, int64_t e
       ep, make,
       [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
         const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights, {},
-                                          meshrun::models::ExpertParallel{&group, nullptr});
+        compute_stage::Parallel parallel;
+        parallel.ep = meshrun::models::ExpertParallel{&group, nullptr};
+        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights, parallel);
         results.losses[size_t(rank)] = compute_stage::two_microbatches(
             stage.stage(), data[size_t(rank)], kit_test::kBatch, kSeqLen, compute);
+        results.gradients[size_t(rank)] = stage.gradients();
+      });
+  return results;
+}
+
+// A Qwen2-like layer whose heads, key/value heads, MLP and vocabulary all
+// divide by tp 2 (2 heads, 2 key/value heads, a vocabulary of 12).
+inline compute_stage::Composition qwen2_for_tp() {
+  meshrun_kit_model_spec spec = kit_test::base_spec(compute_stage::kLayers);
+  spec.ops = kit_test::kQwen2Layer;
+  spec.num_ops = 6;
+  spec.num_key_value_heads = 2;
+  spec.vocab_size = 12;
+  return meshrun::kit::compose(spec, "qwen2", nlohmann::ordered_json::object());
+}
+
+// Every parameter placed as the family computes it over tp ranks.
+inline meshrun::models::Placements family_placements(const compute_stage::Composition& c) {
+  meshrun::models::Placements placements;
+  for (const auto& view : compute_stage::Composed::parameters(c)) {
+    placements.of[view.name] = view.tp;
+  }
+  return placements;
+}
+
+// Tp rank `rank`'s piece of each of `full`'s parameters as the family
+// places it (ParameterView::tp): "shard(d)" the rank's 1/tp of dimension
+// d, "shard(d,b)" of each of b equal blocks of it; "replicate" all.
+inline compute_stage::Values tp_pieces(const compute_stage::Composition& c,
+                                       const compute_stage::Values& full, int64_t rank,
+                                       int64_t tp) {
+  compute_stage::Values pieces;
+  for (const auto& view : compute_stage::Composed::parameters(c)) {
+    const std::vector<float>& values = full.at(view.name);
+    if (view.tp == "replicate") {
+      pieces[view.name] = values;
+      continue;
+    }
+    const auto d = size_t(view.tp[6] - '0');
+    const size_t comma = view.tp.find(',');
+    const int64_t blocks = comma == std::string::npos ? 1 : std::stoll(view.tp.substr(comma + 1));
+    int64_t outer = 1, inner = 1;
+    for (size_t i = 0; i < view.shape.size(); ++i) {
+      if (i < d) outer *= view.shape[i];
+      if (i > d) inner *= view.shape[i];
+    }
+    const int64_t block = view.shape[d] / blocks, piece = block / tp;
+    std::vector<float>& out = pieces[view.name];
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t k = 0; k < blocks; ++k) {
+        const float* from = values.data() + (o * view.shape[d] + k * block + rank * piece) * inner;
+        out.insert(out.end(), from, from + piece * inner);
+      }
+    }
+  }
+  return pieces;
+}
+
+// Two micro-batches of `data` through the whole-model stage of `c` in
+// float32 over tp threads, every parameter placed as the family computes
+// it (from `weights`, whole), on the computes `make` gives.
+inline StageResults over_tp_ranks(const compute_stage::Composition& c, int64_t tp,
+                                  const compute_stage::Values& weights,
+                                  const std::vector<compute_stage::Tokens>& data,
+                                  const threaded_ranks::ComputeMaker& make) {
+  StageResults results{std::vector<std::vector<double>>(size_t(tp)),
+                       std::vector<compute_stage::Values>(size_t(tp))};
+  threaded_ranks::on_threads(
+      tp, make,
+      [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
+        const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
+        compute_stage::Parallel parallel;
+        parallel.tp = &group;
+        parallel.placements = family_placements(c);
+        compute_stage::ComputeStage stage(c, whole, {}, false, compute,
+                                          tp_pieces(c, weights, rank, tp), parallel);
+        results.losses[size_t(rank)] = compute_stage::two_microbatches(
+            stage.stage(), data, kit_test::kBatch, kSeqLen, compute);
         results.gradients[size_t(rank)] = stage.gradients();
       });
   return results;
