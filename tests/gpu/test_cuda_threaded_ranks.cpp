@@ -12,7 +12,8 @@
 // combine over ranks — run on one GPU, without NCCL (which refuses two
 // ranks of a communicator on one GPU). Attention: ring 2 and 4 (query
 // blocks of 64 and 3 on the host), Ulysses 2, ring 2 x Ulysses 2. Stages
-// (tests/unit/threaded_stages.hpp, float32): a Qwen2-like layer on tp 2;
+// (tests/unit/threaded_stages.hpp, float32): a Qwen2-like layer on tp 2,
+// with and without sequence parallelism;
 // Qwen2- and Phi-like on ring 2, GPT-2-like on ring 2 and Ulysses 2; a
 // Mixtral-like layer of 4 experts on ep 2, each rank its own tokens.
 // Without a usable GPU it exits 77.
@@ -120,15 +121,16 @@ int check_cp_stage(const std::string& family, int64_t ring, int64_t ulysses) {
       threaded_stages::over_cp_ranks(c, ring, ulysses, weights, data, {}));
 }
 
-// A kit stage over tp 2, every parameter placed as the family computes it:
-// failures.
-int check_tp_stage() {
+// A kit stage over tp 2, every parameter placed as the family computes it,
+// with or without sequence parallelism: failures.
+int check_tp_stage(bool sequence_parallel) {
   const compute_stage::Composition c = threaded_stages::qwen2_for_tp();
   const compute_stage::Values weights = compute_stage::random_weights(c, 7);
   const std::vector<compute_stage::Tokens> data = threaded_stages::two_microbatches_of_tokens();
-  return compare_stages("qwen2 stage, tp 2",
-                        threaded_stages::over_tp_ranks(c, 2, weights, data, gpu_compute),
-                        threaded_stages::over_tp_ranks(c, 2, weights, data, {}));
+  return compare_stages(
+      sequence_parallel ? "qwen2 stage, tp 2, sequence parallel" : "qwen2 stage, tp 2",
+      threaded_stages::over_tp_ranks(c, 2, sequence_parallel, weights, data, gpu_compute),
+      threaded_stages::over_tp_ranks(c, 2, sequence_parallel, weights, data, {}));
 }
 
 // A mixture's stage over ep 2, each rank its own tokens: failures.
@@ -164,7 +166,8 @@ int main() {
   counted("phi stage", [] { return check_cp_stage("phi", 2, 1); });
   counted("gpt2 stage, ring", [] { return check_cp_stage("gpt2", 2, 1); });
   counted("gpt2 stage, Ulysses", [] { return check_cp_stage("gpt2", 1, 2); });
-  counted("qwen2 stage, tp 2", [] { return check_tp_stage(); });
+  counted("qwen2 stage, tp 2", [] { return check_tp_stage(false); });
+  counted("qwen2 stage, tp 2, sequence parallel", [] { return check_tp_stage(true); });
   counted("mixtral stage, ep 2", [] { return check_ep_stage(); });
   std::printf("%d of the model-parallel checks on the GPU failed\n", failures);
   return failures == 0 ? 0 : 1;

@@ -158,9 +158,10 @@ inline compute_stage::Values tp_pieces(const compute_stage::Composition& c,
 
 // Two micro-batches of `data` through the whole-model stage of `c` in
 // float32 over tp threads, every parameter placed as the family computes
-// it (from `weights`, whole), on the computes `make` gives.
+// it (from `weights`, whole), the residual stream's rows split over the
+// ranks with `sequence_parallel`, on the computes `make` gives.
 inline StageResults over_tp_ranks(const compute_stage::Composition& c, int64_t tp,
-                                  const compute_stage::Values& weights,
+                                  bool sequence_parallel, const compute_stage::Values& weights,
                                   const std::vector<compute_stage::Tokens>& data,
                                   const threaded_ranks::ComputeMaker& make) {
   StageResults results{std::vector<std::vector<double>>(size_t(tp)),
@@ -172,6 +173,7 @@ inline StageResults over_tp_ranks(const compute_stage::Composition& c, int64_t t
         compute_stage::Parallel parallel;
         parallel.tp = &group;
         parallel.placements = family_placements(c);
+        parallel.placements.sequence_parallel = sequence_parallel;
         compute_stage::ComputeStage stage(c, whole, {}, false, compute,
                                           tp_pieces(c, weights, rank, tp), parallel);
         results.losses[size_t(rank)] = compute_stage::two_microbatches(
