@@ -3,11 +3,13 @@
 // layout, learned positions, a mixture of experts with its load-balancing
 // loss), with and without recomputation (selective and full), float32 and
 // bfloat16 (bfloat16 matmuls, activations kept in bfloat16), two
-// micro-batches in flight and a split backward: its parameters, gradients,
-// activations and scratch all in device memory (tests/unit/compute_stage.hpp;
-// on the CPU tests/unit/test_model_buffers.cpp proves the stage touches them
-// through its compute only). The losses, every gradient and the activation
-// bytes are compared. Without a usable GPU it exits 77.
+// micro-batches in flight and a split backward, and a model split into two
+// pipeline stages handing hidden states over in device memory: its
+// parameters, gradients, activations and scratch all in device memory
+// (tests/unit/compute_stage.hpp; on the CPU tests/unit/test_model_buffers.cpp
+// proves the stage touches them through its compute only). The losses,
+// every gradient and the activation bytes are compared (for the pipeline,
+// the boundary's gradient too). Without a usable GPU it exits 77.
 //
 // Tolerance, float32: |gpu - cpu| <= 1e-4 + 1e-3 |cpu|. Each GPU kernel
 // agrees with its CPU twin within 1e-5 + 1e-4 |cpu| (test_cuda_compute.cpp:
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cuda/compute.hpp"
@@ -91,6 +94,64 @@ void check_stage(Compute& gpu, const std::string& family, bool recompute, bool b
   if (!same) ++failures;
 }
 
+// What two pipeline stages give for one micro-batch: the last stage's
+// loss, the gradient handed back over the boundary, each stage's
+// gradients.
+struct PipelineResults {
+  std::vector<double> loss;
+  std::vector<float> d_hidden;
+  Values first, last;
+};
+
+// A Qwen2-like model split into two stages on `compute`, the hidden states
+// and their gradient handed over in its memory, as a pipeline's executor
+// hands them between ranks.
+PipelineResults two_stages(Compute& compute) {
+  const auto c = compute_stage::composition("qwen2");
+  const Values weights = compute_stage::random_weights(c, 3);
+  const compute_stage::Tokens batch =
+      compute_stage::random_tokens(kit_test::kVocab, kit_test::kBatch * kit_test::kSeqLen, 5);
+  ComputeStage first(c, {0, 1, true, false}, {}, false, compute, weights);
+  ComputeStage last(c, {1, compute_stage::kLayers, false, true}, {}, false, compute, weights);
+  first.stage().set_shape(kit_test::kBatch, kit_test::kSeqLen);
+  last.stage().set_shape(kit_test::kBatch, kit_test::kSeqLen);
+  const auto numel = size_t(first.stage().output_numel());
+  meshrun::models::Buffer<float> hidden(numel, compute), d_hidden(numel, compute);
+  const compute_stage::ComputeIds tokens(batch.tokens, compute), targets(batch.targets, compute);
+  first.stage().forward(0, tokens.data(), nullptr, nullptr, hidden.data());
+  PipelineResults results;
+  results.loss = {last.stage().forward(0, nullptr, targets.data(), hidden.data(), nullptr)};
+  last.stage().backward(0, 1.0f, nullptr, d_hidden.data());
+  first.stage().backward(0, 1.0f, d_hidden.data(), nullptr);
+  results.d_hidden.resize(numel);
+  compute.copy_to_host(results.d_hidden.data(), d_hidden.data(), int64_t(numel * sizeof(float)));
+  results.first = first.gradients();
+  results.last = last.gradients();
+  return results;
+}
+
+// Two pipeline stages on the GPU against the same on the host, float32.
+void check_pipeline_stages(Compute& gpu) {
+  const PipelineResults cpu = two_stages(meshrun::models::host_compute());
+  const PipelineResults on_gpu = two_stages(gpu);
+  const Bound bound{1e-4, 1e-3};
+  bool same = within("pipeline: loss", on_gpu.loss, cpu.loss, bound) &&
+              within("pipeline: the boundary's gradient", on_gpu.d_hidden, cpu.d_hidden, bound);
+  for (const auto& [gpu_values, cpu_values] :
+       {std::pair{&on_gpu.first, &cpu.first}, std::pair{&on_gpu.last, &cpu.last}}) {
+    for (const auto& [parameter, expected] : *cpu_values) {
+      same = within("pipeline: gradient of " + parameter, gpu_values->at(parameter), expected,
+                    bound) &&
+             same;
+    }
+  }
+  std::printf(
+      "%s two pipeline stages on the GPU as on the host, the hidden states handed over in "
+      "device memory\n",
+      same ? "PASS" : "FAIL");
+  if (!same) ++failures;
+}
+
 }  // namespace
 
 int main() {
@@ -104,6 +165,7 @@ int main() {
         for (const bool bfloat16 : {false, true}) check_stage(*gpu, family, recompute, bfloat16);
       }
     }
+    check_pipeline_stages(*gpu);
   }
   cudaStreamDestroy(stream);
   std::printf("%d of the kit stage's GPU checks failed\n", failures);
