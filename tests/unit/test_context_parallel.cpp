@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -146,4 +147,17 @@ TEST_CASE("the plan's context-parallel degrees must fit the cp group") {
   CHECK_THROWS_WITH(meshrun::models::plan_context_parallel(
                         R"({"context_parallel": {"ring_degree": 3}})", &group, "test"),
                     Catch::Contains("ring degree 3 x Ulysses degree 1 is not the cp group's 4"));
+}
+
+TEST_CASE("threaded ranks: a rank that fails ends the others, which would wait for it") {
+  float value = 1.0f;
+  CHECK_THROWS_WITH(
+      threaded_ranks::on_threads(2, {},
+                                 [&value](int64_t rank, threaded_ranks::Compute& /*compute*/,
+                                          threaded_ranks::ThreadGroup& group) {
+                                   if (rank == 0) throw std::runtime_error("a kernel failed");
+                                   float mine = value;
+                                   group.all_reduce_sum(&mine, 1);
+                                 }),
+      "rank 0: a kernel failed");
 }

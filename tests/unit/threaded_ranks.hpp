@@ -39,6 +39,13 @@ using meshrun::models::SequenceShard;
 using meshrun::models::TensorParallelGroup;
 
 // Messages between the threads of one run, by (from, to), in order.
+// Once a rank has failed (abandon()), a take that would wait throws
+// PeerFailed instead, so the other ranks end rather than wait for a
+// message that never comes.
+struct PeerFailed : std::runtime_error {
+  PeerFailed() : std::runtime_error("stopped: another rank failed") {}
+};
+
 class Mailboxes {
  public:
   void post(int64_t from, int64_t to, std::vector<float> message) {
@@ -49,16 +56,23 @@ class Mailboxes {
   std::vector<float> take(int64_t from, int64_t to) {
     std::unique_lock<std::mutex> lock(mutex_);
     auto& box = boxes_[{from, to}];
-    arrived_.wait(lock, [&] { return !box.empty(); });
+    arrived_.wait(lock, [&] { return !box.empty() || abandoned_; });
+    if (box.empty()) throw PeerFailed();
     std::vector<float> message = std::move(box.front());
     box.erase(box.begin());
     return message;
+  }
+  void abandon() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_ = true;
+    arrived_.notify_all();
   }
 
  private:
   std::mutex mutex_;
   std::condition_variable arrived_;
   std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<float>>> boxes_;
+  bool abandoned_ = false;
 };
 
 // A rank of the threads, over its compute's memory: an all-to-all's
@@ -223,12 +237,14 @@ inline std::vector<float> from(Compute& compute, const Buffer<float>& buffer) {
 
 // Runs rank_call(rank, its compute, its group) for each of `ranks`
 // threads, each on the compute `make` gives it; throws std::runtime_error
-// naming a rank whose call threw.
+// naming the first rank whose call threw and what it threw (the others
+// stop at their next wait for it).
 template <class Rank>
 void on_threads(int64_t ranks, const ComputeMaker& make, Rank&& rank_call) {
   Mailboxes mail;
   std::vector<std::thread> threads;
-  std::vector<std::string> failures(static_cast<size_t>(ranks));
+  std::mutex failed;
+  std::string first_failure;
   for (int64_t rank = 0; rank < ranks; ++rank) {
     threads.emplace_back([&, rank] {
       try {
@@ -236,17 +252,20 @@ void on_threads(int64_t ranks, const ComputeMaker& make, Rank&& rank_call) {
         Compute& compute = own ? *own : meshrun::models::host_compute();
         ThreadGroup group(mail, ranks, rank, compute);
         rank_call(rank, compute, group);
+      } catch (const PeerFailed&) {
       } catch (const std::exception& error) {
-        failures[size_t(rank)] = error.what();
+        {
+          std::lock_guard<std::mutex> lock(failed);
+          if (first_failure.empty()) {
+            first_failure = "rank " + std::to_string(rank) + ": " + error.what();
+          }
+        }
+        mail.abandon();
       }
     });
   }
   for (std::thread& thread : threads) thread.join();
-  for (int64_t rank = 0; rank < ranks; ++rank) {
-    if (!failures[size_t(rank)].empty()) {
-      throw std::runtime_error("rank " + std::to_string(rank) + ": " + failures[size_t(rank)]);
-    }
-  }
+  if (!first_failure.empty()) throw std::runtime_error(first_failure);
 }
 
 // Attention forward and backward of `full`'s sequences over cp = ring x
