@@ -38,15 +38,44 @@ struct OneRank {
   compute_stage::Values gradients;
 };
 
+// What a rank's stage is given: its model-parallel groups, its parameters
+// (its pieces, its experts') and its two micro-batches.
+struct RankStage {
+  compute_stage::Parallel parallel;
+  compute_stage::Values weights;
+  std::vector<compute_stage::Tokens> data;
+};
+
+// Two micro-batches through each rank's whole-model stage of `c` in
+// float32, over `ranks` threads on the computes `make` gives;
+// given(rank, its group) says what the rank's stage is given.
+template <class Given>
+StageResults over_ranks(const compute_stage::Composition& c, int64_t ranks,
+                        const threaded_ranks::ComputeMaker& make, Given&& given) {
+  StageResults results{std::vector<std::vector<double>>(size_t(ranks)),
+                       std::vector<compute_stage::Values>(size_t(ranks))};
+  threaded_ranks::on_threads(
+      ranks, make,
+      [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
+        const RankStage rank_stage = given(rank, group);
+        const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
+        compute_stage::ComputeStage stage(c, whole, {}, false, compute, rank_stage.weights,
+                                          rank_stage.parallel);
+        results.losses[size_t(rank)] = compute_stage::two_microbatches(
+            stage.stage(), rank_stage.data, kit_test::kBatch, kSeqLen, compute);
+        results.gradients[size_t(rank)] = stage.gradients();
+      });
+  return results;
+}
+
 // Two micro-batches of `data` through the whole-model stage of `c` on the
 // host's compute, in float32, without model parallelism.
 inline OneRank one_rank(const compute_stage::Composition& c, const compute_stage::Values& weights,
                         const std::vector<compute_stage::Tokens>& data) {
-  const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-  compute_stage::ComputeStage stage(c, whole, {}, false, meshrun::models::host_compute(), weights);
-  std::vector<double> losses = compute_stage::two_microbatches(
-      stage.stage(), data, kit_test::kBatch, kSeqLen, meshrun::models::host_compute());
-  return {std::move(losses), stage.gradients()};
+  StageResults one = over_ranks(c, 1, {}, [&](int64_t, threaded_ranks::ThreadGroup&) {
+    return RankStage{{}, weights, data};
+  });
+  return {std::move(one.losses[0]), std::move(one.gradients[0])};
 }
 
 // Two micro-batches of `data` (whole sequences of kSeqLen, as every cp rank
@@ -56,21 +85,11 @@ inline StageResults over_cp_ranks(const compute_stage::Composition& c, int64_t r
                                   int64_t ulysses, const compute_stage::Values& weights,
                                   const std::vector<compute_stage::Tokens>& data,
                                   const threaded_ranks::ComputeMaker& make) {
-  const int64_t cp = ring * ulysses;
-  StageResults results{std::vector<std::vector<double>>(size_t(cp)),
-                       std::vector<compute_stage::Values>(size_t(cp))};
-  threaded_ranks::on_threads(
-      cp, make,
-      [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
-        const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-        compute_stage::Parallel parallel;
-        parallel.cp = threaded_ranks::ContextParallel{&group, ring, ulysses};
-        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights, parallel);
-        results.losses[size_t(rank)] = compute_stage::two_microbatches(
-            stage.stage(), data, kit_test::kBatch, kSeqLen, compute);
-        results.gradients[size_t(rank)] = stage.gradients();
-      });
-  return results;
+  return over_ranks(c, ring * ulysses, make, [&](int64_t, threaded_ranks::ThreadGroup& group) {
+    RankStage given{{}, weights, data};
+    given.parallel.cp = threaded_ranks::ContextParallel{&group, ring, ulysses};
+    return given;
+  });
 }
 
 // The Mixtral-like layer with 4 experts (2 a rank under ep 2), top 2.
@@ -87,20 +106,11 @@ inline StageResults over_ep_ranks(const compute_stage::Composition& c, int64_t e
                                   const compute_stage::Values& weights,
                                   const std::vector<std::vector<compute_stage::Tokens>>& data,
                                   const threaded_ranks::ComputeMaker& make) {
-  StageResults results{std::vector<std::vector<double>>(size_t(ep)),
-                       std::vector<compute_stage::Values>(size_t(ep))};
-  threaded_ranks::on_threads(
-      ep, make,
-      [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
-        const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-        compute_stage::Parallel parallel;
-        parallel.ep = meshrun::models::ExpertParallel{&group, nullptr};
-        compute_stage::ComputeStage stage(c, whole, {}, false, compute, weights, parallel);
-        results.losses[size_t(rank)] = compute_stage::two_microbatches(
-            stage.stage(), data[size_t(rank)], kit_test::kBatch, kSeqLen, compute);
-        results.gradients[size_t(rank)] = stage.gradients();
-      });
-  return results;
+  return over_ranks(c, ep, make, [&](int64_t rank, threaded_ranks::ThreadGroup& group) {
+    RankStage given{{}, weights, data[size_t(rank)]};
+    given.parallel.ep = meshrun::models::ExpertParallel{&group, nullptr};
+    return given;
+  });
 }
 
 // A Qwen2-like layer whose heads, key/value heads, MLP and vocabulary all
@@ -164,23 +174,13 @@ inline StageResults over_tp_ranks(const compute_stage::Composition& c, int64_t t
                                   bool sequence_parallel, const compute_stage::Values& weights,
                                   const std::vector<compute_stage::Tokens>& data,
                                   const threaded_ranks::ComputeMaker& make) {
-  StageResults results{std::vector<std::vector<double>>(size_t(tp)),
-                       std::vector<compute_stage::Values>(size_t(tp))};
-  threaded_ranks::on_threads(
-      tp, make,
-      [&](int64_t rank, threaded_ranks::Compute& compute, threaded_ranks::ThreadGroup& group) {
-        const meshrun::models::StageLayout whole{0, compute_stage::kLayers, true, true};
-        compute_stage::Parallel parallel;
-        parallel.tp = &group;
-        parallel.placements = family_placements(c);
-        parallel.placements.sequence_parallel = sequence_parallel;
-        compute_stage::ComputeStage stage(c, whole, {}, false, compute,
-                                          tp_pieces(c, weights, rank, tp), parallel);
-        results.losses[size_t(rank)] = compute_stage::two_microbatches(
-            stage.stage(), data, kit_test::kBatch, kSeqLen, compute);
-        results.gradients[size_t(rank)] = stage.gradients();
-      });
-  return results;
+  return over_ranks(c, tp, make, [&](int64_t rank, threaded_ranks::ThreadGroup& group) {
+    RankStage given{{}, tp_pieces(c, weights, rank, tp), data};
+    given.parallel.tp = &group;
+    given.parallel.placements = family_placements(c);
+    given.parallel.placements.sequence_parallel = sequence_parallel;
+    return given;
+  });
 }
 
 }  // namespace threaded_stages
